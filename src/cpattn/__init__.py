@@ -1,0 +1,60 @@
+"""cpattn: context-parallel attention for LLM inference prefill.
+
+Plan a batch's placement over C ranks once per forward (``build_metadata``), shard at the model's
+input boundary, all-gather K/V in each attention layer, run attention for the local queries, and
+gather hidden states back before the logits::
+
+    s = cpattn.ZigzagStrategy(cp_size)
+    meta = s.build_metadata(extend_lens, prefix_lens, rank=rank).to(device)
+    h = s.shard(hidden, meta)                                 # [P, hidden]
+    k_ext, v_ext = s.gather_kv(k_local, v_local, meta, group)  # per layer, one collective
+    o = s.attention(q_local, k, v, meta)                       # [P, Hq, Dv]
+    h_full = s.gather(h, meta, group)                          # [T, hidden]
+"""
+
+from .collectives import PendingGather, gathered_bytes_per_token
+from .kernels import AttentionCall, available_backends, resolve_backend as _resolve_call
+from .kv import pack_kv
+from .metadata import CPMetadata
+from .strategies import (
+    STRATEGIES,
+    ContiguousStrategy,
+    CPStrategy,
+    InterleaveStrategy,
+    ZigzagStrategy,
+    get_strategy,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionCall",
+    "CPMetadata",
+    "CPStrategy",
+    "ContiguousStrategy",
+    "InterleaveStrategy",
+    "PendingGather",
+    "STRATEGIES",
+    "ZigzagStrategy",
+    "available_backends",
+    "gathered_bytes_per_token",
+    "get_strategy",
+    "pack_kv",
+    "resolve_backend",
+]
+
+
+def resolve_backend(strategy: CPStrategy, q_local, k, v, meta: CPMetadata, *, backend: str = "auto", **kwargs) -> str:
+    """Name of the backend ``strategy.attention`` would use for these arguments (same keywords)."""
+    call = strategy._attention_call(
+        q_local,
+        k,
+        v,
+        meta,
+        kwargs.get("page_table"),
+        kwargs.get("softmax_scale"),
+        kwargs.get("window_size", (-1, -1)),
+        kwargs.get("sinks"),
+        kwargs.get("return_lse", False),
+    )
+    return _resolve_call(call, backend).name

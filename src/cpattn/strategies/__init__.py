@@ -1,0 +1,21 @@
+"""CP strategies: each module decides token placement only; shared machinery is in ``base``."""
+
+from __future__ import annotations
+
+from .base import CPStrategy
+from .contiguous import ContiguousStrategy
+from .interleave import InterleaveStrategy
+from .zigzag import ZigzagStrategy
+
+__all__ = ["CPStrategy", "ContiguousStrategy", "InterleaveStrategy", "ZigzagStrategy", "STRATEGIES", "get_strategy"]
+
+STRATEGIES: dict[str, type[CPStrategy]] = {
+    cls.name: cls for cls in (ZigzagStrategy, InterleaveStrategy, ContiguousStrategy)
+}
+
+
+def get_strategy(name: str, cp_size: int, pad_multiple: int = 1) -> CPStrategy:
+    """Build a strategy by name: "zigzag", "interleave" or "contiguous"."""
+    if name not in STRATEGIES:
+        raise ValueError(f"strategy name must be one of {sorted(STRATEGIES)}, got {name!r}")
+    return STRATEGIES[name](cp_size, pad_multiple=pad_multiple)
