@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m cpattn.bench <subcommand> --help``. Not imported by ``cpattn``."""

@@ -1,0 +1,64 @@
+"""Shared benchmark plumbing: timing, progress lines, JSON and plot output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import date
+from typing import Callable
+
+import torch
+
+
+def progress(message: str) -> None:
+    """One progress line on stderr (benchmarks print results to stdout / files)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def machine_description() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}, torch {torch.__version__}"
+    return f"{platform.processor() or platform.machine()} CPU ({os.cpu_count()} cores), torch {torch.__version__}"
+
+
+def time_cuda(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` runs, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def time_host(fn: Callable[[], object], warmup: int = 2, iters: int = 20) -> float:
+    """Median milliseconds of ``fn`` on the host clock."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def write_json(path: str, payload: object) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+    progress(f"wrote {path}")
+
+
+def header(command: str) -> dict:
+    return {"command": command, "machine": machine_description(), "date": date.today().isoformat()}
