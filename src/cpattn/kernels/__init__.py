@@ -99,7 +99,11 @@ def resolve_backend(call: AttentionCall, backend: str = "auto") -> AttentionBack
         return chosen
     reasons = []
     for name in AUTO_ORDER:
-        candidate = get_backend(name)
+        try:
+            candidate = get_backend(name)
+        except ImportError as exc:  # a backend module that cannot load here is just unavailable
+            reasons.append(f"{name}: {exc}")
+            continue
         reason = candidate.unsupported_reason(call)
         if reason is None:
             logger.debug("cpattn: backend 'auto' -> %r (%s)", name, "; ".join(reasons) or "first choice")

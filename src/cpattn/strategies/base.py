@@ -172,6 +172,25 @@ class CPStrategy(ABC):
         result = all_gather_rows([k_local, v_local], meta, group, async_op=async_op)
         return result if async_op else (result[0], result[1])
 
+    def gather_mla_latent(
+        self, kv_c_local: Tensor, k_pe_local: Tensor, meta: CPMetadata, group=None, *, async_op: bool = False
+    ) -> tuple[Tensor, Tensor] | PendingGather:
+        """MLA latent ``kv_c`` [P, r] and rotary key ``k_pe`` [P, d_rope] of this rank -> logical
+        [T, r] and [T, d_rope] of all extend tokens, packed into ONE all-gather.
+
+        This is what a paged MLA cache stores: (r + d_rope) * itemsize bytes per token instead of
+        Hkv * (D + Dv) for up-projected K/V. Any dtype, fp8 included (moved as raw bytes; the two
+        may differ, e.g. fp8 latent with bf16 rope key). ``async_op=True`` returns a handle.
+        """
+        self.check_metadata(meta)
+        for name, t in (("kv_c_local", kv_c_local), ("k_pe_local", k_pe_local)):
+            self._check_rows(t, name, 0, meta.num_physical_tokens, "num_physical_tokens", meta)
+            if t.dim() != 2:
+                raise ValueError(f"{name} must be 2-D [P, dim], got shape {tuple(t.shape)}")
+        check_group(meta, group)
+        result = all_gather_rows([kv_c_local, k_pe_local], meta, group, async_op=async_op)
+        return result if async_op else (result[0], result[1])
+
     def attention(
         self,
         q_local: Tensor,

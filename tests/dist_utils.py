@@ -1,0 +1,50 @@
+"""Run a function on N gloo ranks in spawned processes and collect what each rank returns."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn, args) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        result = ("ok", fn(rank, world_size, *args))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        result = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> list:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the ranks' results.
+
+    ``fn`` must be a module-level function (picklable). A rank's exception is re-raised here as an
+    AssertionError with that rank's traceback.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        ctx = mp.start_processes(
+            _worker, args=(world_size, init_file, tmp, fn, args), nprocs=world_size, join=False, start_method="spawn"
+        )
+        while not ctx.join(timeout=timeout):
+            pass
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(tmp, f"{rank}.pkl"), "rb") as f:
+                status, value = pickle.load(f)
+            if status != "ok":
+                raise AssertionError(value)
+            results.append(value)
+        return results
