@@ -1,0 +1,432 @@
+"""One Triton forward kernel for the local queries of every CP strategy.
+
+A program handles one query tile of one segment (``meta.tiles[rows]``, heaviest tiles first) for
+``G_PACK`` query heads that share a KV head: the tile's M dimension packs ``rows x G_PACK``
+(row-major, heads fastest), so each K/V block is loaded once for the whole head group. Query row
+``row0 + i`` of a segment has position ``pos0 + i * stride`` of sequence ``seg_seq``; it attends
+keys of that sequence at positions ``<= pos`` (and ``>= pos - window``). Key blocks are visited in
+three ranges: masked blocks at the window's edge, unmasked interior blocks (no mask arithmetic)
+and masked blocks at the causal diagonal; fully masked blocks are never loaded.
+
+K/V are either packed (key ``p`` of sequence ``b`` at row ``cu_kv_lens[b] + p``) or paged
+(page ``page_table[b, p // PAGE_SIZE]``, slot ``p % PAGE_SIZE``); any row strides work (last dim
+contiguous). Softmax runs in base 2 with fp32 accumulation; LSE is converted to natural log.
+
+Per-layer path: no host sync, no host-to-device copy; the grid comes from host ints in the
+metadata, so a launch can be captured in a CUDA graph (after the autotuner has run once).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..metadata import CPMetadata
+
+logger = logging.getLogger("cpattn")
+
+#: True when this module's kernels were built for the CPU interpreter (TRITON_INTERPRET=1 at
+#: import): Triton decides at decoration time, so one process runs one kind.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+# ----------------------------------------------------------------------------- helpers (host)
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+def split_head_dim(d: int) -> Optional[tuple[int, int]]:
+    """``d = d1 + d2`` with ``d1`` a power of two >= 16 and ``d2`` 0 or a smaller power of two
+    >= 16 (e.g. 192 = 128 + 64, 576 = 512 + 64); None when ``d`` has no such split."""
+    if d < 16:
+        return None
+    d1 = 1 << (d.bit_length() - 1)
+    d2 = d - d1
+    if d2 == 0 or (d2 >= 16 and _is_pow2(d2)):
+        return d1, d2
+    return None
+
+
+def shape_unsupported_reason(d: int, dv: int, dtype: torch.dtype) -> Optional[str]:
+    """Why the kernel cannot run these head dims / dtype (None if it can)."""
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"dtype {dtype} not supported (bf16, fp16, fp32)"
+    if split_head_dim(d) is None or d > 576:
+        return f"head dim D={d} not supported (a power of two >= 16, or a sum of two such, <= 576)"
+    if not _is_pow2(dv) or not 16 <= dv <= 512:
+        return f"value head dim Dv={dv} not supported (a power of two in [16, 512])"
+    return None
+
+
+def _default_block_m(d: int, dv: int) -> int:
+    if INTERPRETED:
+        return 32
+    if max(d, dv) > 256:
+        return 64
+    return 128
+
+
+def _autotune_enabled() -> bool:
+    return os.environ.get("CPATTN_TRITON_AUTOTUNE", "1") != "0"
+
+
+# ----------------------------------------------------------------------------- autotune configs
+def _configs() -> list:
+    out = []
+    for bn in (64, 128, 32):
+        for warps in (8, 4):
+            for stages in (3, 2, 4):
+                out.append(triton.Config({"BLOCK_N": bn}, num_warps=warps, num_stages=stages))
+    return out
+
+
+def _heuristic(d: int, dv: int, block_m: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) used without autotuning (measured defaults on H200)."""
+    width = max(d, dv)
+    if width <= 64:
+        return 128, 4, 3
+    if width <= 128:
+        return 128, 8, 3 if block_m >= 128 else 2
+    if width <= 256:
+        return 64, 8, 2
+    return 32, 8, 2
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Keep configs whose K/V stages fit in shared memory; one heuristic config when autotuning
+    is off (``CPATTN_TRITON_AUTOTUNE=0``)."""
+    d = named_args.get("HEAD_DIM", kwargs.get("HEAD_DIM"))
+    dv = named_args.get("HEAD_DIM_V", kwargs.get("HEAD_DIM_V"))
+    block_m = named_args.get("BLOCK_M", kwargs.get("BLOCK_M"))
+    elt = 2
+    kept = []
+    for c in configs:
+        bn, stages = c.kwargs["BLOCK_N"], c.num_stages
+        smem = stages * bn * (d + dv) * elt + block_m * d * elt
+        if smem > 200 * 1024:
+            continue
+        if max(d, dv) > 128 and (bn > 64 or c.num_warps < 8):
+            continue
+        if max(d, dv) <= 64 and bn < 64:
+            continue
+        kept.append(c)
+    want = _heuristic(d, dv, block_m)
+    if not _autotune_enabled() or not kept:
+        for c in configs:
+            if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) == want:
+                return [c]
+    return kept
+
+
+# ----------------------------------------------------------------------------- kernel
+@triton.jit
+def _attn_key_range(
+    acc, l_i, m_i, q1, q2, pos,
+    k_base, v_base, kv_row_base, pt_row,
+    n_lo, n_hi, key_end, window, qk_scale,
+    stride_kp, stride_kn, stride_vp, stride_vn,
+    offs_n, offs_d1, offs_d2, offs_dv,
+    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Online softmax over key blocks [n_lo, n_hi) (BLOCK_N-aligned); MASKED adds the causal /
+    window mask and bounds loads at key_end. DOT_UPCAST feeds fp32 to tl.dot (the interpreter's
+    bf16 dot is wrong)."""
+    for start in range(n_lo, n_hi, BLOCK_N):
+        kpos = start + offs_n
+        in_seq = kpos < key_end
+        if PAGED:
+            if MASKED:
+                page = tl.load(pt_row + kpos // PAGE_SIZE, mask=in_seq, other=0).to(tl.int64)
+            else:
+                page = tl.load(pt_row + kpos // PAGE_SIZE).to(tl.int64)
+            slot = (kpos % PAGE_SIZE).to(tl.int64)
+            k_off = page * stride_kp + slot * stride_kn
+            v_off = page * stride_vp + slot * stride_vn
+        else:
+            krow = (kv_row_base + kpos).to(tl.int64)
+            k_off = krow * stride_kn
+            v_off = krow * stride_vn
+        k_ptrs = k_base + k_off[:, None] + offs_d1[None, :]
+        if MASKED:
+            k1 = tl.load(k_ptrs, mask=in_seq[:, None], other=0.0)
+        else:
+            k1 = tl.load(k_ptrs)
+        if DOT_UPCAST:
+            k1 = k1.to(tl.float32)
+        s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
+        if BLOCK_D2 > 0:
+            k2_ptrs = k_base + k_off[:, None] + BLOCK_D1 + offs_d2[None, :]
+            if MASKED:
+                k2 = tl.load(k2_ptrs, mask=in_seq[:, None], other=0.0)
+            else:
+                k2 = tl.load(k2_ptrs)
+            if DOT_UPCAST:
+                k2 = k2.to(tl.float32)
+            s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
+        s = s * qk_scale
+        if MASKED:
+            visible = kpos[None, :] <= pos[:, None]
+            if HAS_WINDOW:
+                visible = visible & (kpos[None, :] >= pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v_ptrs = v_base + v_off[:, None] + offs_dv[None, :]
+        if MASKED:
+            v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        p = p.to(v.dtype)
+        if DOT_UPCAST:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _cp_attn_fwd(
+    Q, K, V, Out, Lse, Sinks, PageTable,
+    tile_segment, tile_row_offset,
+    seg_seq, seg_row0, seg_len, seg_pos0, seg_stride, cu_kv_lens,
+    qk_scale, window, num_head_groups, group_size,
+    stride_qm, stride_qh,
+    stride_kp, stride_kn, stride_kh,
+    stride_vp, stride_vn, stride_vh,
+    stride_om, stride_oh, stride_lm, stride_lh, stride_pt,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
+    BLOCK_M: tl.constexpr, G_PACK: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    ROWS: tl.constexpr = BLOCK_M // G_PACK
+    pid = tl.program_id(0)
+    tile = pid // num_head_groups
+    hg = pid % num_head_groups
+
+    seg = tl.load(tile_segment + tile)
+    roff = tl.load(tile_row_offset + tile)
+    seq = tl.load(seg_seq + seg)
+    row0 = tl.load(seg_row0 + seg)
+    slen = tl.load(seg_len + seg)
+    pos0 = tl.load(seg_pos0 + seg)
+    pstride = tl.load(seg_stride + seg)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    r = roff + offs_m // G_PACK
+    head = hg * G_PACK + offs_m % G_PACK
+    valid = r < slen
+    row = (row0 + r).to(tl.int64)
+    pos = pos0 + r * pstride
+    last_r = tl.minimum(roff + ROWS, slen) - 1
+    pos_min = pos0 + roff * pstride
+    pos_max = pos0 + last_r * pstride
+    kvh = (hg * G_PACK) // group_size
+
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d1 = tl.arange(0, BLOCK_D1)
+    offs_d2 = tl.arange(0, BLOCK_D2 if BLOCK_D2 > 0 else 16)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+
+    q_ptrs = Q + row[:, None] * stride_qm + head[:, None] * stride_qh + offs_d1[None, :]
+    q1 = tl.load(q_ptrs, mask=valid[:, None], other=0.0)
+    if BLOCK_D2 > 0:
+        q2_ptrs = Q + row[:, None] * stride_qm + head[:, None] * stride_qh + BLOCK_D1 + offs_d2[None, :]
+        q2 = tl.load(q2_ptrs, mask=valid[:, None], other=0.0)
+    else:
+        q2 = q1
+    if DOT_UPCAST:
+        q1 = q1.to(tl.float32)
+        q2 = q2.to(tl.float32)
+
+    k_base = K + kvh.to(tl.int64) * stride_kh
+    v_base = V + kvh.to(tl.int64) * stride_vh
+    if PAGED:
+        pt_row = PageTable + seq.to(tl.int64) * stride_pt
+        kv_row_base = 0
+    else:
+        pt_row = PageTable
+        kv_row_base = tl.load(cu_kv_lens + seq)
+
+    if HAS_SINKS:
+        m_i = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
+
+    key_end = pos_max + 1
+    if HAS_WINDOW:
+        n_lo = (tl.maximum(pos_min - window, 0) // BLOCK_N) * BLOCK_N
+        f_lo = tl.cdiv(tl.maximum(pos_max - window, 0), BLOCK_N) * BLOCK_N
+    else:
+        n_lo = 0
+        f_lo = 0
+    f_hi = ((pos_min + 1) // BLOCK_N) * BLOCK_N
+    f_hi = tl.maximum(f_hi, f_lo)
+
+    if HAS_WINDOW:  # masked blocks at the window's left edge
+        acc, l_i, m_i = _attn_key_range(
+            acc, l_i, m_i, q1, q2, pos, k_base, v_base, kv_row_base, pt_row,
+            n_lo, f_lo, key_end, window, qk_scale,
+            stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2, offs_dv,
+            True, HAS_WINDOW, PAGED, PAGE_SIZE, BLOCK_D1, BLOCK_D2, DOT_PRECISION, DOT_UPCAST, BLOCK_N,
+        )
+    # interior: every key visible to every row of the tile
+    acc, l_i, m_i = _attn_key_range(
+        acc, l_i, m_i, q1, q2, pos, k_base, v_base, kv_row_base, pt_row,
+        f_lo, f_hi, key_end, window, qk_scale,
+        stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2, offs_dv,
+        False, HAS_WINDOW, PAGED, PAGE_SIZE, BLOCK_D1, BLOCK_D2, DOT_PRECISION, DOT_UPCAST, BLOCK_N,
+    )
+    # the causal diagonal
+    acc, l_i, m_i = _attn_key_range(
+        acc, l_i, m_i, q1, q2, pos, k_base, v_base, kv_row_base, pt_row,
+        f_hi, key_end, key_end, window, qk_scale,
+        stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2, offs_dv,
+        True, HAS_WINDOW, PAGED, PAGE_SIZE, BLOCK_D1, BLOCK_D2, DOT_PRECISION, DOT_UPCAST, BLOCK_N,
+    )
+
+    has_mass = l_i > 0.0
+    inv_l = tl.where(has_mass, 1.0 / tl.where(has_mass, l_i, 1.0), 0.0)
+    out = acc * inv_l[:, None]
+    o_ptrs = Out + row[:, None] * stride_om + head[:, None] * stride_oh + offs_dv[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=valid[:, None])
+    if RETURN_LSE:
+        lse = tl.where(has_mass, (m_i + tl.math.log2(tl.where(has_mass, l_i, 1.0))) * 0.6931471805599453,
+                       float("-inf"))
+        tl.store(Lse + row * stride_lm + head * stride_lh, lse, mask=valid)
+
+
+_cp_attn_fwd_tuned = triton.autotune(
+    configs=_configs(),
+    key=["HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "G_PACK", "PAGED", "PAGE_SIZE", "HAS_WINDOW"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+    warmup=5,
+    rep=20,
+)(_cp_attn_fwd)
+
+
+# ----------------------------------------------------------------------------- host wrapper
+def _last_dim_contiguous(x: Tensor, name: str) -> Tensor:
+    if x.stride(-1) != 1:
+        logger.debug("cpattn triton: %s has last-dim stride %d, copying", name, x.stride(-1))
+        return x.contiguous()
+    return x
+
+
+def pick_tiling(meta: CPMetadata, hq: int, hkv: int, block_m: int) -> tuple[int, int]:
+    """(G_PACK, rows): query heads packed per program and tile rows (block_m = rows * G_PACK)."""
+    group = hq // hkv
+    g_pack = 1
+    while group % (g_pack * 2) == 0 and (block_m // (g_pack * 2)) in meta.tiles:
+        g_pack *= 2
+    rows = block_m // g_pack
+    if rows not in meta.tiles:
+        raise ValueError(f"no tile map for {rows} rows (have {sorted(meta.tiles)}); pick another block_m")
+    return g_pack, rows
+
+
+def cp_attention_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    meta: CPMetadata,
+    softmax_scale: float,
+    window_left: int = -1,
+    sinks: Optional[Tensor] = None,
+    page_table: Optional[Tensor] = None,
+    return_lse: bool = False,
+    *,
+    block_m: Optional[int] = None,
+    config: Optional[tuple[int, int, int]] = None,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """Causal attention of a rank's local queries in one launch.
+
+    q [P, Hq, D]; k/v packed [num_kv_tokens, Hkv, D/Dv] or paged [num_pages, page_size, Hkv, D/Dv]
+    with page_table [B, max_pages] int32/int64. Returns out [P, Hq, Dv] (q.dtype, pad rows 0) and
+    lse [P, Hq] float32 natural log (pad rows -inf) or None. ``block_m`` (query rows x packed
+    heads per program) and ``config`` ((BLOCK_N, num_warps, num_stages), bypassing the autotuner)
+    are tuning knobs. No host sync; safe to capture in a CUDA graph once autotuned.
+    """
+    p_rows, hq, d = q.shape
+    hkv, dv = k.shape[-2], v.shape[-1]
+    q = _last_dim_contiguous(q, "q")
+    k = _last_dim_contiguous(k, "k")
+    v = _last_dim_contiguous(v, "v")
+    out = torch.empty((p_rows, hq, dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((p_rows, hq), dtype=torch.float32, device=q.device) if return_lse else None
+    n = meta.num_local_tokens
+    if n < p_rows:
+        out[n:].zero_()
+        if lse is not None:
+            lse[n:].fill_(float("-inf"))
+    d1, d2 = split_head_dim(d)
+    block_m = block_m or _default_block_m(d, dv)
+    g_pack, rows = pick_tiling(meta, hq, hkv, block_m)
+    tiles = meta.tiles[rows]
+    if tiles.num_tiles == 0 or hq == 0:
+        return out, lse
+
+    paged = page_table is not None
+    if paged:
+        if page_table.stride(-1) != 1:
+            page_table = page_table.contiguous()
+        page_size = k.shape[1]
+        skp, skn, skh = k.stride(0), k.stride(1), k.stride(2)
+        svp, svn, svh = v.stride(0), v.stride(1), v.stride(2)
+        pt, stride_pt = page_table, page_table.stride(0)
+    else:
+        page_size = 1
+        skp, skn, skh = 0, k.stride(0), k.stride(1)
+        svp, svn, svh = 0, v.stride(0), v.stride(1)
+        pt, stride_pt = meta.cu_kv_lens, 0
+    upcast = INTERPRETED and q.dtype == torch.bfloat16
+    lse_arg = lse if lse is not None else out
+    slm, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
+    num_head_groups = hq // g_pack
+    grid = (tiles.num_tiles * num_head_groups,)
+    args = (
+        q, k, v, out, lse_arg, sinks if sinks is not None else out, pt,
+        tiles.segment, tiles.row_offset,
+        meta.seg_seq, meta.seg_row0, meta.seg_len, meta.seg_pos0, meta.seg_stride, meta.cu_kv_lens,
+        float(softmax_scale) * _LOG2E, int(window_left), num_head_groups, hq // hkv,
+        q.stride(0), q.stride(1),
+        skp, skn, skh, svp, svn, svh,
+        out.stride(0), out.stride(1), slm, slh, stride_pt,
+    )
+    meta_args = dict(
+        HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D1=d1, BLOCK_D2=d2, BLOCK_M=block_m, G_PACK=g_pack,
+        PAGED=paged, PAGE_SIZE=page_size, HAS_WINDOW=window_left >= 0, HAS_SINKS=sinks is not None,
+        RETURN_LSE=lse is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
+        DOT_UPCAST=upcast,
+    )
+    if INTERPRETED or config is not None:
+        bn, warps, stages = config if config is not None else (16, 4, 1)
+        _cp_attn_fwd[grid](*args, **meta_args, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    else:
+        _cp_attn_fwd_tuned[grid](*args, **meta_args)
+    return out, lse
