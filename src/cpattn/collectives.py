@@ -118,7 +118,7 @@ def all_gather_rows(
     device = parts[0].device
     packed = torch.empty((phys, row_bytes), dtype=torch.uint8, device=device)
     for part, off, width in zip(parts, offsets, widths):
-        packed[:, off : off + width] = part.reshape(phys, -1).contiguous().view(torch.uint8)
+        packed[:, off : off + width] = part.reshape(phys, _row_numel(part)).contiguous().view(torch.uint8)
     work = None
     if meta.cp_size == 1 or phys == 0:
         gathered = packed if meta.cp_size == 1 else packed.new_empty((0, row_bytes))
