@@ -128,6 +128,16 @@ def _prune_configs(configs, named_args, **kwargs):
     return kept
 
 
+def _bench_config(fn, quantiles=None):
+    """Autotuner timing: short warm-up and repeat (ms), median."""
+    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+
+
+def tuned_configs() -> dict:
+    """The autotuner's choice per key so far (for benchmarks and notes)."""
+    return {key: str(cfg) for key, cfg in getattr(_cp_attn_fwd_tuned, "cache", {}).items()}
+
+
 # ----------------------------------------------------------------------------- kernel
 @triton.jit
 def _attn_key_range(
@@ -325,8 +335,7 @@ _cp_attn_fwd_tuned = triton.autotune(
     configs=_configs(),
     key=["HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "G_PACK", "PAGED", "PAGE_SIZE", "HAS_WINDOW"],
     prune_configs_by={"early_config_prune": _prune_configs},
-    warmup=5,
-    rep=20,
+    do_bench=_bench_config,
 )(_cp_attn_fwd)
 
 
