@@ -12,6 +12,7 @@ gather hidden states back before the logits::
     h_full = s.gather(h, meta, group)                          # [T, hidden]
 """
 
+from .cache import kv_bytes_per_token, mla_bytes_per_token, read_mla_cache, write_kv_cache, write_mla_cache
 from .collectives import PendingGather, gathered_bytes_per_token
 from .kernels import AttentionCall, available_backends, resolve_backend as _resolve_call
 from .kv import pack_kv
@@ -39,8 +40,13 @@ __all__ = [
     "available_backends",
     "gathered_bytes_per_token",
     "get_strategy",
+    "kv_bytes_per_token",
+    "mla_bytes_per_token",
     "pack_kv",
+    "read_mla_cache",
     "resolve_backend",
+    "write_kv_cache",
+    "write_mla_cache",
 ]
 
 
