@@ -394,6 +394,35 @@ def test_layer_bad_inputs():
     _raises(ValueError, "prefix_latent k_pe", model, x, pos, s, meta, prefix_latent=bad_prefix)
     _raises(ValueError, "cache and slots", model, x, pos, s, meta, cache=torch.zeros(8, CFG.latent_dim))
     _raises(TypeError, "absorb must be a bool", model, x, pos, s, meta, absorb="yes")
+    prefix = (torch.zeros(2, CFG.kv_lora_rank), torch.zeros(2, CFG.qk_rope_head_dim))
+    slots = torch.arange(5)
+    _raises(ValueError, "cache rows hold 30", model, x, pos, s, meta, prefix_latent=prefix, cache=torch.zeros(8, 30), slots=slots)
+    _raises(TypeError, "cache dtype", model, x, pos, s, meta, prefix_latent=prefix, cache=torch.zeros(8, CFG.latent_dim).half(), slots=slots)
+    _raises(ValueError, "slots has 4 entries", model, x, pos, s, meta, prefix_latent=prefix, cache=torch.zeros(8, CFG.latent_dim), slots=slots[:4])
+    cache = torch.zeros(8, CFG.latent_dim)
+    _raises(ValueError, "prefix_slots must have sum", model, x, pos, s, meta, cache=cache, slots=slots, prefix_slots=torch.arange(3))
+    _raises(TypeError, "prefix_slots must be int32", model, x, pos, s, meta, cache=cache, slots=slots, prefix_slots=torch.zeros(2))
+    _raises(ValueError, "not both", model, x, pos, s, meta, prefix_latent=prefix, cache=cache, slots=slots, prefix_slots=torch.arange(2))
     s2 = cpattn.ZigzagStrategy(2)
     meta2 = s2.build_metadata([3, 2], rank=0)
     _raises(ValueError, "kv_c_local", s2.gather_mla_latent, torch.zeros(7, 4), torch.zeros(meta2.num_physical_tokens, 2), meta2)
+
+
+def test_bench_runs_single_process_cpu(tmp_path, monkeypatch):
+    """``python -m cpattn.bench mla --small --device cpu`` without torchrun: bytes + the CP=1 layer."""
+    import argparse
+    import json
+
+    from cpattn.bench import mla as bench_mla
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    parser = argparse.ArgumentParser()
+    bench_mla.add_arguments(parser)
+    out = tmp_path / "mla.json"
+    args = parser.parse_args(["--small", "--device", "cpu", "--tokens", "64", "--iters", "1", "--warmup", "0",
+                              "--forms", "up,absorbed", "--out", str(out)])
+    assert bench_mla.main(args) == 0
+    payload = json.loads(out.read_text())
+    assert payload["bytes"]["latent_bytes_per_token"] == cpattn.mla_bytes_per_token(32, 8, torch.float32)
+    assert [r["status"] for r in payload["layer"]] == ["ok", "ok"]
+    assert (tmp_path / "mla.png").exists()

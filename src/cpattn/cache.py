@@ -134,6 +134,41 @@ def kv_bytes_per_token(num_kv_heads: int, head_dim: int, v_head_dim: int, dtype:
     return hkv * (d + dv) * _check_dtype(dtype, "dtype").itemsize
 
 
+def _check_mla_write(
+    cache: Tensor,
+    slots: Tensor,
+    num_tokens: int,
+    r: int,
+    d_rope: int,
+    kv_c_dtype: torch.dtype,
+    k_pe_dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[Tensor, Tensor]:
+    """Validate an MLA cache write of ``num_tokens`` rows -> (flat cache view, int64 slot index).
+
+    Shape/dtype/device checks only (no sync); callers run it before a collective so a bad cache
+    raises on every rank instead of after the gather.
+    """
+    _check_tensor(cache, "cache")
+    if cache.device != device:
+        raise ValueError(f"cache is on {cache.device} but the latent rows are on {device}")
+    if cache.dtype == torch.uint8 and not (kv_c_dtype == k_pe_dtype == torch.uint8):
+        row = r * kv_c_dtype.itemsize + d_rope * k_pe_dtype.itemsize
+        what = "bytes (raw uint8 cache)"
+    elif kv_c_dtype == k_pe_dtype == cache.dtype:
+        row = r + d_rope
+        what = "values"
+    else:
+        raise TypeError(
+            f"cache dtype {cache.dtype} must equal kv_c dtype {kv_c_dtype} and k_pe dtype {k_pe_dtype} "
+            "(or be uint8 for a raw-byte cache)"
+        )
+    flat = _flat_slots(cache, "cache", 1)
+    if flat.shape[1] != row:
+        raise ValueError(f"cache rows hold {flat.shape[1]} {what}, expected r + d_rope = {r} + {d_rope} -> {row}")
+    return flat, _slot_index(slots, num_tokens, device, "slots")
+
+
 # ---------------------------------------------------------------------------------------- MLA
 def write_mla_cache(kv_c: Tensor, k_pe: Tensor, cache: Tensor, slots: Tensor) -> Tensor:
     """Write the gathered latent of ``T`` extend tokens into a paged MLA cache (in place).
@@ -154,33 +189,17 @@ def write_mla_cache(kv_c: Tensor, k_pe: Tensor, cache: Tensor, slots: Tensor) ->
         kv_c, k_pe = s.gather_mla_latent(kv_c_local, k_pe_local, meta, group)
         cpattn.write_mla_cache(kv_c, k_pe, mla_cache, out_cache_loc)
     """
-    for name, t in (("kv_c", kv_c), ("k_pe", k_pe), ("cache", cache)):
-        _check_tensor(t, name)
     for name, t in (("kv_c", kv_c), ("k_pe", k_pe)):
+        _check_tensor(t, name)
         if t.dim() != 2:
             raise ValueError(f"{name} must be 2-D [T, dim], got shape {tuple(t.shape)}")
     if kv_c.shape[0] != k_pe.shape[0]:
         raise ValueError(f"kv_c has {kv_c.shape[0]} rows but k_pe has {k_pe.shape[0]}")
-    if kv_c.device != cache.device or k_pe.device != cache.device:
-        raise ValueError(f"kv_c ({kv_c.device}), k_pe ({k_pe.device}) and cache ({cache.device}) must share a device")
-    if cache.dtype == torch.uint8 and not (kv_c.dtype == k_pe.dtype == torch.uint8):
-        row = kv_c.shape[1] * kv_c.element_size() + k_pe.shape[1] * k_pe.element_size()
-        what = "bytes (raw uint8 cache)"
-    elif kv_c.dtype == k_pe.dtype == cache.dtype:
-        row = kv_c.shape[1] + k_pe.shape[1]
-        what = "values"
-    else:
-        raise TypeError(
-            f"cache dtype {cache.dtype} must equal kv_c dtype {kv_c.dtype} and k_pe dtype {k_pe.dtype} "
-            "(or be uint8 for a raw-byte cache)"
-        )
-    flat = _flat_slots(cache, "cache", 1)
-    if flat.shape[1] != row:
-        raise ValueError(
-            f"cache rows hold {flat.shape[1]} {what}, expected r + d_rope = "
-            f"{kv_c.shape[1]} + {k_pe.shape[1]} -> {row}"
-        )
-    index = _slot_index(slots, kv_c.shape[0], cache.device, "slots")
+    if kv_c.device != k_pe.device:
+        raise ValueError(f"kv_c is on {kv_c.device} but k_pe on {k_pe.device}")
+    flat, index = _check_mla_write(
+        cache, slots, kv_c.shape[0], kv_c.shape[1], k_pe.shape[1], kv_c.dtype, k_pe.dtype, kv_c.device
+    )
     if kv_c.shape[0] == 0:
         return cache
     rows = torch.cat([_as_bytes(kv_c), _as_bytes(k_pe)], dim=1)
@@ -201,10 +220,8 @@ def read_mla_cache(cache: Tensor, slots: Tensor, kv_lora_rank: int) -> tuple[Ten
         raise TypeError("read_mla_cache needs a typed cache; a uint8 (raw-byte) cache has no element type")
     if r > flat.shape[1]:
         raise ValueError(f"kv_lora_rank={r} exceeds the cache row width {flat.shape[1]}")
-    _check_tensor(slots, "slots")
-    index = _slot_index(slots, 0, cache.device, "slots")
-    index = slots.to(torch.int64)
-    rows = flat.index_select(0, index)
+    _slot_index(slots, 0, cache.device, "slots")  # dtype / 1-D / device checks
+    rows = flat.index_select(0, slots.to(torch.int64))
     return rows[:, :r], rows[:, r:]
 
 
