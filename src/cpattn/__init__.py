@@ -17,6 +17,7 @@ from .collectives import PendingGather, gathered_bytes_per_token
 from .kernels import AttentionCall, available_backends, resolve_backend as _resolve_call
 from .kv import pack_kv
 from .metadata import CPMetadata
+from .overlap import GatherHandle, start_gather_kv, start_gather_mla_latent
 from .strategies import (
     STRATEGIES,
     ContiguousStrategy,
@@ -33,6 +34,7 @@ __all__ = [
     "CPMetadata",
     "CPStrategy",
     "ContiguousStrategy",
+    "GatherHandle",
     "InterleaveStrategy",
     "PendingGather",
     "STRATEGIES",
@@ -45,6 +47,8 @@ __all__ = [
     "pack_kv",
     "read_mla_cache",
     "resolve_backend",
+    "start_gather_kv",
+    "start_gather_mla_latent",
     "write_kv_cache",
     "write_mla_cache",
 ]
