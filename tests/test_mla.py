@@ -25,7 +25,9 @@ from cpattn.layers.mla import MLAAttention, MLAConfig
 from dist_utils import run_distributed
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-CFG = MLAConfig(hidden=48, num_heads=4, q_lora_rank=40, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10)
+CFG = MLAConfig(
+    hidden=48, num_heads=4, q_lora_rank=40, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10
+)
 STRATEGIES = ("zigzag", "interleave", "contiguous")
 FP8 = torch.float8_e4m3fn
 
@@ -246,7 +248,9 @@ def test_mla_under_cp_gloo(cp):
     assert len(results[0]["layer_errors"]) == 2 * 2 * len(STRATEGIES)
 
 
-TRITON_CFG = MLAConfig(hidden=32, num_heads=2, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
+TRITON_CFG = MLAConfig(  # head dims the triton kernel takes: D = 16 + 16 (up) or 32 + 16 (absorbed)
+    hidden=32, num_heads=2, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16
+)
 
 
 def _triton_worker(rank: int, world_size: int) -> dict:

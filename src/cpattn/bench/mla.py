@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import statistics
 from typing import Callable, Optional
 
 import torch

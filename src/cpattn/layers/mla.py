@@ -243,14 +243,20 @@ class MLAAttention(nn.Module):
             for name, t, width in zip(("kv_c", "k_pe"), prefix_latent, (c.kv_lora_rank, c.qk_rope_head_dim)):
                 if not isinstance(t, Tensor) or tuple(t.shape) != (num_prefix, width):
                     got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-                    raise ValueError(f"prefix_latent {name} must be [sum(prefix_lens)={num_prefix}, {width}], got {got}")
+                    raise ValueError(
+                        f"prefix_latent {name} must be [sum(prefix_lens)={num_prefix}, {width}], got {got}"
+                    )
 
         if cache is not None:  # validated before the collective: a bad cache raises on every rank
-            _check_mla_write(cache, slots, meta.num_tokens, c.kv_lora_rank, c.qk_rope_head_dim, x.dtype, x.dtype, x.device)
+            _check_mla_write(
+                cache, slots, meta.num_tokens, c.kv_lora_rank, c.qk_rope_head_dim, x.dtype, x.dtype, x.device
+            )
         if prefix_slots is not None:
             _slot_index(prefix_slots, num_prefix, x.device, "prefix_slots")  # type / dtype / device checks
             if prefix_slots.shape[0] != num_prefix:
-                raise ValueError(f"prefix_slots must have sum(prefix_lens)={num_prefix} entries, got {prefix_slots.shape[0]}")
+                raise ValueError(
+                    f"prefix_slots must have sum(prefix_lens)={num_prefix} entries, got {prefix_slots.shape[0]}"
+                )
 
         kv_c, k_pe = self._latent(x, positions)
         pending = strategy.gather_mla_latent(kv_c, k_pe, meta, group, async_op=True)
