@@ -239,7 +239,8 @@ def build_metadata(
     # Local rows of every rank: its tokens in increasing logical order.
     per_rank = torch.bincount(owner, minlength=cp_size)
     rank_start = _exclusive_cumsum(per_rank)
-    by_rank = torch.argsort(owner, stable=True)
+    small_keys = owner.to(torch.int16 if cp_size < 2**15 else torch.int32)  # narrow keys sort ~5x faster
+    by_rank = torch.argsort(small_keys, stable=True)
     local_row_sorted = torch.arange(num_tokens) - rank_start[owner[by_rank]]
     local_row = torch.empty(num_tokens, dtype=torch.int64)
     local_row[by_rank] = local_row_sorted
