@@ -37,6 +37,7 @@ logger = logging.getLogger("cpattn")
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 _LOG2E = 1.4426950408889634
+_SMEM_LIMIT = 232448  # bytes of shared memory per block on sm90 (H100 / H200)
 _LN2 = 0.6931471805599453
 
 
@@ -97,6 +98,8 @@ def _heuristic(d: int, dv: int, block_m: int) -> tuple[int, int, int]:
         return 128, 4, 3
     if width <= 128:
         return 128, 8, 3 if block_m >= 128 else 2
+    if width <= 192 or (d <= 192 and dv <= 128):
+        return 64, 8, 3
     if width <= 256:
         return 64, 8, 2
     return 32, 8, 2
@@ -113,11 +116,11 @@ def _prune_configs(configs, named_args, **kwargs):
     for c in configs:
         bn, stages = c.kwargs["BLOCK_N"], c.num_stages
         smem = stages * bn * (d + dv) * elt + block_m * d * elt
-        if smem > 200 * 1024:
+        if smem > _SMEM_LIMIT:
             continue
         if max(d, dv) > 128 and (bn > 64 or c.num_warps < 8):
             continue
-        if max(d, dv) <= 64 and bn < 64:
+        if max(d, dv) <= 128 and bn < 64:
             continue
         kept.append(c)
     want = _heuristic(d, dv, block_m)
@@ -130,6 +133,7 @@ def _prune_configs(configs, named_args, **kwargs):
 
 def _bench_config(fn, quantiles=None):
     """Autotuner timing: short warm-up and repeat (ms), median."""
+    import triton.testing
     return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
 
 
@@ -157,11 +161,15 @@ def _attn_key_range(
         kpos = start + offs_n
         in_seq = kpos < key_end
         if PAGED:
-            if MASKED:
-                page = tl.load(pt_row + kpos // PAGE_SIZE, mask=in_seq, other=0).to(tl.int64)
+            if PAGE_SIZE % BLOCK_N == 0:  # the whole block sits in one page: one table read
+                page = tl.load(pt_row + start // PAGE_SIZE).to(tl.int64)
+                slot = (start % PAGE_SIZE + offs_n).to(tl.int64)
             else:
-                page = tl.load(pt_row + kpos // PAGE_SIZE).to(tl.int64)
-            slot = (kpos % PAGE_SIZE).to(tl.int64)
+                if MASKED:
+                    page = tl.load(pt_row + kpos // PAGE_SIZE, mask=in_seq, other=0).to(tl.int64)
+                else:
+                    page = tl.load(pt_row + kpos // PAGE_SIZE).to(tl.int64)
+                slot = (kpos % PAGE_SIZE).to(tl.int64)
             k_off = page * stride_kp + slot * stride_kn
             v_off = page * stride_vp + slot * stride_vn
         else:
@@ -185,18 +193,18 @@ def _attn_key_range(
             if DOT_UPCAST:
                 k2 = k2.to(tl.float32)
             s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
-        s = s * qk_scale
+        # scores stay unscaled; qk_scale (> 0) folds into the exponent's FMA
         if MASKED:
             visible = kpos[None, :] <= pos[:, None]
             if HAS_WINDOW:
                 visible = visible & (kpos[None, :] >= pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
             m_use = m_new
-        p = tl.math.exp2(s - m_use[:, None])
+        p = tl.math.exp2(s * qk_scale - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]

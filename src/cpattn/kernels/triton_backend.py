@@ -48,6 +48,8 @@ class TritonBackend:
                 return "the triton kernel was built for the GPU in this process (TRITON_INTERPRET set too late)"
         else:
             return f"device {call.q.device} not supported"
+        if not call.softmax_scale > 0:
+            return f"softmax_scale must be > 0 for the triton kernel, got {call.softmax_scale}"
         from .triton_attn import shape_unsupported_reason
 
         reason = shape_unsupported_reason(call.q.shape[-1], call.v.shape[-1], call.q.dtype)
