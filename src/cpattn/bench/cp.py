@@ -557,8 +557,13 @@ def summarize(payload: dict, key_tokens: int) -> list[dict]:
     zz = _find(recs, tokens=key_tokens, batch="single", cp=world, strategy="zigzag")
     p = pres.get(key_tokens)
     ratio = p["wall_ms"] / zz["wall_ms"] if p and zz and p.get("wall_ms") else None
+    note = f"peer {peer.get('status', 'not run')}"
+    if p:
+        note += f", mode={p.get('mode')}, {p.get('gqa')}"
+    if peer.get("note"):
+        note += f"; {peer['note']}"
     row(f"cpattn CP={world} zigzag vs torch context_parallel, {tk} single", ratio, ">= 1.5x",
-        lambda v: v >= 1.5, peer.get("note", ""))
+        lambda v: v >= 1.5, note[:300])
     return rows
 
 

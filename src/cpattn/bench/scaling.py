@@ -111,12 +111,16 @@ def table(seqs: list[int], cps: list[int], hw: Hardware, m: Model) -> list[dict]
     return rows
 
 
+def _label(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
 def format_rows(rows: list[dict]) -> str:
     head = (f"{'S':>6} {'C':>3} {'nodes':>5} {'attn':>9} {'other':>8} {'AG':>8} {'AGexp':>8} {'AGlfexp':>8} "
             f"{'ringstep':>9} {'ringexp':>8} {'xAG':>6} {'xAGlf':>6} {'xring':>6}")
     lines = [head, "(ms per layer; x = speedup of the layer vs C=1; AGlf = all-gather with local-first attention)"]
     for r in rows:
-        s = f"{r['seq'] // 1024}k"
+        s = _label(r["seq"])
         lines.append(
             f"{s:>6} {r['cp']:>3} {r['nodes']:>5} {r['t_attn']:9.2f} {r['t_other']:8.2f} {r['t_ag']:8.3f} "
             f"{r['ag_exposed']:8.3f} {r['ag_local_first_exposed']:8.3f} {r['ring_step_comm']:4.2f}/{r['ring_step_attn']:<4.2f} "
@@ -250,12 +254,12 @@ def main(args: argparse.Namespace) -> int:
     print(format_rows(rows))
     print("\n# first C (powers of two) where the all-gather is no longer hidden:")
     for seq, lim in hidable_limits(seqs, hw, m).items():
-        print(f"  S={seq // 1024}k: behind q-proj only: C={lim['q_proj_only']}; behind q-proj + local attention: "
+        print(f"  S={_label(seq)}: behind q-proj only: C={lim['q_proj_only']}; behind q-proj + local attention: "
               f"C={lim['local_first']}; exposed > 5% of attention: C={lim['exposed_over_5pct_of_attention']}")
     if checks:
         print("\n# model vs measured (whole forward, all layers):")
         for c in checks:
-            print(f"  {c['tokens'] // 1024}k CP={c['cp']}: wall measured {c['measured_wall_ms']:.1f} ms, model "
+            print(f"  {_label(c['tokens'])} CP={c['cp']}: wall measured {c['measured_wall_ms']:.1f} ms, model "
                   f"{c['model_wall_ms']:.1f} ms; exposed comm measured {c['measured_exposed_ms']:.2f} ms, model "
                   f"{c['model_exposed_ms']:.2f} ms")
     path = plot(rows, hw, args.png)
