@@ -54,17 +54,26 @@ __all__ = [
 ]
 
 
-def resolve_backend(strategy: CPStrategy, q_local, k, v, meta: CPMetadata, *, backend: str = "auto", **kwargs) -> str:
-    """Name of the backend ``strategy.attention`` would use for these arguments (same keywords)."""
+def resolve_backend(
+    strategy: CPStrategy,
+    q_local,
+    k,
+    v,
+    meta: CPMetadata,
+    *,
+    page_table=None,
+    softmax_scale=None,
+    window_size=(-1, -1),
+    sinks=None,
+    backend: str = "auto",
+    return_lse: bool = False,
+) -> str:
+    """Name of the backend ``strategy.attention`` would run for the same arguments.
+
+    Validates exactly like ``attention`` and raises NotImplementedError when a named backend
+    cannot run the call. ``backend="auto"`` prefers fa4, then triton, then torch.
+    """
     call = strategy._attention_call(
-        q_local,
-        k,
-        v,
-        meta,
-        kwargs.get("page_table"),
-        kwargs.get("softmax_scale"),
-        kwargs.get("window_size", (-1, -1)),
-        kwargs.get("sinks"),
-        kwargs.get("return_lse", False),
+        q_local, k, v, meta, page_table, softmax_scale, window_size, sinks, return_lse
     )
     return _resolve_call(call, backend).name
