@@ -30,6 +30,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ._validation import check_int, check_tensor
+from .collectives import PART_ALIGN_BYTES
+
 __all__ = [
     "kv_bytes_per_token",
     "mla_bytes_per_token",
@@ -38,33 +41,18 @@ __all__ = [
     "write_mla_cache",
 ]
 
-_ALIGN = 16  # per-part alignment inside a packed all-gather row (see cpattn.collectives)
 
 
 # ---------------------------------------------------------------------------------------- helpers
-def _check_tensor(x, name: str) -> Tensor:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    return x
-
-
 def _check_dtype(dtype, name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"{name} must be a torch.dtype, got {type(dtype).__name__}")
     return dtype
 
 
-def _check_dim(value, name: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 def _slot_index(slots: Tensor, num_tokens: int, device: torch.device, name: str) -> Tensor:
     """``slots[:num_tokens]`` as int64 on ``device`` (validated by shape and dtype only)."""
-    _check_tensor(slots, name)
+    check_tensor(slots, name)
     if slots.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be int32 or int64, got {slots.dtype}")
     if slots.dim() != 1:
@@ -114,12 +102,12 @@ def mla_bytes_per_token(kv_lora_rank: int, qk_rope_head_dim: int, dtype: torch.d
 
         cpattn.mla_bytes_per_token(512, 64, torch.bfloat16)  # 1152
     """
-    r = _check_dim(kv_lora_rank, "kv_lora_rank")
-    d_rope = _check_dim(qk_rope_head_dim, "qk_rope_head_dim", 0)
+    r = check_int(kv_lora_rank, "kv_lora_rank", 1)
+    d_rope = check_int(qk_rope_head_dim, "qk_rope_head_dim", 0)
     size = _check_dtype(dtype, "dtype").itemsize
     if not aligned:
         return (r + d_rope) * size
-    return sum(-(-n * size // _ALIGN) * _ALIGN for n in (r, d_rope))
+    return sum(-(-n * size // PART_ALIGN_BYTES) * PART_ALIGN_BYTES for n in (r, d_rope))
 
 
 def kv_bytes_per_token(num_kv_heads: int, head_dim: int, v_head_dim: int, dtype: torch.dtype) -> int:
@@ -128,9 +116,9 @@ def kv_bytes_per_token(num_kv_heads: int, head_dim: int, v_head_dim: int, dtype:
     The MLA comparison: DeepSeek-V3 K/V per token is 128 heads x (192 + 128) bf16 = 81,920 bytes,
     71x the 1,152-byte latent.
     """
-    hkv = _check_dim(num_kv_heads, "num_kv_heads")
-    d = _check_dim(head_dim, "head_dim")
-    dv = _check_dim(v_head_dim, "v_head_dim")
+    hkv = check_int(num_kv_heads, "num_kv_heads", 1)
+    d = check_int(head_dim, "head_dim", 1)
+    dv = check_int(v_head_dim, "v_head_dim", 1)
     return hkv * (d + dv) * _check_dtype(dtype, "dtype").itemsize
 
 
@@ -149,7 +137,7 @@ def _check_mla_write(
     Shape/dtype/device checks only (no sync); callers run it before a collective so a bad cache
     raises on every rank instead of after the gather.
     """
-    _check_tensor(cache, "cache")
+    check_tensor(cache, "cache")
     if cache.device != device:
         raise ValueError(f"cache is on {cache.device} but the latent rows are on {device}")
     if cache.dtype == torch.uint8 and not (kv_c_dtype == k_pe_dtype == torch.uint8):
@@ -190,7 +178,7 @@ def write_mla_cache(kv_c: Tensor, k_pe: Tensor, cache: Tensor, slots: Tensor) ->
         cpattn.write_mla_cache(kv_c, k_pe, mla_cache, out_cache_loc)
     """
     for name, t in (("kv_c", kv_c), ("k_pe", k_pe)):
-        _check_tensor(t, name)
+        check_tensor(t, name)
         if t.dim() != 2:
             raise ValueError(f"{name} must be 2-D [T, dim], got shape {tuple(t.shape)}")
     if kv_c.shape[0] != k_pe.shape[0]:
@@ -213,8 +201,8 @@ def read_mla_cache(cache: Tensor, slots: Tensor, kv_lora_rank: int) -> tuple[Ten
     ``cache``: a layout of :func:`write_mla_cache` (typed, not uint8); ``slots``: [N] int32/int64.
     The two results are views of one gathered [N, r + d_rope] tensor. Device-only.
     """
-    _check_tensor(cache, "cache")
-    r = _check_dim(kv_lora_rank, "kv_lora_rank")
+    check_tensor(cache, "cache")
+    r = check_int(kv_lora_rank, "kv_lora_rank", 1)
     flat = _flat_slots(cache, "cache", 1)
     if cache.dtype == torch.uint8:
         raise TypeError("read_mla_cache needs a typed cache; a uint8 (raw-byte) cache has no element type")
@@ -251,7 +239,7 @@ def write_kv_cache(
     Device-only: no host sync.
     """
     for name, t in (("k", k), ("v", v)):
-        _check_tensor(t, name)
+        check_tensor(t, name)
         if t.dim() != 3:
             raise ValueError(f"{name} must be [T, Hkv, dim], got shape {tuple(t.shape)}")
     if k.shape[:2] != v.shape[:2]:
@@ -265,7 +253,7 @@ def write_kv_cache(
     writes = []
     for prefix, kc, vc, sl in pools:  # validate every pool before writing any
         for name, cache, src in ((f"{prefix}k_cache", kc, k), (f"{prefix}v_cache", vc, v)):
-            _check_tensor(cache, name)
+            check_tensor(cache, name)
             flat = _flat_slots(cache, name, 2)
             if tuple(flat.shape[1:]) != tuple(src.shape[1:]):
                 raise ValueError(

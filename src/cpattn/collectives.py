@@ -21,7 +21,7 @@ from .metadata import CPMetadata
 
 __all__ = ["PendingGather", "all_gather_rows", "check_group", "gathered_bytes_per_token"]
 
-_ALIGN = 16  # byte alignment of each part inside a packed row (any dtype views back cleanly)
+PART_ALIGN_BYTES = 16  # byte alignment of each part inside a packed row (any dtype views back cleanly)
 
 
 def _all_gather_into(output: Tensor, input: Tensor, group, async_op: bool):
@@ -56,7 +56,7 @@ def _part_layout(parts: Sequence[Tensor]) -> tuple[list[int], list[int], int]:
     offsets, off = [], 0
     for w in widths:
         offsets.append(off)
-        off += -(-w // _ALIGN) * _ALIGN
+        off += -(-w // PART_ALIGN_BYTES) * PART_ALIGN_BYTES
     return offsets, widths, off
 
 

@@ -16,6 +16,7 @@ from typing import ClassVar, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .._validation import check_int, check_tensor
 from ..collectives import PendingGather, all_gather_rows, check_group
 from ..kernels import AttentionCall, resolve_backend
 from ..metadata import CPMetadata, LengthsLike, build_metadata
@@ -37,20 +38,6 @@ def block_of(offsets: Tensor, lengths: Tensor, num_blocks: int) -> Tensor:
     )
 
 
-def _check_int(value, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _check_tensor(x, name: str) -> Tensor:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    return x
-
-
 def _check_same(tensors: dict[str, Tensor], what: str) -> None:
     names = list(tensors)
     first = tensors[names[0]]
@@ -67,8 +54,8 @@ class CPStrategy(ABC):
     name: ClassVar[str]
 
     def __init__(self, cp_size: int, pad_multiple: int = 1) -> None:
-        self.cp_size = _check_int(cp_size, "cp_size", 1)
-        self.pad_multiple = _check_int(pad_multiple, "pad_multiple", 1)
+        self.cp_size = check_int(cp_size, "cp_size", 1)
+        self.pad_multiple = check_int(pad_multiple, "pad_multiple", 1)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(cp_size={self.cp_size}, pad_multiple={self.pad_multiple})"
@@ -119,7 +106,7 @@ class CPStrategy(ABC):
             )
 
     def _check_rows(self, x: Tensor, name: str, dim: int, expected: int, what: str, meta: CPMetadata) -> int:
-        _check_tensor(x, name)
+        check_tensor(x, name)
         if not -x.dim() <= dim < x.dim():
             raise ValueError(f"dim {dim} out of range for {name} of shape {tuple(x.shape)}")
         dim %= x.dim()
@@ -235,7 +222,7 @@ class CPStrategy(ABC):
         self.check_metadata(meta)
         self._check_rows(q, "q_local", 0, meta.num_physical_tokens, "num_physical_tokens", meta)
         for name, t in (("k", k), ("v", v)):
-            _check_tensor(t, name)
+            check_tensor(t, name)
         if q.dim() != 3:
             raise ValueError(f"q_local must be [P, Hq, D], got shape {tuple(q.shape)}")
         if not q.dtype.is_floating_point:
@@ -267,7 +254,7 @@ class CPStrategy(ABC):
         if window[0] < -1 or window[1] not in (-1, 0):
             raise ValueError(f"window_size must be (left >= -1, right in (-1, 0)) for causal attention, got {window}")
         if sinks is not None:
-            _check_tensor(sinks, "sinks")
+            check_tensor(sinks, "sinks")
             if tuple(sinks.shape) != (hq,) or not sinks.dtype.is_floating_point:
                 raise ValueError(f"sinks must be a float [Hq={hq}] tensor, got {sinks.dtype} {tuple(sinks.shape)}")
             if sinks.device != q.device:
@@ -277,7 +264,7 @@ class CPStrategy(ABC):
 
     @staticmethod
     def _check_page_table(page_table: Tensor, k_cache: Tensor, meta: CPMetadata) -> None:
-        _check_tensor(page_table, "page_table")
+        check_tensor(page_table, "page_table")
         if page_table.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"page_table must be int32 or int64, got {page_table.dtype}")
         if page_table.dim() != 2 or page_table.shape[0] != meta.num_seqs:
