@@ -7,9 +7,8 @@ import torch
 import torch.distributed as dist
 
 import cpattn
-import cpattn.collectives as collectives
 from cpattn.layers import AttentionStack
-from dist_utils import run_distributed
+from dist_utils import CountCollectives, run_distributed
 
 pytestmark = pytest.mark.slow
 
@@ -21,19 +20,6 @@ PREFIX = [4, 9, 0, 2, 0, 17]
 
 def _positions(extend, prefix):
     return torch.cat([torch.arange(p, p + e) for e, p in zip(extend, prefix)])
-
-
-def _count_collectives():
-    """Count calls of the single collective entry point (restored by the caller)."""
-    calls = []
-    original = collectives._all_gather_into
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    collectives._all_gather_into = counting
-    return calls, original
 
 
 def _worker_checks(rank: int, world: int, subgroups: bool):
@@ -48,8 +34,8 @@ def _worker_checks(rank: int, world: int, subgroups: bool):
     x = torch.randn(T, 6, generator=g)
     k = torch.randn(T, 2, 8, generator=g).bfloat16()
     v = torch.randn(T, 2, 4, generator=g).bfloat16()
-    calls, original = _count_collectives()
-    try:
+    with CountCollectives() as counter:
+        calls = counter.calls
         for name in NAMES:
             s = cpattn.get_strategy(name, cp_size, pad_multiple=4)
             m = s.build_metadata(EXTEND, PREFIX, rank=cp_rank)
@@ -94,8 +80,6 @@ def _worker_checks(rank: int, world: int, subgroups: bool):
         results["empty_rank_attention_finite"] = bool(torch.isfinite(out).all())
         m0 = s.build_metadata([], rank=cp_rank)
         results["empty_batch_gather"] = tuple(s.gather(s.shard(torch.zeros(0, 3), m0), m0, group).shape)
-    finally:
-        collectives._all_gather_into = original
 
     # Misconfigurations raise before any collective (all ranks raise the same way: no hang).
     wrong_size = cpattn.ZigzagStrategy(cp_size + 1)

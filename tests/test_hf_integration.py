@@ -12,9 +12,8 @@ import torch
 pytest.importorskip("transformers")
 
 import cpattn  # noqa: E402
-import cpattn.collectives as collectives  # noqa: E402
 from cpattn.integrations import hf as cphf  # noqa: E402
-from dist_utils import run_distributed  # noqa: E402
+from dist_utils import CountCollectives, run_distributed  # noqa: E402
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 SCRIPT = os.path.join(EXAMPLES, "hf_cp_prefill.py")
@@ -41,17 +40,9 @@ def test_script_exit_code_single_rank():
 
 
 def _count_worker(rank: int, world: int) -> tuple[int, float]:
-    calls = []
-    original = collectives._all_gather_into
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    collectives._all_gather_into = counting
-    diffs = hf_cp_prefill.run_rank(rank, world, torch.device("cpu"), ["llama"], "zigzag", [19, 2, 11], 0)
-    collectives._all_gather_into = original
-    return len(calls), diffs["llama"]
+    with CountCollectives() as counter:
+        diffs = hf_cp_prefill.run_rank(rank, world, torch.device("cpu"), ["llama"], "zigzag", [19, 2, 11], 0)
+    return len(counter.calls), diffs["llama"]
 
 
 @pytest.mark.slow

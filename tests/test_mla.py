@@ -19,10 +19,9 @@ import pytest
 import torch
 
 import cpattn
-import cpattn.collectives as collectives
 from cpattn.layers.mla import MLAAttention, MLAConfig
 
-from dist_utils import run_distributed
+from dist_utils import CountCollectives, run_distributed
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 CFG = MLAConfig(
@@ -39,24 +38,6 @@ def _batch(cp: int) -> tuple[list[int], list[int]]:
 
 def _positions(ext: list[int], pre: list[int]) -> torch.Tensor:
     return torch.cat([torch.arange(p, p + e) for e, p in zip(ext, pre)])
-
-
-class _CountGathers:
-    """Monkeypatch ``cpattn.collectives._all_gather_into``: count calls, record packed input shapes."""
-
-    def __enter__(self):
-        self.calls: list[tuple[int, ...]] = []
-        self._orig = collectives._all_gather_into
-
-        def counting(output, input, group, async_op):
-            self.calls.append(tuple(input.shape))
-            return self._orig(output, input, group, async_op)
-
-        collectives._all_gather_into = counting
-        return self
-
-    def __exit__(self, *exc):
-        collectives._all_gather_into = self._orig
 
 
 def _random_rows(gen: torch.Generator, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
@@ -91,7 +72,7 @@ def _check_latent_gathers(rank: int, cp: int) -> int:
             gen = torch.Generator().manual_seed(7)
             kv_c, k_pe = _random_rows(gen, t, r, dt_c), _random_rows(gen, t, d_rope, dt_pe)
             kv_c_local, k_pe_local = _shard_bytes(s, kv_c, meta), _shard_bytes(s, k_pe, meta)
-            with _CountGathers() as counter:
+            with CountCollectives() as counter:
                 got_c, got_pe = s.gather_mla_latent(kv_c_local, k_pe_local, meta)
             assert len(counter.calls) == 1, f"{name} {dt_c}: {len(counter.calls)} collectives, expected 1"
             row_bytes = gathered_row = counter.calls[0][1]
@@ -131,7 +112,7 @@ def _check_kv_cache_writes(rank: int, cp: int) -> int:
         v = _random_rows(gen, t, hkv * 4, dtype).view(t, hkv, 4)
         k_loc = _shard_bytes(s, k.reshape(t, -1), meta).view(-1, hkv, 6)
         v_loc = _shard_bytes(s, v.reshape(t, -1), meta).view(-1, hkv, 4)
-        with _CountGathers() as counter:
+        with CountCollectives() as counter:
             k_ext, v_ext = s.gather_kv(k_loc, v_loc, meta)
         assert len(counter.calls) == 1
         page_size, pages, swa_slots_n = 4, (t + 12) // 4 + 1, t + 3
@@ -196,7 +177,7 @@ def _check_layers(rank: int, cp: int) -> dict:
                 s = cpattn.get_strategy(name, cp)
                 meta = s.build_metadata(ext, pre, rank=rank)
                 cache_cp = sentinel.clone()
-                with _CountGathers() as counter:
+                with CountCollectives() as counter:
                     out, lat = model(
                         s.shard(x, meta), s.shard(pos, meta), s, meta,
                         prefix_latent=prefix, cache=cache_cp, slots=ext_slots, absorb=absorb,
