@@ -82,7 +82,7 @@ def _paged(k, v, ext, pre, page, int64=False, gen=None):
 
 
 def _check(strategy, cp_size, ext, pre, *, hq=4, hkv=2, d=32, dv=None, dtype=torch.bfloat16, window=-1,
-           sinks=False, page=None, pt_int64=False, ranks=None, kv_views=False, backend="triton",
+           sinks=False, page=None, pt_int64=False, ranks=None, kv_views=False, kv_pad=8, backend="triton",
            device="cpu", pad_multiple=4, seed=0):
     dv = dv or d
     gen = torch.Generator().manual_seed(seed)
@@ -90,7 +90,7 @@ def _check(strategy, cp_size, ext, pre, *, hq=4, hkv=2, d=32, dv=None, dtype=tor
     n_kv = sum(e + p for e, p in zip(ext, pre))
     q = torch.randn(t, hq, d, generator=gen).to(dtype)
     if kv_views:  # like gather_kv: views of one buffer, rows strided, last dim contiguous
-        buf = torch.randn(n_kv, hkv * (d + dv) + 8, generator=gen).to(dtype)
+        buf = torch.randn(n_kv, hkv * (d + dv) + kv_pad, generator=gen).to(dtype)
         k = buf[:, : hkv * d].view(n_kv, hkv, d)
         v = buf[:, hkv * d : hkv * (d + dv)].view(n_kv, hkv, dv)
     else:
@@ -164,6 +164,13 @@ def test_paged_matches_oracle(interp, page):
 def test_paged_int64_table_and_kv_views(interp):
     _check("zigzag", 2, [30], [12], page=4, pt_int64=True, ranks=[1], seed=7)
     _check("interleave", 3, [30, 11], [12, 0], kv_views=True, ranks=[2], seed=8)
+
+
+def test_kv_views_unaligned_rows(interp):
+    """Row strides that are no multiple of 16 bytes: no TMA descriptors, pointer loads."""
+    k = torch.zeros(8, 2, 32, dtype=torch.bfloat16)
+    assert interp._tma_ok(k, k) and not interp._tma_ok(torch.zeros(8, 2 * 32 + 1)[:, :64].view(8, 2, 32))
+    _check("zigzag", 2, [40, 9], [6, 0], kv_views=True, kv_pad=1, ranks=[0], seed=12)
 
 
 def test_empty_batch_and_idle_rank(interp):

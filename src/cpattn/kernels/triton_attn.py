@@ -19,7 +19,6 @@ metadata, so a launch can be captured in a CUDA graph (after the autotuner has r
 from __future__ import annotations
 
 import logging
-import math
 import os
 from typing import Optional
 
@@ -142,25 +141,54 @@ def tuned_configs() -> dict:
     return {key: str(cfg) for key, cfg in getattr(_cp_attn_fwd_tuned, "cache", {}).items()}
 
 
+def _tma_ok(*tensors: Tensor) -> bool:
+    """TMA descriptors need 16-byte aligned bases and row strides (per head: base + head stride)."""
+    for x in tensors:
+        elt = x.element_size()
+        if x.data_ptr() % 16 or any((st * elt) % 16 for st in x.stride()[:-1]) or x.shape[-1] * elt < 16:
+            return False
+    return True
+
+
+def _scratch_alloc(size: int, alignment: int, stream: Optional[int]):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Device-side tensor descriptors need a global-memory scratch allocator; install a torch
+    one unless the caller has set an allocator in this context."""
+    try:
+        from triton.runtime import _allocation
+
+        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            return
+    except (ImportError, AttributeError):
+        pass
+    triton.set_allocator(_scratch_alloc)
+
+
 # ----------------------------------------------------------------------------- kernel
 @triton.jit
 def _attn_key_range(
     acc, l_i, m_i, q1, q2, pos,
-    k_base, v_base, kv_row_base, pt_row,
+    k_base, v_base, kv_row_base, pt_row, k_desc1, k_desc2, v_desc,
     n_lo, n_hi, key_end, window, qk_scale,
     stride_kp, stride_kn, stride_vp, stride_vn,
     offs_n, offs_d1, offs_d2, offs_dv,
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr,
 ):
     """Online softmax over key blocks [n_lo, n_hi) (BLOCK_N-aligned); MASKED adds the causal /
-    window mask and bounds loads at key_end. DOT_UPCAST feeds fp32 to tl.dot (the interpreter's
-    bf16 dot is wrong)."""
+    window mask and bounds loads at key_end. USE_DESC loads K/V blocks through the tensor
+    descriptors (TMA; packed K/V, unmasked blocks) instead of pointers. DOT_UPCAST feeds fp32 to
+    tl.dot (the interpreter's bf16 dot is wrong)."""
     for start in range(n_lo, n_hi, BLOCK_N):
         kpos = start + offs_n
         in_seq = kpos < key_end
-        if PAGED:
+        if USE_DESC:
+            row = (kv_row_base + start).to(tl.int32)
+        elif PAGED:
             if PAGE_SIZE % BLOCK_N == 0:  # the whole block sits in one page: one table read
                 page = tl.load(pt_row + start // PAGE_SIZE).to(tl.int64)
                 slot = (start % PAGE_SIZE + offs_n).to(tl.int64)
@@ -176,20 +204,22 @@ def _attn_key_range(
             krow = (kv_row_base + kpos).to(tl.int64)
             k_off = krow * stride_kn
             v_off = krow * stride_vn
-        k_ptrs = k_base + k_off[:, None] + offs_d1[None, :]
-        if MASKED:
-            k1 = tl.load(k_ptrs, mask=in_seq[:, None], other=0.0)
+        if USE_DESC:
+            k1 = k_desc1.load([row, 0])
+        elif MASKED:
+            k1 = tl.load(k_base + k_off[:, None] + offs_d1[None, :], mask=in_seq[:, None], other=0.0)
         else:
-            k1 = tl.load(k_ptrs)
+            k1 = tl.load(k_base + k_off[:, None] + offs_d1[None, :])
         if DOT_UPCAST:
             k1 = k1.to(tl.float32)
         s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
         if BLOCK_D2 > 0:
-            k2_ptrs = k_base + k_off[:, None] + BLOCK_D1 + offs_d2[None, :]
-            if MASKED:
-                k2 = tl.load(k2_ptrs, mask=in_seq[:, None], other=0.0)
+            if USE_DESC:
+                k2 = k_desc2.load([row, 0])
+            elif MASKED:
+                k2 = tl.load(k_base + k_off[:, None] + BLOCK_D1 + offs_d2[None, :], mask=in_seq[:, None], other=0.0)
             else:
-                k2 = tl.load(k2_ptrs)
+                k2 = tl.load(k_base + k_off[:, None] + BLOCK_D1 + offs_d2[None, :])
             if DOT_UPCAST:
                 k2 = k2.to(tl.float32)
             s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
@@ -208,11 +238,12 @@ def _attn_key_range(
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v_ptrs = v_base + v_off[:, None] + offs_dv[None, :]
-        if MASKED:
-            v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0)
+        if USE_DESC:
+            v = v_desc.load([row, 0])
+        elif MASKED:
+            v = tl.load(v_base + v_off[:, None] + offs_dv[None, :], mask=in_seq[:, None], other=0.0)
         else:
-            v = tl.load(v_ptrs)
+            v = tl.load(v_base + v_off[:, None] + offs_dv[None, :])
         p = p.to(v.dtype)
         if DOT_UPCAST:
             p = p.to(tl.float32)
@@ -227,7 +258,7 @@ def _cp_attn_fwd(
     Q, K, V, Out, Lse, Sinks, PageTable,
     tile_segment, tile_row_offset,
     seg_seq, seg_row0, seg_len, seg_pos0, seg_stride, cu_kv_lens,
-    qk_scale, window, num_head_groups, group_size,
+    qk_scale, window, num_head_groups, group_size, num_kv_rows,
     stride_qm, stride_qh,
     stride_kp, stride_kn, stride_kh,
     stride_vp, stride_vn, stride_vh,
@@ -236,7 +267,7 @@ def _cp_attn_fwd(
     BLOCK_M: tl.constexpr, G_PACK: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     ROWS: tl.constexpr = BLOCK_M // G_PACK
@@ -287,6 +318,20 @@ def _cp_attn_fwd(
     else:
         pt_row = PageTable
         kv_row_base = tl.load(cu_kv_lens + seq)
+    if USE_TMA:  # packed K/V of this KV head as [num_kv_rows, D] row-strided matrices
+        k_desc1 = tl.make_tensor_descriptor(k_base, shape=[num_kv_rows, BLOCK_D1], strides=[stride_kn, 1],
+                                            block_shape=[BLOCK_N, BLOCK_D1])
+        if BLOCK_D2 > 0:
+            k_desc2 = tl.make_tensor_descriptor(k_base + BLOCK_D1, shape=[num_kv_rows, BLOCK_D2],
+                                                strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D2])
+        else:
+            k_desc2 = k_desc1
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[num_kv_rows, HEAD_DIM_V], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM_V])
+    else:
+        k_desc1 = k_base
+        k_desc2 = k_base
+        v_desc = v_base
 
     if HAS_SINKS:
         m_i = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634
@@ -309,23 +354,26 @@ def _cp_attn_fwd(
     if HAS_WINDOW:  # masked blocks at the window's left edge
         acc, l_i, m_i = _attn_key_range(
             acc, l_i, m_i, q1, q2, pos, k_base, v_base, kv_row_base, pt_row,
-            n_lo, f_lo, key_end, window, qk_scale,
+            k_desc1, k_desc2, v_desc, n_lo, f_lo, key_end, window, qk_scale,
             stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2, offs_dv,
             True, HAS_WINDOW, PAGED, PAGE_SIZE, BLOCK_D1, BLOCK_D2, DOT_PRECISION, DOT_UPCAST, BLOCK_N,
+            False,
         )
     # interior: every key visible to every row of the tile
     acc, l_i, m_i = _attn_key_range(
         acc, l_i, m_i, q1, q2, pos, k_base, v_base, kv_row_base, pt_row,
-        f_lo, f_hi, key_end, window, qk_scale,
+        k_desc1, k_desc2, v_desc, f_lo, f_hi, key_end, window, qk_scale,
         stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2, offs_dv,
         False, HAS_WINDOW, PAGED, PAGE_SIZE, BLOCK_D1, BLOCK_D2, DOT_PRECISION, DOT_UPCAST, BLOCK_N,
+        USE_TMA,
     )
     # the causal diagonal
     acc, l_i, m_i = _attn_key_range(
         acc, l_i, m_i, q1, q2, pos, k_base, v_base, kv_row_base, pt_row,
-        f_hi, key_end, key_end, window, qk_scale,
+        k_desc1, k_desc2, v_desc, f_hi, key_end, key_end, window, qk_scale,
         stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2, offs_dv,
         True, HAS_WINDOW, PAGED, PAGE_SIZE, BLOCK_D1, BLOCK_D2, DOT_PRECISION, DOT_UPCAST, BLOCK_N,
+        False,
     )
 
     has_mass = l_i > 0.0
@@ -341,7 +389,7 @@ def _cp_attn_fwd(
 
 _cp_attn_fwd_tuned = triton.autotune(
     configs=_configs(),
-    key=["HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "G_PACK", "PAGED", "PAGE_SIZE", "HAS_WINDOW"],
+    key=["HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "G_PACK", "PAGED", "PAGE_SIZE", "HAS_WINDOW", "USE_TMA"],
     prune_configs_by={"early_config_prune": _prune_configs},
     do_bench=_bench_config,
 )(_cp_attn_fwd)
@@ -421,6 +469,9 @@ def cp_attention_fwd(
         skp, skn, skh = 0, k.stride(0), k.stride(1)
         svp, svn, svh = 0, v.stride(0), v.stride(1)
         pt, stride_pt = meta.cu_kv_lens, 0
+    use_tma = not paged and _tma_ok(k, v)
+    if use_tma and not INTERPRETED:
+        _ensure_allocator()
     upcast = INTERPRETED and q.dtype == torch.bfloat16
     lse_arg = lse if lse is not None else out
     slm, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
@@ -430,7 +481,7 @@ def cp_attention_fwd(
         q, k, v, out, lse_arg, sinks if sinks is not None else out, pt,
         tiles.segment, tiles.row_offset,
         meta.seg_seq, meta.seg_row0, meta.seg_len, meta.seg_pos0, meta.seg_stride, meta.cu_kv_lens,
-        float(softmax_scale) * _LOG2E, int(window_left), num_head_groups, hq // hkv,
+        float(softmax_scale) * _LOG2E, int(window_left), num_head_groups, hq // hkv, k.shape[0],
         q.stride(0), q.stride(1),
         skp, skn, skh, svp, svn, svh,
         out.stride(0), out.stride(1), slm, slh, stride_pt,
@@ -439,7 +490,7 @@ def cp_attention_fwd(
         HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D1=d1, BLOCK_D2=d2, BLOCK_M=block_m, G_PACK=g_pack,
         PAGED=paged, PAGE_SIZE=page_size, HAS_WINDOW=window_left >= 0, HAS_SINKS=sinks is not None,
         RETURN_LSE=lse is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
-        DOT_UPCAST=upcast,
+        DOT_UPCAST=upcast, USE_TMA=use_tma,
     )
     if INTERPRETED or config is not None:
         bn, warps, stages = config if config is not None else (16, 4, 1)
