@@ -230,28 +230,30 @@ def build_metadata(
     cu_kv = _exclusive_cumsum(kv_lens)
     num_tokens = int(cu_ext[-1])
 
-    # Per logical token: sequence, offset in the extend part, position, owner.
-    seq_ids = torch.repeat_interleave(torch.arange(num_seqs), ext)
-    offsets = torch.arange(num_tokens) - cu_ext[seq_ids]
-    positions = pre[seq_ids] + offsets
-    owner = owner_fn(seq_ids, offsets, ext)
+    # Per logical token: sequence, offset in the extend part, position, owner. Token-level math
+    # runs in int32 when it fits (about twice as fast on the host as int64).
+    tok = torch.int32 if int(cu_kv[-1]) < 2**31 - 1 else torch.int64
+    seq_ids = torch.repeat_interleave(torch.arange(num_seqs, dtype=tok), ext)
+    offsets = torch.arange(num_tokens, dtype=tok) - cu_ext.to(tok)[seq_ids]
+    positions = pre.to(tok)[seq_ids] + offsets
+    owner = owner_fn(seq_ids, offsets, ext.to(tok))
 
     # Local rows of every rank: its tokens in increasing logical order.
     per_rank = torch.bincount(owner, minlength=cp_size)
     rank_start = _exclusive_cumsum(per_rank)
     small_keys = owner.to(torch.int16 if cp_size < 2**15 else torch.int32)  # narrow keys sort ~5x faster
     by_rank = torch.argsort(small_keys, stable=True)
-    local_row_sorted = torch.arange(num_tokens) - rank_start[owner[by_rank]]
-    local_row = torch.empty(num_tokens, dtype=torch.int64)
+    local_row_sorted = torch.arange(num_tokens, dtype=tok) - rank_start.to(tok)[owner[by_rank]]
+    local_row = torch.empty(num_tokens, dtype=tok)
     local_row[by_rank] = local_row_sorted
     max_local = int(per_rank.max()) if cp_size else 0
     physical = -(-max_local // pad_multiple) * pad_multiple
-    gather_index = owner * physical + local_row
+    gather_index = owner.long() * physical + local_row
 
     work = torch.bincount(owner, weights=(positions + 1).double(), minlength=cp_size)
     mine = by_rank[int(rank_start[rank]) : int(rank_start[rank + 1])]
-    local_seq = seq_ids[mine]
-    local_pos = positions[mine]
+    local_seq = seq_ids[mine].long()
+    local_pos = positions[mine].long()
     n = mine.numel()
 
     # Segments: break where the sequence changes or the position step is not the stride.
@@ -264,7 +266,7 @@ def build_metadata(
     seg_pos0 = local_pos[seg_row0]
     seg_stride = torch.full_like(seg_row0, segment_stride)
     tiles = {rows: _tile_map(seg_len, seg_pos0, seg_stride, rows) for rows in TILE_ROWS}
-    kv_extend_index = cu_kv[seq_ids] + positions
+    kv_extend_index = cu_kv[seq_ids] + positions.long()
     cu_pre = _exclusive_cumsum(pre)
     prefix_seq = torch.repeat_interleave(torch.arange(num_seqs), pre)
     kv_prefix_index = cu_kv[prefix_seq] + torch.arange(prefix_seq.numel()) - cu_pre[prefix_seq]

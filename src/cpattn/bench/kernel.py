@@ -19,7 +19,6 @@ FLOPs = 2 * Hq * sum over query rows of attended keys * (D + Dv). Median of CUDA
 from __future__ import annotations
 
 import argparse
-import math
 from typing import Callable, Optional
 
 import torch

@@ -67,7 +67,8 @@ class CPStrategy(ABC):
 
     @abstractmethod
     def _token_owner(self, seq_ids: Tensor, offsets: Tensor, extend_lens: Tensor) -> Tensor:
-        """Owning rank of every logical token. seq_ids, offsets: int64 [T]; extend_lens: [B]."""
+        """Owning rank of every logical token (same int dtype as the inputs). seq_ids, offsets: [T];
+        extend_lens: [B]; int32, or int64 for batches past 2**31 keys."""
 
     # ------------------------------------------------------------------ plan (host, per forward)
     def build_metadata(

@@ -20,4 +20,4 @@ class InterleaveStrategy(CPStrategy):
         return self.cp_size
 
     def _token_owner(self, seq_ids: Tensor, offsets: Tensor, extend_lens: Tensor) -> Tensor:
-        return torch.arange(seq_ids.numel(), dtype=torch.int64) % self.cp_size
+        return torch.arange(seq_ids.numel(), dtype=seq_ids.dtype) % self.cp_size
