@@ -40,6 +40,13 @@ def _spawned(rank, world_size, init_file, out_dir, use_cuda, worker, args) -> No
         result = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+    _shutdown()
+
+
+def _shutdown() -> None:
+    # Every rank leaves together: a gloo group destroyed while a peer is still inside its last
+    # collective can abort the process ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -57,7 +64,7 @@ def launch(worker, cp: int, *args, use_cuda: bool | None = None) -> list:
         try:
             return [worker(rank, world_size, device, *args)]
         finally:
-            dist.destroy_process_group()
+            _shutdown()
     if cp == 1:
         return [worker(0, 1, _device(use_cuda, 0), *args)]
     with tempfile.TemporaryDirectory() as tmp:
