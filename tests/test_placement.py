@@ -132,6 +132,15 @@ def test_segments_and_tiles_cover_local_rows(batch, name):
             assert m.num_segments <= 2 * sum(1 for e in extend if e)
         elif expected_segments is None:
             assert m.num_segments <= sum(1 for e in extend if e)
+        # varlen descriptors (FA4's cu_seqlens_q / cu_seqlens_k + seqused_k) agree with the segments
+        cu_kv = [0]
+        for e, p in zip(extend, prefix):
+            cu_kv.append(cu_kv[-1] + e + p)
+        segs = m.host_segments
+        assert m.seg_cu_rows.tolist() == [row0 for _, row0, *_ in segs] + [m.num_local_tokens]
+        assert m.seg_key_start.tolist() == [cu_kv[seq] for seq, *_ in segs] + [cu_kv[-1]]
+        used = [pos0 + (length - 1) * stride + 1 for _, _, length, pos0, stride in segs]
+        assert m.seg_keys_used.tolist() == used and m.max_seg_keys_used == max(used, default=0)
         for rows_per_tile, tiles in m.tiles.items():
             covered = []
             for seg, off in zip(tiles.segment.tolist(), tiles.row_offset.tolist()):

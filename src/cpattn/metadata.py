@@ -85,6 +85,11 @@ class CPMetadata:
             to under causal masking without window (host ints; a load-balance measure).
         seg_seq, seg_row0, seg_len, seg_pos0, seg_stride: [S] int32 segment descriptors
             (sequence, first local row, rows, first row's position, position step).
+        seg_cu_rows: [S + 1] int32 first local row of each segment, then n (varlen cu_seqlens_q).
+        seg_key_start: [S + 1] int32 packed K/V row of each segment's sequence start, then
+            num_kv_tokens (varlen cu_seqlens_k used with seg_keys_used).
+        seg_keys_used: [S] int32 keys visible to the segment's last row (its position + 1).
+        max_seg_keys_used: the largest seg_keys_used (host int).
         tiles: query-tile maps keyed by tile height (see :data:`TILE_ROWS`).
         max_seg_len: the longest segment (host int).
     """
@@ -117,6 +122,10 @@ class CPMetadata:
     seg_len: Tensor
     seg_pos0: Tensor
     seg_stride: Tensor
+    seg_cu_rows: Tensor
+    seg_key_start: Tensor
+    seg_keys_used: Tensor
+    max_seg_keys_used: int
     tiles: dict[int, TileMap]
     max_seg_len: int
     # Host copies of the small per-sequence / per-segment tables, for host-side planning
@@ -266,6 +275,9 @@ def build_metadata(
     seg_pos0 = local_pos[seg_row0]
     seg_stride = torch.full_like(seg_row0, segment_stride)
     tiles = {rows: _tile_map(seg_len, seg_pos0, seg_stride, rows) for rows in TILE_ROWS}
+    seg_keys_used = seg_pos0 + (seg_len - 1) * seg_stride + 1
+    seg_cu_rows = torch.cat([seg_row0, torch.tensor([n])])
+    seg_key_start = torch.cat([cu_kv[seg_seq], cu_kv[-1:]])
     kv_extend_index = cu_kv[seq_ids] + positions.long()
     cu_pre = _exclusive_cumsum(pre)
     prefix_seq = torch.repeat_interleave(torch.arange(num_seqs), pre)
@@ -301,6 +313,10 @@ def build_metadata(
         seg_len=seg_len.to(i32),
         seg_pos0=seg_pos0.to(i32),
         seg_stride=seg_stride.to(i32),
+        seg_cu_rows=seg_cu_rows.to(i32),
+        seg_key_start=seg_key_start.to(i32),
+        seg_keys_used=seg_keys_used.to(i32),
+        max_seg_keys_used=int(seg_keys_used.max()) if seg_keys_used.numel() else 0,
         tiles=tiles,
         max_seg_len=int(seg_len.max()) if seg_len.numel() else 0,
         host_cu_kv_lens=tuple(cu_kv.tolist()),

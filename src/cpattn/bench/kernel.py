@@ -78,20 +78,17 @@ def _sdpa_fn(q, k, v, meta, group: int) -> Callable[[], object]:
 def _fa4_raw_fn(q, k, v, meta, page_table) -> Optional[Callable[[], object]]:
     from flash_attn.cute import flash_attn_varlen_func
 
-    from ..kernels.fa4 import fa4_plan
-
-    plan = fa4_plan(meta)
     kw = dict(
-        cu_seqlens_q=plan.cu_seqlens_q,
-        seqused_k=plan.seqused_k,
-        max_seqlen_q=plan.max_seqlen_q,
-        max_seqlen_k=plan.max_seqlen_k,
+        cu_seqlens_q=meta.seg_cu_rows,
+        seqused_k=meta.seg_keys_used,
+        max_seqlen_q=meta.max_seg_len,
+        max_seqlen_k=meta.max_seg_keys_used,
         causal=True,
     )
     if page_table is not None:
-        kw["page_table"] = page_table.index_select(0, plan.seg_seq).contiguous()
+        kw["page_table"] = page_table.index_select(0, meta.seg_seq).contiguous()
     else:
-        kw["cu_seqlens_k"] = plan.cu_seqlens_k
+        kw["cu_seqlens_k"] = meta.seg_key_start
     return lambda: flash_attn_varlen_func(q, k, v, **kw)
 
 

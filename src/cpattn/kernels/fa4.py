@@ -11,57 +11,19 @@ Only stride-1 segments map this way (zigzag, contiguous). Interleave (stride C) 
 mapping: a mask_mod would turn off FA4's causal block skipping; the backend reports it
 unsupported, so ``backend="fa4"`` raises NotImplementedError before any work.
 
-The small per-segment arrays are built once per metadata (on first use, from host tuples) and
-cached on it; the per-layer path is device-only apart from that first call.
+The per-segment arrays are planned with the metadata (``seg_cu_rows``, ``seg_key_start``,
+``seg_keys_used``) and moved to the device with it: the per-layer path is device-only.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from . import AttentionCall
-from ..metadata import CPMetadata
-
-_PLAN_ATTR = "_cpattn_fa4_plan"
-
-
-@dataclass(frozen=True)
-class _FA4Plan:
-    cu_seqlens_q: Tensor  # int32 [S + 1]
-    cu_seqlens_k: Tensor  # int32 [S + 1] (packed key start of each segment's sequence)
-    seqused_k: Tensor  # int32 [S]
-    seg_seq: Tensor  # int64 [S] (page-table rows)
-    max_seqlen_q: int
-    max_seqlen_k: int
-
-
-def fa4_plan(meta: CPMetadata) -> _FA4Plan:
-    """The per-segment FA4 arguments of ``meta`` (host-built once, then cached on ``meta``)."""
-    plan = meta.__dict__.get(_PLAN_ATTR)
-    if plan is not None:
-        return plan
-    segs = meta.host_segments
-    cu_q = [row0 for _, row0, _, _, _ in segs] + [meta.num_local_tokens]
-    cu_k = [meta.host_cu_kv_lens[seq] for seq, *_ in segs] + [meta.num_kv_tokens]
-    used = [pos0 + (length - 1) * stride + 1 for _, _, length, pos0, stride in segs]
-    dev = meta.device
-    i32 = dict(dtype=torch.int32, device=dev)
-    plan = _FA4Plan(
-        cu_seqlens_q=torch.tensor(cu_q, **i32),
-        cu_seqlens_k=torch.tensor(cu_k, **i32),
-        seqused_k=torch.tensor(used, **i32),
-        seg_seq=torch.tensor([seq for seq, *_ in segs], dtype=torch.int64, device=dev),
-        max_seqlen_q=meta.max_seg_len,
-        max_seqlen_k=max(used, default=0),
-    )
-    object.__setattr__(meta, _PLAN_ATTR, plan)  # frozen dataclass: cache beside the fields
-    return plan
-
 
 def _import_fa4():
     return importlib.import_module("flash_attn.cute.interface")
@@ -117,14 +79,13 @@ class FA4Backend:
                 lse_t[:, n:].fill_(float("-inf"))
         if n == 0 or meta.num_segments == 0:
             return out, (lse_t.t() if lse_t is not None else None)
-        plan = fa4_plan(meta)
         if call.paged:
-            table = call.page_table.index_select(0, plan.seg_seq)
+            table = call.page_table.index_select(0, meta.seg_seq)
             if table.dtype != torch.int32:
                 table = table.to(torch.int32)
             kv = dict(cu_seqlens_k=None, page_table=table)
         else:
-            kv = dict(cu_seqlens_k=plan.cu_seqlens_k, page_table=None)
+            kv = dict(cu_seqlens_k=meta.seg_key_start, page_table=None)
         sinks = call.sinks
         if sinks is not None and sinks.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             sinks = sinks.float()
@@ -133,10 +94,10 @@ class FA4Backend:
             q,
             call.k,
             call.v,
-            cu_seqlens_q=plan.cu_seqlens_q,
-            seqused_k=plan.seqused_k,
-            max_seqlen_q=plan.max_seqlen_q,
-            max_seqlen_k=plan.max_seqlen_k,
+            cu_seqlens_q=meta.seg_cu_rows,
+            seqused_k=meta.seg_keys_used,
+            max_seqlen_q=meta.max_seg_len,
+            max_seqlen_k=meta.max_seg_keys_used,
             softmax_scale=call.softmax_scale,
             causal=True,
             window_size_left=left,
