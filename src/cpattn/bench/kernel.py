@@ -4,7 +4,9 @@ For each head shape and total sequence length S (one sequence, no prefix), rank 
 zigzag C = 1, 2, 4, 8 (q = two blocks, k = the whole sequence; C = 1 is plain causal), interleave
 C = 4, and zigzag C = 2 with a paged cache (page 64). Backends on the same tensors:
 
-* ``triton``: ``strategy.attention(..., backend="triton")`` (one launch).
+* ``triton``: ``strategy.attention(..., backend="triton")`` (one launch; on sm_90 the
+  warp-specialized Gluon kernel wherever it applies, else the portable Triton kernel).
+* ``triton-portable``: the portable Triton kernel alone (``cp_attention_fwd(..., sm90=False)``).
 * ``fa4``: ``strategy.attention(..., backend="fa4")`` (one varlen launch plus output set-up).
 * ``fa4-raw``: ``flash_attn.cute.flash_attn_varlen_func`` called directly with the same
   per-segment arguments, to show the fa4 backend's overhead.
@@ -26,7 +28,7 @@ import torch
 from .common import header, progress, time_cuda, write_json
 
 SHAPES = {"d128": (32, 8, 128, 128), "d192": (16, 16, 192, 128)}
-BACKENDS = ("triton", "fa4", "fa4-raw", "sdpa")
+BACKENDS = ("triton", "triton-portable", "fa4", "fa4-raw", "sdpa")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -179,6 +181,11 @@ def _make_fn(backend, s, q, k, v, meta, table, group, strategy_name, triton_kw):
             scale = q.shape[-1] ** -0.5
             return lambda: cp_attention_fwd(q, k, v, meta, scale, page_table=table, **triton_kw)
         return lambda: s.attention(q, k, v, meta, page_table=table, backend="triton")
+    if backend == "triton-portable":
+        from ..kernels.triton_attn import cp_attention_fwd
+
+        scale = q.shape[-1] ** -0.5
+        return lambda: cp_attention_fwd(q, k, v, meta, scale, page_table=table, sm90=False, **triton_kw)
     if backend == "fa4":
         if strategy_name == "interleave":
             return None

@@ -76,6 +76,18 @@ def _default_block_m(d: int, dv: int) -> int:
     return 128
 
 
+def _sm90_enabled() -> bool:
+    """The warp-specialized Hopper kernel (:mod:`.triton_sm90`) is used where it applies unless
+    ``CPATTN_TRITON_SM90=0``."""
+    return os.environ.get("CPATTN_TRITON_SM90", "1") != "0"
+
+
+#: Tuning of the sm_90 kernel: key block, K/V stages, FA3-style intra-warpgroup overlap and
+#: ping-pong between the two consumer warpgroups (both measured no faster on average on H200;
+#: docs/kernels.md has the numbers).
+SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": False, "pingpong": False}
+
+
 def _autotune_enabled() -> bool:
     return os.environ.get("CPATTN_TRITON_AUTOTUNE", "1") != "0"
 
@@ -169,6 +181,115 @@ def _ensure_allocator() -> None:
 
 # ----------------------------------------------------------------------------- kernel
 @triton.jit
+def _kv_block_offsets(
+    start, kv_row_base, pt_row, key_end, stride_kp, stride_kn, stride_vp, stride_vn, offs_n,
+    MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Row offsets (elements) of key block [start, start + BLOCK_N) in K and V, and its
+    in-sequence mask: packed rows ``kv_row_base + p`` or paged ``page_table[p // PAGE_SIZE]``."""
+    kpos = start + offs_n
+    in_seq = kpos < key_end
+    if PAGED:
+        if PAGE_SIZE % BLOCK_N == 0:  # the whole block sits in one page: one table read
+            page = tl.load(pt_row + start // PAGE_SIZE).to(tl.int64)
+            slot = (start % PAGE_SIZE + offs_n).to(tl.int64)
+        else:
+            if MASKED:
+                page = tl.load(pt_row + kpos // PAGE_SIZE, mask=in_seq, other=0).to(tl.int64)
+            else:
+                page = tl.load(pt_row + kpos // PAGE_SIZE).to(tl.int64)
+            slot = (kpos % PAGE_SIZE).to(tl.int64)
+        k_off = page * stride_kp + slot * stride_kn
+        v_off = page * stride_vp + slot * stride_vn
+    else:
+        krow = (kv_row_base + kpos).to(tl.int64)
+        k_off = krow * stride_kn
+        v_off = krow * stride_vn
+    return k_off, v_off, in_seq
+
+
+@triton.jit
+def _load_rows(base, off, in_seq, offs_d, desc, desc_row, MASKED: tl.constexpr, USE_DESC: tl.constexpr,
+               DOT_UPCAST: tl.constexpr):
+    """A [BLOCK_N, width] block of K or V: through the TMA descriptor (row ``desc_row``) or
+    pointers ``base + off[:, None] + offs_d`` (masked rows read 0)."""
+    if USE_DESC:
+        x = desc.load([desc_row, 0])
+    elif MASKED:
+        x = tl.load(base + off[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    else:
+        x = tl.load(base + off[:, None] + offs_d[None, :])
+    if DOT_UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _block_scores(
+    start, q1, q2, k_base, kv_row_base, pt_row, k_desc1, k_desc2, key_end,
+    stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2,
+    MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr,
+):
+    """Unscaled scores ``q @ K[start:start + BLOCK_N].T`` [BLOCK_M, BLOCK_N] (fp32); a split head
+    dim (``BLOCK_D2 > 0``) accumulates two dots."""
+    k_off, v_off, in_seq = _kv_block_offsets(start, kv_row_base, pt_row, key_end, stride_kp, stride_kn,
+                                             stride_vp, stride_vn, offs_n, MASKED, PAGED, PAGE_SIZE, BLOCK_N)
+    desc_row = (kv_row_base + start).to(tl.int32)
+    k1 = _load_rows(k_base, k_off, in_seq, offs_d1, k_desc1, desc_row, MASKED, USE_DESC, DOT_UPCAST)
+    s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
+    if BLOCK_D2 > 0:
+        k2 = _load_rows(k_base + BLOCK_D1, k_off, in_seq, offs_d2, k_desc2, desc_row, MASKED, USE_DESC,
+                        DOT_UPCAST)
+        s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
+    return s
+
+
+@triton.jit
+def _block_values(
+    start, v_base, kv_row_base, pt_row, v_desc, key_end, stride_kp, stride_kn, stride_vp, stride_vn,
+    offs_n, offs_dv, MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr,
+):
+    """``V[start:start + BLOCK_N]`` [BLOCK_N, Dv]."""
+    k_off, v_off, in_seq = _kv_block_offsets(start, kv_row_base, pt_row, key_end, stride_kp, stride_kn,
+                                             stride_vp, stride_vn, offs_n, MASKED, PAGED, PAGE_SIZE, BLOCK_N)
+    desc_row = (kv_row_base + start).to(tl.int32)
+    return _load_rows(v_base, v_off, in_seq, offs_dv, v_desc, desc_row, MASKED, USE_DESC, DOT_UPCAST)
+
+
+@triton.jit
+def _softmax_update(
+    acc, l_i, m_i, s, v, start, pos, window, qk_scale, offs_n,
+    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    """One online-softmax step (base 2): fold scores ``s`` of a key block and its values ``v``
+    into (acc, l_i, m_i). MASKED applies the causal / window mask by position."""
+    # scores stay unscaled; qk_scale (> 0) folds into the exponent's FMA
+    if MASKED:
+        kpos = start + offs_n
+        visible = kpos[None, :] <= pos[:, None]
+        if HAS_WINDOW:
+            visible = visible & (kpos[None, :] >= pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_use = m_new
+    p = tl.math.exp2(s * qk_scale - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    p = p.to(v.dtype)
+    if DOT_UPCAST:
+        p = p.to(tl.float32)
+    acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attn_key_range(
     acc, l_i, m_i, q1, q2, pos,
     k_base, v_base, kv_row_base, pt_row, k_desc1, k_desc2, v_desc,
@@ -184,72 +305,14 @@ def _attn_key_range(
     descriptors (TMA; packed K/V, unmasked blocks) instead of pointers. DOT_UPCAST feeds fp32 to
     tl.dot (the interpreter's bf16 dot is wrong)."""
     for start in range(n_lo, n_hi, BLOCK_N):
-        kpos = start + offs_n
-        in_seq = kpos < key_end
-        if USE_DESC:
-            row = (kv_row_base + start).to(tl.int32)
-        elif PAGED:
-            if PAGE_SIZE % BLOCK_N == 0:  # the whole block sits in one page: one table read
-                page = tl.load(pt_row + start // PAGE_SIZE).to(tl.int64)
-                slot = (start % PAGE_SIZE + offs_n).to(tl.int64)
-            else:
-                if MASKED:
-                    page = tl.load(pt_row + kpos // PAGE_SIZE, mask=in_seq, other=0).to(tl.int64)
-                else:
-                    page = tl.load(pt_row + kpos // PAGE_SIZE).to(tl.int64)
-                slot = (kpos % PAGE_SIZE).to(tl.int64)
-            k_off = page * stride_kp + slot * stride_kn
-            v_off = page * stride_vp + slot * stride_vn
-        else:
-            krow = (kv_row_base + kpos).to(tl.int64)
-            k_off = krow * stride_kn
-            v_off = krow * stride_vn
-        if USE_DESC:
-            k1 = k_desc1.load([row, 0])
-        elif MASKED:
-            k1 = tl.load(k_base + k_off[:, None] + offs_d1[None, :], mask=in_seq[:, None], other=0.0)
-        else:
-            k1 = tl.load(k_base + k_off[:, None] + offs_d1[None, :])
-        if DOT_UPCAST:
-            k1 = k1.to(tl.float32)
-        s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
-        if BLOCK_D2 > 0:
-            if USE_DESC:
-                k2 = k_desc2.load([row, 0])
-            elif MASKED:
-                k2 = tl.load(k_base + k_off[:, None] + BLOCK_D1 + offs_d2[None, :], mask=in_seq[:, None], other=0.0)
-            else:
-                k2 = tl.load(k_base + k_off[:, None] + BLOCK_D1 + offs_d2[None, :])
-            if DOT_UPCAST:
-                k2 = k2.to(tl.float32)
-            s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
-        # scores stay unscaled; qk_scale (> 0) folds into the exponent's FMA
-        if MASKED:
-            visible = kpos[None, :] <= pos[:, None]
-            if HAS_WINDOW:
-                visible = visible & (kpos[None, :] >= pos[:, None] - window)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            m_use = m_new
-        p = tl.math.exp2(s * qk_scale - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if USE_DESC:
-            v = v_desc.load([row, 0])
-        elif MASKED:
-            v = tl.load(v_base + v_off[:, None] + offs_dv[None, :], mask=in_seq[:, None], other=0.0)
-        else:
-            v = tl.load(v_base + v_off[:, None] + offs_dv[None, :])
-        p = p.to(v.dtype)
-        if DOT_UPCAST:
-            p = p.to(tl.float32)
-            v = v.to(tl.float32)
-        acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+        s = _block_scores(start, q1, q2, k_base, kv_row_base, pt_row, k_desc1, k_desc2, key_end,
+                          stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2,
+                          MASKED, PAGED, PAGE_SIZE, BLOCK_D1, BLOCK_D2, DOT_PRECISION, DOT_UPCAST, BLOCK_N, USE_DESC)
+        v = _block_values(start, v_base, kv_row_base, pt_row, v_desc, key_end, stride_kp, stride_kn,
+                          stride_vp, stride_vn, offs_n, offs_dv, MASKED, PAGED, PAGE_SIZE, DOT_UPCAST, BLOCK_N,
+                          USE_DESC)
+        acc, l_i, m_i = _softmax_update(acc, l_i, m_i, s, v, start, pos, window, qk_scale, offs_n,
+                                        MASKED, HAS_WINDOW, DOT_PRECISION, DOT_UPCAST)
     return acc, l_i, m_i
 
 
@@ -428,6 +491,7 @@ def cp_attention_fwd(
     *,
     block_m: Optional[int] = None,
     config: Optional[tuple[int, int, int]] = None,
+    sm90: Optional[bool] = None,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """Causal attention of a rank's local queries in one launch.
 
@@ -435,7 +499,9 @@ def cp_attention_fwd(
     with page_table [B, max_pages] int32/int64. Returns out [P, Hq, Dv] (q.dtype, pad rows 0) and
     lse [P, Hq] float32 natural log (pad rows -inf) or None. ``block_m`` (query rows x packed
     heads per program) and ``config`` ((BLOCK_N, num_warps, num_stages), bypassing the autotuner)
-    are tuning knobs. No host sync; safe to capture in a CUDA graph once autotuned.
+    are tuning knobs. ``sm90`` picks the warp-specialized Hopper kernel (:mod:`.triton_sm90`):
+    None uses it wherever it applies (unless ``CPATTN_TRITON_SM90=0``), False never, True raises
+    ValueError where it cannot run. No host sync; safe to capture in a CUDA graph once autotuned.
     """
     p_rows, hq, d = q.shape
     hkv, dv = k.shape[-2], v.shape[-1]
@@ -472,6 +538,19 @@ def cp_attention_fwd(
     use_tma = not paged and _tma_ok(k, v)
     if use_tma and not INTERPRETED:
         _ensure_allocator()
+    if sm90 or (sm90 is None and not INTERPRETED and config is None and _sm90_enabled()
+                and block_m == _default_block_m(d, dv)):
+        from . import triton_sm90
+
+        reason = triton_sm90.ws_unsupported_reason(q, k, v, paged)
+        if block_m != triton_sm90.NUM_CONSUMERS * triton_sm90.CONSUMER_ROWS:
+            reason = f"block_m={block_m} (the sm_90 kernel covers {triton_sm90.NUM_CONSUMERS * triton_sm90.CONSUMER_ROWS})"
+        if reason is None:
+            triton_sm90.cp_attention_fwd_sm90(q, k, v, out, lse, meta, softmax_scale, window_left, sinks, g_pack, rows,
+                                              **SM90_OPTIONS)
+            return out, lse
+        if sm90:
+            raise ValueError(f"the sm_90 kernel cannot run this call: {reason}")
     upcast = INTERPRETED and q.dtype == torch.bfloat16
     lse_arg = lse if lse is not None else out
     slm, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)

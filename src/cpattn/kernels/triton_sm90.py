@@ -1,0 +1,364 @@
+"""Warp-specialized Hopper (sm_90) variant of the CP attention kernel, written in Gluon.
+
+Same contract and tile map as :mod:`cpattn.kernels.triton_attn` (a program = one query tile of
+one segment x ``G_PACK`` heads of one KV group), organised the way FA3 runs on Hopper:
+
+* a 1-warp **loader** partition streams K/V blocks into a ring of shared-memory stages with TMA,
+  signalling ``ready`` mbarriers;
+* two 4-warp **consumer** partitions each own half of the tile's rows (``BLOCK_M`` each). Per key
+  block: ``S = Q K^T`` (wgmma, Q and K in shared memory), online softmax in registers,
+  ``O += P V`` (wgmma, P from registers), then release the stage. The two consumers run
+  independently, so the warp scheduler overlaps one's softmax with the other's tensor-core work.
+  Options (off by default: not faster on average on H200, see docs/kernels.md): ``OVERLAP``
+  issues the next block's ``Q K^T`` before this block's softmax (FA3's intra-warpgroup overlap);
+  ``PINGPONG`` (with ``OVERLAP``) makes the consumers take turns issuing their GEMMs.
+
+Used for packed K/V with ``D == Dv`` in (64, 128), bf16/fp16, on sm_90 with Gluon available;
+everything else (paged K/V, split head dims, other GPUs, the CPU interpreter) runs the portable
+kernel. Masking, windows, sinks and LSE follow the portable kernel exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+try:  # Gluon ships with triton >= 3.5; older versions use the portable kernel only
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    HAVE_GLUON = True
+except (ImportError, AssertionError):  # triton < 3.5, or triton loaded for the CPU interpreter
+    HAVE_GLUON = False
+
+from ..metadata import CPMetadata
+
+_LOG2E = 1.4426950408889634
+
+#: (consumer warpgroups) x (rows per consumer): the tile a program covers.
+NUM_CONSUMERS = 2
+CONSUMER_ROWS = 64
+
+
+def ws_unsupported_reason(q: Tensor, k: Tensor, v: Tensor, paged: bool) -> Optional[str]:
+    """Why the sm_90 warp-specialized kernel cannot take this call (None if it can)."""
+    if paged:
+        return "paged K/V"
+    d, dv = q.shape[-1], v.shape[-1]
+    if d != dv or d not in (64, 128):
+        return f"head dims D={d}, Dv={dv} (needs D == Dv in 64, 128)"
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtype {q.dtype} (needs bf16 or fp16)"
+    for x in (k, v):  # 2-D TMA view [rows, Hkv * D]: heads adjacent, rows 16-byte aligned
+        if (x.stride(-1) != 1 or x.stride(-2) != x.shape[-1] or (x.stride(0) * x.element_size()) % 16
+                or x.data_ptr() % 16):
+            return "K/V rows not TMA-compatible (need [rows, Hkv, D] with heads adjacent, 16-byte rows)"
+    if not HAVE_GLUON:
+        return "Gluon unavailable (needs triton >= 3.5, not in interpreter mode)"
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "not an sm_90 GPU"
+    return None
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _ws_loader(smem, kv, rows, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, RETURN_LSE: gl.constexpr,
+                   G_PACK: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+        """1 warp: TMA K/V blocks ``n_lo + j * BLOCK_N`` (j < num_blocks) into the stage ring."""
+        q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn = smem
+        k_desc, v_desc, kv_col, kv_row_base, n_lo, num_blocks = kv
+        STAGES: gl.constexpr = k_bufs.type.shape[0]
+        BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+        for j in range(num_blocks):
+            slot = j % STAGES
+            phase = (j // STAGES) & 1
+            mbarrier.wait(kv_empty.index(slot), phase ^ 1)
+            row = (kv_row_base + n_lo + j * BLOCK_N).to(gl.int32)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(slot), k_bufs.index(slot))
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(slot), v_bufs.index(slot))
+
+    @gluon.jit
+    def _ws_softmax(s, m_i, l_i, start, pos, f_lo, f_hi, window, qk_scale, offs_n, HAS_WINDOW: gl.constexpr):
+        """Online softmax of one score block (base 2): returns (p fp32, alpha, m_i, l_i). Blocks
+        outside [f_lo, f_hi) get the causal / window mask by position."""
+        if (start < f_lo) | (start >= f_hi):
+            kpos = start + offs_n
+            visible = gl.expand_dims(kpos, 0) <= gl.expand_dims(pos, 1)
+            if HAS_WINDOW:
+                visible = visible & (gl.expand_dims(kpos, 0) >= gl.expand_dims(pos - window, 1))
+            s = gl.where(visible, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return p, alpha, m_new, l_i
+
+    @gluon.jit
+    def _ws_consumer(smem, kv, rows, HALF: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+                     RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, OVERLAP: gl.constexpr,
+                     PINGPONG: gl.constexpr):
+        """4 warps: rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of the tile."""
+        q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn = smem
+        k_desc, v_desc, kv_col, kv_row_base, n_lo, num_blocks = kv
+        (Q, Out, Lse, Sinks, stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
+         roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, qk_scale, window) = rows
+        STAGES: gl.constexpr = k_bufs.type.shape[0]
+        BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+        HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
+        HEAD_DIM_V: gl.constexpr = v_bufs.type.shape[2]
+        BLOCK_M: gl.constexpr = q_smem.type.shape[1]
+        dtype: gl.constexpr = k_bufs.type.element_ty
+
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM_V, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        # this half's Q rows -> shared memory (row m = position-major, heads fastest)
+        m_q = HALF * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
+        r_q = roff + m_q // G_PACK
+        head_q = hg * G_PACK + m_q % G_PACK
+        d_q = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+        q_ptrs = Q + gl.expand_dims((row0 + r_q).to(gl.int64) * stride_qm + head_q * stride_qh, 1) \
+            + gl.expand_dims(d_q, 0)
+        q = gl.load(q_ptrs, mask=gl.expand_dims(r_q < slen, 1), other=0.0)
+        q_half = q_smem.index(HALF)
+        q_half.store(q)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        m_s = HALF * BLOCK_M + gl.arange(0, BLOCK_M, layout=s_rows)
+        pos = pos0 + (roff + m_s // G_PACK) * pstride
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        if HAS_SINKS:
+            m_i = gl.load(Sinks + hg * G_PACK + m_s % G_PACK).to(gl.float32) * 1.4426950408889634
+            l_i = gl.full([BLOCK_M], 1.0, gl.float32, layout=s_rows)
+        else:
+            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=s_rows)
+            l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=s_rows)
+        acc = gl.zeros([BLOCK_M, HEAD_DIM_V], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+
+        if OVERLAP:
+            # prologue: block 0's scores and probabilities
+            mbarrier.wait(k_ready.index(0), 0)
+            if PINGPONG:
+                mbarrier.wait(turn.index(HALF), HALF ^ 1)
+            s = warpgroup_mma(q_half, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - HALF), count=1)
+            s = warpgroup_mma_wait(0, deps=(s, ))
+            p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, n_lo, pos, f_lo, f_hi, window, qk_scale, offs_n,
+                                             HAS_WINDOW)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+            for j in range(1, num_blocks):
+                slot = j % STAGES
+                prev = (j - 1) % STAGES
+                # issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; softmax_j overlaps the second
+                mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+                mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                if PINGPONG:  # the two consumers take turns issuing their GEMMs
+                    mbarrier.wait(turn.index(HALF), (j & 1) ^ HALF ^ 1)
+                s = warpgroup_mma(q_half, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
+                acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index(1 - HALF), count=1)
+                s = warpgroup_mma_wait(1, deps=(s, ))
+                p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, n_lo + j * BLOCK_N, pos, f_lo, f_hi, window,
+                                                 qk_scale, offs_n, HAS_WINDOW)
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                mbarrier.arrive(kv_empty.index(prev), count=1)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+            last = (num_blocks - 1) % STAGES
+            mbarrier.wait(v_ready.index(last), ((num_blocks - 1) // STAGES) & 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            if PINGPONG:
+                mbarrier.wait(turn.index(HALF), (num_blocks & 1) ^ HALF ^ 1)
+            acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - HALF), count=1)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(kv_empty.index(last), count=1)
+        else:
+            for j in range(num_blocks):
+                slot = j % STAGES
+                phase = (j // STAGES) & 1
+                mbarrier.wait(k_ready.index(slot), phase)
+                s = warpgroup_mma(q_half, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
+                s = warpgroup_mma_wait(0, deps=(s, ))
+                p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, n_lo + j * BLOCK_N, pos, f_lo, f_hi, window,
+                                                 qk_scale, offs_n, HAS_WINDOW)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                mbarrier.wait(v_ready.index(slot), phase)
+                acc = warpgroup_mma(p_op, v_bufs.index(slot), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                mbarrier.arrive(kv_empty.index(slot), count=1)
+
+        # epilogue: O / l (0 for rows that saw no key), LSE in natural log
+        has_mass = l_i > 0.0
+        inv_l = gl.where(has_mass, 1.0 / gl.where(has_mass, l_i, 1.0), 0.0)
+        out = acc * gl.expand_dims(gl.convert_layout(inv_l, o_rows), 1)
+        m_o = HALF * BLOCK_M + gl.arange(0, BLOCK_M, layout=o_rows)
+        r_o = roff + m_o // G_PACK
+        head_o = hg * G_PACK + m_o % G_PACK
+        d_o = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = Out + gl.expand_dims((row0 + r_o).to(gl.int64) * stride_om + head_o * stride_oh, 1) \
+            + gl.expand_dims(d_o, 0)
+        gl.store(o_ptrs, out.to(dtype), mask=gl.expand_dims(r_o < slen, 1))
+        if RETURN_LSE:
+            lse = gl.where(has_mass, (m_i + gl.log2(gl.where(has_mass, l_i, 1.0))) * 0.6931471805599453,
+                           float("-inf"))
+            r_s = roff + m_s // G_PACK
+            head_s = hg * G_PACK + m_s % G_PACK
+            gl.store(Lse + (row0 + r_s).to(gl.int64) * stride_lm + head_s * stride_lh, lse, mask=r_s < slen)
+
+    @gluon.jit
+    def _ws_consumer0(smem, kv, rows, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+                      RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+        _ws_consumer(smem, kv, rows, 0, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG)
+
+    @gluon.jit
+    def _ws_consumer1(smem, kv, rows, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+                      RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+        _ws_consumer(smem, kv, rows, 1, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG)
+
+    @gluon.jit
+    def _cp_attn_fwd_sm90(
+        Q, k_desc, v_desc, Out, Lse, Sinks,
+        tile_segment, tile_row_offset,
+        seg_seq, seg_row0, seg_len, seg_pos0, seg_stride, cu_kv_lens,
+        qk_scale, window, num_head_groups, group_size,
+        stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
+        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, G_PACK: gl.constexpr,
+        HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, RETURN_LSE: gl.constexpr, OVERLAP: gl.constexpr,
+        PINGPONG: gl.constexpr, Q_SMEM: gl.constexpr,
+    ):
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
+        HEAD_DIM_V: gl.constexpr = v_desc.block_type.shape[1]
+        ROWS: gl.constexpr = 2 * BLOCK_M // G_PACK
+        pid = gl.program_id(0)
+        tile = pid // num_head_groups
+        hg = pid % num_head_groups
+        seg = gl.load(tile_segment + tile)
+        roff = gl.load(tile_row_offset + tile)
+        seq = gl.load(seg_seq + seg)
+        row0 = gl.load(seg_row0 + seg)
+        slen = gl.load(seg_len + seg)
+        pos0 = gl.load(seg_pos0 + seg)
+        pstride = gl.load(seg_stride + seg)
+        last_r = gl.minimum(roff + ROWS, slen) - 1
+        pos_min = pos0 + roff * pstride
+        pos_max = pos0 + last_r * pstride
+        kvh = (hg * G_PACK) // group_size
+        kv_row_base = gl.load(cu_kv_lens + seq).to(gl.int32)  # TMA coordinates are 32-bit
+
+        key_end = pos_max + 1
+        if HAS_WINDOW:
+            n_lo = (gl.maximum(pos_min - window, 0) // BLOCK_N) * BLOCK_N
+            f_lo = gl.cdiv(gl.maximum(pos_max - window, 0), BLOCK_N) * BLOCK_N
+        else:
+            n_lo = pos_min * 0
+            f_lo = pos_min * 0
+        f_hi = gl.maximum(((pos_min + 1) // BLOCK_N) * BLOCK_N, f_lo)
+        num_blocks = gl.cdiv(key_end - n_lo, BLOCK_N)
+
+        q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, BLOCK_M, HEAD_DIM], Q_SMEM)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM_V], v_desc.layout)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+
+        # partition arguments (scalars and shared-memory handles only): buffers, K/V stream, rows
+        smem = (q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn)
+        kv = (k_desc, v_desc, kvh * HEAD_DIM, kv_row_base, n_lo, num_blocks)
+        rows = (Q, Out, Lse, Sinks, stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
+                roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, qk_scale, window)
+        flags = (smem, kv, rows, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG)
+        gl.warp_specialize([
+            (_ws_consumer0, flags),
+            (_ws_consumer1, flags),
+            (_ws_loader, flags),
+        ], [4, 1], [240, 24])
+
+
+def smem_layouts(block_m: int, block_n: int, d: int, dv: int, dtype: torch.dtype):
+    """NVMMA shared-memory layouts of the Q, K and V tiles."""
+    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return (gl.NVMMASharedLayout.get_default_for([block_m, d], gdt),
+            gl.NVMMASharedLayout.get_default_for([block_n, d], gdt),
+            gl.NVMMASharedLayout.get_default_for([block_n, dv], gdt))
+
+
+def kv_descriptors(k: Tensor, v: Tensor, block_n: int):
+    """Host TMA descriptors over packed K/V seen as ``[rows, Hkv * D]`` matrices (block
+    ``[block_n, D]``; KV head ``h`` is column ``h * D``)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _, k_l, v_l = smem_layouts(CONSUMER_ROWS, block_n, k.shape[-1], v.shape[-1], k.dtype)
+    n, hkv = k.shape[0], k.shape[1]
+    k_desc = TensorDescriptor(k, [n, hkv * k.shape[2]], [k.stride(0), 1], [block_n, k.shape[2]], k_l)
+    v_desc = TensorDescriptor(v, [n, hkv * v.shape[2]], [v.stride(0), 1], [block_n, v.shape[2]], v_l)
+    return k_desc, v_desc
+
+
+def cp_attention_fwd_sm90(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tensor], meta: CPMetadata, softmax_scale: float,
+    window_left: int, sinks: Optional[Tensor], g_pack: int, rows: int,
+    *, block_n: int = 128, stages: int = 3, overlap: bool = False, pingpong: bool = False,
+) -> None:
+    """Launch the warp-specialized kernel into ``out`` / ``lse`` (shapes as in
+    :func:`cpattn.kernels.triton_attn.cp_attention_fwd`); ``rows * g_pack`` must be
+    ``NUM_CONSUMERS * CONSUMER_ROWS``. ``pingpong`` (with ``overlap``) makes the two consumers
+    take turns issuing their GEMMs, so one's softmax runs under the other's matrix work."""
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k.shape[-2]
+    block_m = CONSUMER_ROWS
+    assert rows * g_pack == NUM_CONSUMERS * block_m
+    tiles = meta.tiles[rows]
+    num_head_groups = hq // g_pack
+    q_l = smem_layouts(block_m, block_n, d, v.shape[-1], q.dtype)[0]
+    k_desc, v_desc = kv_descriptors(k, v, block_n)
+    if lse is None:  # the kernel always writes LSE (triton 3.6 miscompiles the partition without it)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    grid = (tiles.num_tiles * num_head_groups,)
+    _cp_attn_fwd_sm90[grid](
+        q, k_desc, v_desc, out, lse, sinks if sinks is not None else out,
+        tiles.segment, tiles.row_offset,
+        meta.seg_seq, meta.seg_row0, meta.seg_len, meta.seg_pos0, meta.seg_stride, meta.cu_kv_lens,
+        float(softmax_scale) * _LOG2E, int(window_left), num_head_groups, hq // hkv,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        BLOCK_M=block_m, STAGES=stages, G_PACK=g_pack,
+        HAS_WINDOW=window_left >= 0, HAS_SINKS=sinks is not None, RETURN_LSE=True, OVERLAP=overlap,
+        PINGPONG=pingpong and overlap, Q_SMEM=q_l,
+        num_warps=4, maxnreg=168,
+    )
