@@ -26,7 +26,8 @@ def machine_description() -> str:
 
 
 def time_cuda(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> float:
-    """Median milliseconds of ``fn`` over ``iters`` runs, timed with CUDA events."""
+    """Median milliseconds of ``fn`` over ``iters`` runs, timed with CUDA events around each call
+    (with a sync after each, so the host's launch work before the kernel counts too)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -38,6 +39,25 @@ def time_cuda(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> flo
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def time_cuda_back_to_back(fn: Callable[[], object], warmup: int = 3, iters: int = 10, repeats: int = 3) -> float:
+    """Milliseconds per call of ``fn`` issued ``iters`` times back to back between two CUDA
+    events (median of ``repeats``): the GPU queue stays full, so host-side launch work that is
+    shorter than the kernel is hidden, as in a steady stream of layers or a CUDA graph."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / iters)
     return statistics.median(times)
 
 
