@@ -226,17 +226,12 @@ def _load_rows(base, off, in_seq, offs_d, desc, desc_row, MASKED: tl.constexpr, 
 
 @triton.jit
 def _block_scores(
-    start, q1, q2, k_base, kv_row_base, pt_row, k_desc1, k_desc2, key_end,
-    stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2,
-    MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr,
+    q1, q2, k_base, k_off, in_seq, k_desc1, k_desc2, desc_row, offs_d1, offs_d2,
+    MASKED: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, USE_DESC: tl.constexpr,
 ):
-    """Unscaled scores ``q @ K[start:start + BLOCK_N].T`` [BLOCK_M, BLOCK_N] (fp32); a split head
-    dim (``BLOCK_D2 > 0``) accumulates two dots."""
-    k_off, v_off, in_seq = _kv_block_offsets(start, kv_row_base, pt_row, key_end, stride_kp, stride_kn,
-                                             stride_vp, stride_vn, offs_n, MASKED, PAGED, PAGE_SIZE, BLOCK_N)
-    desc_row = (kv_row_base + start).to(tl.int32)
+    """Unscaled scores ``q @ K_block.T`` [BLOCK_M, BLOCK_N] (fp32); a split head dim
+    (``BLOCK_D2 > 0``) accumulates two dots."""
     k1 = _load_rows(k_base, k_off, in_seq, offs_d1, k_desc1, desc_row, MASKED, USE_DESC, DOT_UPCAST)
     s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
     if BLOCK_D2 > 0:
@@ -244,19 +239,6 @@ def _block_scores(
                         DOT_UPCAST)
         s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
     return s
-
-
-@triton.jit
-def _block_values(
-    start, v_base, kv_row_base, pt_row, v_desc, key_end, stride_kp, stride_kn, stride_vp, stride_vn,
-    offs_n, offs_dv, MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr,
-):
-    """``V[start:start + BLOCK_N]`` [BLOCK_N, Dv]."""
-    k_off, v_off, in_seq = _kv_block_offsets(start, kv_row_base, pt_row, key_end, stride_kp, stride_kn,
-                                             stride_vp, stride_vn, offs_n, MASKED, PAGED, PAGE_SIZE, BLOCK_N)
-    desc_row = (kv_row_base + start).to(tl.int32)
-    return _load_rows(v_base, v_off, in_seq, offs_dv, v_desc, desc_row, MASKED, USE_DESC, DOT_UPCAST)
 
 
 @triton.jit
@@ -305,12 +287,12 @@ def _attn_key_range(
     descriptors (TMA; packed K/V, unmasked blocks) instead of pointers. DOT_UPCAST feeds fp32 to
     tl.dot (the interpreter's bf16 dot is wrong)."""
     for start in range(n_lo, n_hi, BLOCK_N):
-        s = _block_scores(start, q1, q2, k_base, kv_row_base, pt_row, k_desc1, k_desc2, key_end,
-                          stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2,
-                          MASKED, PAGED, PAGE_SIZE, BLOCK_D1, BLOCK_D2, DOT_PRECISION, DOT_UPCAST, BLOCK_N, USE_DESC)
-        v = _block_values(start, v_base, kv_row_base, pt_row, v_desc, key_end, stride_kp, stride_kn,
-                          stride_vp, stride_vn, offs_n, offs_dv, MASKED, PAGED, PAGE_SIZE, DOT_UPCAST, BLOCK_N,
-                          USE_DESC)
+        k_off, v_off, in_seq = _kv_block_offsets(start, kv_row_base, pt_row, key_end, stride_kp, stride_kn,
+                                                 stride_vp, stride_vn, offs_n, MASKED, PAGED, PAGE_SIZE, BLOCK_N)
+        desc_row = (kv_row_base + start).to(tl.int32)
+        s = _block_scores(q1, q2, k_base, k_off, in_seq, k_desc1, k_desc2, desc_row, offs_d1, offs_d2,
+                          MASKED, BLOCK_D1, BLOCK_D2, DOT_PRECISION, DOT_UPCAST, USE_DESC)
+        v = _load_rows(v_base, v_off, in_seq, offs_dv, v_desc, desc_row, MASKED, USE_DESC, DOT_UPCAST)
         acc, l_i, m_i = _softmax_update(acc, l_i, m_i, s, v, start, pos, window, qk_scale, offs_n,
                                         MASKED, HAS_WINDOW, DOT_PRECISION, DOT_UPCAST)
     return acc, l_i, m_i
