@@ -155,6 +155,25 @@ def test_mqa_mha_group_sizes(interp, hq, hkv):
     _check("zigzag", 2, [40], [5], hq=hq, hkv=hkv, d=16, ranks=[1], seed=hq)
 
 
+@pytest.mark.parametrize("kv_heads_per_section", [1, 3])
+def test_l2_head_sections(interp, monkeypatch, kv_heads_per_section):
+    """Programs launched by L2 sections of head groups (one KV head per section, and sections of
+    3 over 4 KV heads, the last one short) still cover every (tile, head) once."""
+    ext, pre, d = [40, 9], [5, 0], 16
+    row_bytes = (d + d) * 2
+    monkeypatch.setattr(interp, "L2_KV_BYTES", kv_heads_per_section * sum(ext + pre) * row_bytes)
+    assert interp.heads_per_l2_section(sum(ext + pre), row_bytes, 1, 4, torch.device("cpu")) == kv_heads_per_section
+    _check("zigzag", 2, ext, pre, hq=8, hkv=4, d=d, seed=kv_heads_per_section)
+
+
+def test_heads_per_l2_section_bounds(interp, monkeypatch):
+    monkeypatch.setattr(interp, "L2_KV_BYTES", 10 << 20)
+    cpu = torch.device("cpu")
+    assert interp.heads_per_l2_section(1 << 20, 512, 4, 32, cpu) == 4  # K/V of one head > budget: one KV head
+    assert interp.heads_per_l2_section(1024, 512, 4, 32, cpu) == 32  # all fit: one section
+    assert interp.heads_per_l2_section(10240, 512, 2, 16, cpu) == 4  # 2 KV heads x 2 groups each
+
+
 @pytest.mark.parametrize("page", [1, 3, 16])
 def test_paged_matches_oracle(interp, page):
     _check("zigzag", 2, [33, 20], [10, 0], page=page, seed=page, ranks=[0])
@@ -314,9 +333,10 @@ def _is_sm90():
         ("zigzag", 2, 0, [4096], [100], 16, 16, 64, -1, False, torch.bfloat16),
     ],
 )
-def test_gpu_sm90_kernel_vs_torch(strategy, cp_size, rank, ext, pre, hq, hkv, d, window, sinks, dtype):
+def test_gpu_sm90_kernel_vs_torch(monkeypatch, strategy, cp_size, rank, ext, pre, hq, hkv, d, window, sinks, dtype):
     """The warp-specialized Hopper kernel and the portable kernel both match the torch reference
-    (GQA/MQA/MHA, ragged batch with prefixes, window, sinks, LSE, fp16), K/V as strided views."""
+    (GQA/MQA/MHA, ragged batch with prefixes, window, sinks, LSE on and off, fp16, L2 sections of
+    one KV head), K/V as strided views."""
     from cpattn.kernels.triton_attn import cp_attention_fwd
 
     s, meta, q, k, v, sk, _, _ = _gpu_case(strategy, cp_size, rank, ext, pre, hq, hkv, d, d, window=window,
@@ -330,10 +350,15 @@ def test_gpu_sm90_kernel_vs_torch(strategy, cp_size, rank, ext, pre, hq, hkv, d,
     ref, ref_lse = s.attention(q.float(), k.float(), v.float(), meta, backend="torch", window_size=(window, 0),
                                sinks=sk, return_lse=True)
     n = meta.num_local_tokens
-    for sm90 in (True, False):
+    from cpattn.kernels import triton_attn
+
+    for sm90, l2_bytes in ((True, None), (True, 1), (False, None), (False, 1)):  # 1: a section per KV head
+        monkeypatch.setattr(triton_attn, "L2_KV_BYTES", l2_bytes)
         out, lse = cp_attention_fwd(q, kv_k, kv_v, meta, d ** -0.5, window, sk, return_lse=True, sm90=sm90)
-        assert _max_err(out, ref, n) < 2e-2 and _max_err(lse, ref_lse, n) < 1e-2, f"sm90={sm90}"
+        assert _max_err(out, ref, n) < 2e-2 and _max_err(lse, ref_lse, n) < 1e-2, f"sm90={sm90} l2={l2_bytes}"
         assert (out[n:] == 0).all() and torch.isneginf(lse[n:]).all()
+        out_only = cp_attention_fwd(q, kv_k, kv_v, meta, d ** -0.5, window, sk, sm90=sm90)[0]
+        assert torch.equal(out_only, out), "output differs without LSE"
 
 
 @pytest.mark.gpu

@@ -82,10 +82,35 @@ def _sm90_enabled() -> bool:
     return os.environ.get("CPATTN_TRITON_SM90", "1") != "0"
 
 
-#: Tuning of the sm_90 kernel: key block, K/V stages, FA3-style intra-warpgroup overlap and
-#: ping-pong between the two consumer warpgroups (both measured no faster on average on H200;
-#: docs/kernels.md has the numbers).
-SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": False, "pingpong": False}
+#: Tuning of the sm_90 kernel: key block, K/V stages, FA3-style overlap (0 off, 1 paired GEMMs,
+#: 2 softmax under P V) and ping-pong between the two consumer warpgroups (none measured faster
+#: on H200; docs/kernels.md has the numbers).
+SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": 0, "pingpong": False}
+
+
+#: Bytes of L2 the launch order plans to keep K/V in (None: two thirds of the GPU's L2; 32 MiB
+#: under the interpreter). See :func:`heads_per_l2_section`.
+L2_KV_BYTES: Optional[int] = None
+
+
+def heads_per_l2_section(
+    num_kv_tokens: int, kv_row_bytes: int, head_groups_per_kv_head: int, num_head_groups: int, device: torch.device
+) -> int:
+    """Head groups whose programs run together, so the K/V they stream stays in L2.
+
+    Programs are launched section by section: all tiles (heaviest first) of ``n`` head groups,
+    then the next ``n``. Head groups fastest over the whole grid would have every KV head's
+    stream in flight at once (8 heads x 64 MiB at 128k keys, D128), and tiles that start at
+    different times would re-read it from HBM. ``kv_row_bytes`` is one key's K + V bytes for one
+    KV head, ``num_kv_tokens`` the batch's keys; at least one KV head per section.
+    """
+    budget = L2_KV_BYTES
+    if budget is None:
+        budget = 32 << 20
+        if device.type == "cuda":
+            budget = torch.cuda.get_device_properties(device).L2_cache_size * 2 // 3
+    kv_heads = max(1, budget // max(1, num_kv_tokens * kv_row_bytes))
+    return max(1, min(num_head_groups, kv_heads * head_groups_per_kv_head))
 
 
 def _autotune_enabled() -> bool:
@@ -299,11 +324,22 @@ def _attn_key_range(
 
 
 @triton.jit
+def _tile_and_head_group(pid, num_tiles, num_head_groups, heads_per_section):
+    """Program ``pid`` -> (tile, head group): sections of ``heads_per_section`` head groups, all
+    tiles of a section (heaviest first) before the next, head groups fastest inside a section."""
+    per_section = num_tiles * heads_per_section
+    section = pid // per_section
+    r = pid - section * per_section
+    section_heads = tl.minimum(heads_per_section, num_head_groups - section * heads_per_section)
+    return r // section_heads, section * heads_per_section + r % section_heads
+
+
+@triton.jit
 def _cp_attn_fwd(
     Q, K, V, Out, Lse, Sinks, PageTable,
     tile_segment, tile_row_offset,
     seg_seq, seg_row0, seg_len, seg_pos0, seg_stride, cu_kv_lens,
-    qk_scale, window, num_head_groups, group_size, num_kv_rows,
+    qk_scale, window, num_tiles, num_head_groups, heads_per_section, group_size, num_kv_rows,
     stride_qm, stride_qh,
     stride_kp, stride_kn, stride_kh,
     stride_vp, stride_vn, stride_vh,
@@ -316,9 +352,7 @@ def _cp_attn_fwd(
     BLOCK_N: tl.constexpr,
 ):
     ROWS: tl.constexpr = BLOCK_M // G_PACK
-    pid = tl.program_id(0)
-    tile = pid // num_head_groups
-    hg = pid % num_head_groups
+    tile, hg = _tile_and_head_group(tl.program_id(0), num_tiles, num_head_groups, heads_per_section)
 
     seg = tl.load(tile_segment + tile)
     roff = tl.load(tile_row_offset + tile)
@@ -520,6 +554,9 @@ def cp_attention_fwd(
     use_tma = not paged and _tma_ok(k, v)
     if use_tma and not INTERPRETED:
         _ensure_allocator()
+    num_head_groups = hq // g_pack
+    section = heads_per_l2_section(meta.num_kv_tokens, (d + dv) * k.element_size(), hq // hkv // g_pack,
+                                   num_head_groups, q.device)
     if sm90 or (sm90 is None and not INTERPRETED and config is None and _sm90_enabled()
                 and block_m == _default_block_m(d, dv)):
         from . import triton_sm90
@@ -529,20 +566,20 @@ def cp_attention_fwd(
             reason = f"block_m={block_m} (the sm_90 kernel covers {triton_sm90.NUM_CONSUMERS * triton_sm90.CONSUMER_ROWS})"
         if reason is None:
             triton_sm90.cp_attention_fwd_sm90(q, k, v, out, lse, meta, softmax_scale, window_left, sinks, g_pack, rows,
-                                              **SM90_OPTIONS)
+                                              section, **SM90_OPTIONS)
             return out, lse
         if sm90:
             raise ValueError(f"the sm_90 kernel cannot run this call: {reason}")
     upcast = INTERPRETED and q.dtype == torch.bfloat16
     lse_arg = lse if lse is not None else out
     slm, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
-    num_head_groups = hq // g_pack
     grid = (tiles.num_tiles * num_head_groups,)
     args = (
         q, k, v, out, lse_arg, sinks if sinks is not None else out, pt,
         tiles.segment, tiles.row_offset,
         meta.seg_seq, meta.seg_row0, meta.seg_len, meta.seg_pos0, meta.seg_stride, meta.cu_kv_lens,
-        float(softmax_scale) * _LOG2E, int(window_left), num_head_groups, hq // hkv, k.shape[0],
+        float(softmax_scale) * _LOG2E, int(window_left), tiles.num_tiles, num_head_groups, section, hq // hkv,
+        k.shape[0],
         q.stride(0), q.stride(1),
         skp, skn, skh, svp, svn, svh,
         out.stride(0), out.stride(1), slm, slh, stride_pt,

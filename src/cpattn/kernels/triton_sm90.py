@@ -9,9 +9,12 @@ one segment x ``G_PACK`` heads of one KV group), organised the way FA3 runs on H
   block: ``S = Q K^T`` (wgmma, Q and K in shared memory), online softmax in registers,
   ``O += P V`` (wgmma, P from registers), then release the stage. The two consumers run
   independently, so the warp scheduler overlaps one's softmax with the other's tensor-core work.
-  Options (off by default: not faster on average on H200, see docs/kernels.md): ``OVERLAP``
-  issues the next block's ``Q K^T`` before this block's softmax (FA3's intra-warpgroup overlap);
-  ``PINGPONG`` (with ``OVERLAP``) makes the consumers take turns issuing their GEMMs.
+  Options (off by default: not faster on H200, see docs/kernels.md): ``OVERLAP`` 1 issues
+  ``P_{j-1} V_{j-1}`` and the next block's ``Q K^T`` back to back, 2 also runs the softmax while
+  ``P V`` is in flight (FA3's intra-warpgroup overlap); ``PINGPONG`` (with ``OVERLAP``) makes
+  the consumers take turns issuing their GEMMs.
+
+Programs walk the tile map by L2 head sections (see ``triton_attn.heads_per_l2_section``).
 
 Used for packed K/V with ``D == Dv`` in (64, 128), bf16/fp16, on sm_90 with Gluon available;
 everything else (paged K/V, split head dims, other GPUs, the CPU interpreter) runs the portable
@@ -156,7 +159,7 @@ if HAVE_GLUON:
         acc = gl.zeros([BLOCK_M, HEAD_DIM_V], gl.float32, layout=o_layout)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
 
-        if OVERLAP:
+        if OVERLAP > 0:
             # prologue: block 0's scores and probabilities
             mbarrier.wait(k_ready.index(0), 0)
             if PINGPONG:
@@ -167,6 +170,7 @@ if HAVE_GLUON:
             s = warpgroup_mma_wait(0, deps=(s, ))
             p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, n_lo, pos, f_lo, f_hi, window, qk_scale, offs_n,
                                              HAS_WINDOW)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)  # bf16 operand now: 32 registers, not 64
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
             for j in range(1, num_blocks):
                 slot = j % STAGES
@@ -174,7 +178,6 @@ if HAVE_GLUON:
                 # issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; softmax_j overlaps the second
                 mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
                 mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
                 if PINGPONG:  # the two consumers take turns issuing their GEMMs
                     mbarrier.wait(turn.index(HALF), (j & 1) ^ HALF ^ 1)
                 s = warpgroup_mma(q_half, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False,
@@ -182,15 +185,19 @@ if HAVE_GLUON:
                 acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
                 if PINGPONG:
                     mbarrier.arrive(turn.index(1 - HALF), count=1)
-                s = warpgroup_mma_wait(1, deps=(s, ))
+                # OVERLAP 2: softmax_j runs while P_{j-1} V_{j-1} is in flight; 1: after both GEMMs
+                if OVERLAP == 2:
+                    s, p_op = warpgroup_mma_wait(1, deps=(s, p_op))
+                else:
+                    s, p_op = warpgroup_mma_wait(0, deps=(s, p_op))
                 p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, n_lo + j * BLOCK_N, pos, f_lo, f_hi, window,
                                                  qk_scale, offs_n, HAS_WINDOW)
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
                 mbarrier.arrive(kv_empty.index(prev), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
             last = (num_blocks - 1) % STAGES
             mbarrier.wait(v_ready.index(last), ((num_blocks - 1) // STAGES) & 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
             if PINGPONG:
                 mbarrier.wait(turn.index(HALF), (num_blocks & 1) ^ HALF ^ 1)
             acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
@@ -248,7 +255,7 @@ if HAVE_GLUON:
         Q, k_desc, v_desc, Out, Lse, Sinks,
         tile_segment, tile_row_offset,
         seg_seq, seg_row0, seg_len, seg_pos0, seg_stride, cu_kv_lens,
-        qk_scale, window, num_head_groups, group_size,
+        qk_scale, window, num_tiles, num_head_groups, heads_per_section, group_size,
         stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
         BLOCK_M: gl.constexpr, STAGES: gl.constexpr, G_PACK: gl.constexpr,
         HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, RETURN_LSE: gl.constexpr, OVERLAP: gl.constexpr,
@@ -258,9 +265,14 @@ if HAVE_GLUON:
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
         HEAD_DIM_V: gl.constexpr = v_desc.block_type.shape[1]
         ROWS: gl.constexpr = 2 * BLOCK_M // G_PACK
+        # program -> (tile, head group) by L2 sections, as triton_attn._tile_and_head_group
         pid = gl.program_id(0)
-        tile = pid // num_head_groups
-        hg = pid % num_head_groups
+        per_section = num_tiles * heads_per_section
+        section = pid // per_section
+        r = pid - section * per_section
+        section_heads = gl.minimum(heads_per_section, num_head_groups - section * heads_per_section)
+        tile = r // section_heads
+        hg = section * heads_per_section + r % section_heads
         seg = gl.load(tile_segment + tile)
         roff = gl.load(tile_row_offset + tile)
         seq = gl.load(seg_seq + seg)
@@ -303,11 +315,12 @@ if HAVE_GLUON:
         kv = (k_desc, v_desc, kvh * HEAD_DIM, kv_row_base, n_lo, num_blocks)
         rows = (Q, Out, Lse, Sinks, stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
                 roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, qk_scale, window)
-        flags = (smem, kv, rows, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG)
+        # the flags go in tuple literals: assigning a tuple to a name would turn its constexprs into
+        # runtime values
         gl.warp_specialize([
-            (_ws_consumer0, flags),
-            (_ws_consumer1, flags),
-            (_ws_loader, flags),
+            (_ws_consumer0, (smem, kv, rows, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG)),
+            (_ws_consumer1, (smem, kv, rows, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG)),
+            (_ws_loader, (smem, kv, rows, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG)),
         ], [4, 1], [240, 24])
 
 
@@ -333,12 +346,15 @@ def kv_descriptors(k: Tensor, v: Tensor, block_n: int):
 
 def cp_attention_fwd_sm90(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tensor], meta: CPMetadata, softmax_scale: float,
-    window_left: int, sinks: Optional[Tensor], g_pack: int, rows: int,
-    *, block_n: int = 128, stages: int = 3, overlap: bool = False, pingpong: bool = False,
+    window_left: int, sinks: Optional[Tensor], g_pack: int, rows: int, heads_per_section: int,
+    *, block_n: int = 128, stages: int = 3, overlap: int = 0, pingpong: bool = False,
 ) -> None:
     """Launch the warp-specialized kernel into ``out`` / ``lse`` (shapes as in
     :func:`cpattn.kernels.triton_attn.cp_attention_fwd`); ``rows * g_pack`` must be
-    ``NUM_CONSUMERS * CONSUMER_ROWS``. ``pingpong`` (with ``overlap``) makes the two consumers
+    ``NUM_CONSUMERS * CONSUMER_ROWS``; programs run by L2 sections of ``heads_per_section`` head
+    groups (:func:`cpattn.kernels.triton_attn.heads_per_l2_section`). ``overlap`` 1 issues
+    ``P_{j-1} V_{j-1}`` and ``Q K_j^T`` back to back, 2 also runs softmax_j under the first.
+    ``pingpong`` (with ``overlap``) makes the two consumers
     take turns issuing their GEMMs, so one's softmax runs under the other's matrix work."""
     hq, d = q.shape[1], q.shape[2]
     hkv = k.shape[-2]
@@ -348,17 +364,17 @@ def cp_attention_fwd_sm90(
     num_head_groups = hq // g_pack
     q_l = smem_layouts(block_m, block_n, d, v.shape[-1], q.dtype)[0]
     k_desc, v_desc = kv_descriptors(k, v, block_n)
-    if lse is None:  # the kernel always writes LSE (triton 3.6 miscompiles the partition without it)
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     grid = (tiles.num_tiles * num_head_groups,)
     _cp_attn_fwd_sm90[grid](
-        q, k_desc, v_desc, out, lse, sinks if sinks is not None else out,
+        q, k_desc, v_desc, out, lse if lse is not None else out, sinks if sinks is not None else out,
         tiles.segment, tiles.row_offset,
         meta.seg_seq, meta.seg_row0, meta.seg_len, meta.seg_pos0, meta.seg_stride, meta.cu_kv_lens,
-        float(softmax_scale) * _LOG2E, int(window_left), num_head_groups, hq // hkv,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        float(softmax_scale) * _LOG2E, int(window_left), tiles.num_tiles, num_head_groups, heads_per_section,
+        hq // hkv,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *lse_strides,
         BLOCK_M=block_m, STAGES=stages, G_PACK=g_pack,
-        HAS_WINDOW=window_left >= 0, HAS_SINKS=sinks is not None, RETURN_LSE=True, OVERLAP=overlap,
-        PINGPONG=pingpong and overlap, Q_SMEM=q_l,
+        HAS_WINDOW=window_left >= 0, HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None, OVERLAP=int(overlap),
+        PINGPONG=bool(pingpong and overlap), Q_SMEM=q_l,
         num_warps=4, maxnreg=168,
     )
