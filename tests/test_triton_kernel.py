@@ -323,28 +323,31 @@ def _is_sm90():
 @pytest.mark.gpu
 @pytest.mark.skipif(not _is_sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize(
-    "strategy,cp_size,rank,ext,pre,hq,hkv,d,window,sinks,dtype",
+    "strategy,cp_size,rank,ext,pre,hq,hkv,d,dv,window,sinks,dtype",
     [
-        ("zigzag", 2, 0, [8192], [0], 32, 8, 128, -1, False, torch.bfloat16),
-        ("zigzag", 3, 2, [3000, 17, 1, 900], [0, 200, 5, 3000], 32, 8, 128, -1, False, torch.bfloat16),
-        ("zigzag", 2, 1, [6000, 3000], [500, 0], 16, 4, 128, 1000, True, torch.bfloat16),
-        ("interleave", 4, 3, [5000, 333], [64, 0], 32, 8, 128, -1, True, torch.float16),
-        ("contiguous", 2, 1, [4096, 100], [0, 7], 8, 1, 128, 300, False, torch.bfloat16),
-        ("zigzag", 2, 0, [4096], [100], 16, 16, 64, -1, False, torch.bfloat16),
+        ("zigzag", 2, 0, [8192], [0], 32, 8, 128, 128, -1, False, torch.bfloat16),
+        ("zigzag", 3, 2, [3000, 17, 1, 900], [0, 200, 5, 3000], 32, 8, 128, 128, -1, False, torch.bfloat16),
+        ("zigzag", 2, 1, [6000, 3000], [500, 0], 16, 4, 128, 128, 1000, True, torch.bfloat16),
+        ("interleave", 4, 3, [5000, 333], [64, 0], 32, 8, 128, 128, -1, True, torch.float16),
+        ("contiguous", 2, 1, [4096, 100], [0, 7], 8, 1, 128, 128, 300, False, torch.bfloat16),
+        ("zigzag", 2, 0, [4096], [100], 16, 16, 64, 64, -1, False, torch.bfloat16),
+        ("zigzag", 2, 1, [5000, 300, 1], [0, 900, 2], 16, 16, 192, 128, -1, False, torch.bfloat16),
+        ("interleave", 3, 0, [4000], [10], 8, 2, 192, 128, 700, True, torch.float16),
     ],
 )
-def test_gpu_sm90_kernel_vs_torch(monkeypatch, strategy, cp_size, rank, ext, pre, hq, hkv, d, window, sinks, dtype):
+def test_gpu_sm90_kernel_vs_torch(monkeypatch, strategy, cp_size, rank, ext, pre, hq, hkv, d, dv, window, sinks,
+                                  dtype):
     """The warp-specialized Hopper kernel and the portable kernel both match the torch reference
-    (GQA/MQA/MHA, ragged batch with prefixes, window, sinks, LSE on and off, fp16, L2 sections of
-    one KV head), K/V as strided views."""
+    (GQA/MQA/MHA, D64 / D128 / D192-Dv128, ragged batch with prefixes, window, sinks, LSE on and
+    off, fp16, L2 sections of one KV head), K/V as strided views."""
     from cpattn.kernels.triton_attn import cp_attention_fwd
 
-    s, meta, q, k, v, sk, _, _ = _gpu_case(strategy, cp_size, rank, ext, pre, hq, hkv, d, d, window=window,
+    s, meta, q, k, v, sk, _, _ = _gpu_case(strategy, cp_size, rank, ext, pre, hq, hkv, d, dv, window=window,
                                            sinks=sinks)
     q = q.to(dtype)
-    buf = torch.zeros(k.shape[0], hkv * 2 * d + 8, device="cuda", dtype=dtype)  # like gather_kv's views
+    buf = torch.zeros(k.shape[0], hkv * (d + dv) + 8, device="cuda", dtype=dtype)  # like gather_kv's views
     kv_k = buf[:, : hkv * d].view(-1, hkv, d)
-    kv_v = buf[:, hkv * d : 2 * hkv * d].view(-1, hkv, d)
+    kv_v = buf[:, hkv * d : hkv * (d + dv)].view(-1, hkv, dv)
     kv_k.copy_(k)
     kv_v.copy_(v)
     ref, ref_lse = s.attention(q.float(), k.float(), v.float(), meta, backend="torch", window_size=(window, 0),

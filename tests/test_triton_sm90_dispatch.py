@@ -21,7 +21,8 @@ def _qkv(d=128, dv=None, dtype=torch.bfloat16, hq=8, hkv=2, rows=256):
     "make,paged,expect",
     [
         (lambda: _qkv(), True, "paged"),
-        (lambda: _qkv(d=192, dv=128), False, "head dims"),
+        (lambda: _qkv(d=192, dv=192), False, "head dims"),
+        (lambda: _qkv(d=128, dv=64), False, "head dims"),
         (lambda: _qkv(d=256), False, "head dims"),
         (lambda: _qkv(dtype=torch.float32), False, "dtype"),
     ],
@@ -41,7 +42,15 @@ def test_kv_layout_must_be_tma_compatible():
     assert "TMA" in sm90.ws_unsupported_reason(q, buf[:, :256].view(256, 2, 128), v, False)
 
 
-def test_supported_shape_on_cpu_is_refused_for_the_device():
-    q, k, v = _qkv(d=64)
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (192, 128)])
+def test_supported_shape_on_cpu_is_refused_for_the_device(d, dv):
+    q, k, v = _qkv(d=d, dv=dv)
     reason = sm90.ws_unsupported_reason(q, k, v, False)
     assert reason == "not an sm_90 GPU" or reason.startswith("Gluon unavailable")
+
+
+def test_qk_split_and_stage_budget():
+    assert sm90.split_qk_dim(128) == (128, 0) and sm90.split_qk_dim(64) == (64, 0)
+    assert sm90.split_qk_dim(192) == (128, 64)
+    assert sm90.max_stages(128, 128, 128) == 3  # 32 KiB Q + 3 x 64 KiB K/V
+    assert sm90.max_stages(192, 128, 128) == 2  # 48 KiB Q + 2 x 80 KiB K/V

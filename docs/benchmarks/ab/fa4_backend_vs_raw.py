@@ -1,28 +1,30 @@
 """Interleaved A/B: fa4 backend vs raw flash_attn_varlen_func (and raw with out= preallocated)."""
-import torch, statistics
-import cpattn
-from cpattn.bench.common import time_cuda_back_to_back
-from cpattn.bench.kernel import _flops, _fa4_raw_fn, SHAPES
+import statistics
+
+import torch
 from flash_attn.cute import interface as iface
+
+from ab_common import interleaved_tflops, rank0_workload
+from cpattn.bench.kernel import _fa4_raw_fn
+
+
+def _nothing():
+    pass
+
+
 for shape, seq, cp in [("d128", 65536, 4), ("d192", 65536, 8), ("d128", 16384, 1), ("d128", 16384, 2)]:
-    hq, hkv, d, dv = SHAPES[shape]
-    s = cpattn.get_strategy("zigzag", cp, pad_multiple=64)
-    meta = s.build_metadata([seq], rank=0).to("cuda")
-    q = torch.randn(meta.num_physical_tokens, hq, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(seq, hkv, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(seq, hkv, dv, device="cuda", dtype=torch.bfloat16)
-    fl = _flops(meta, hq, d, dv)
-    out = torch.empty(q.shape[0], hq, dv, device="cuda", dtype=torch.bfloat16)
-    raw = _fa4_raw_fn(q, k, v, meta, None)
+    s, meta, q, k, v, fl = rank0_workload(shape, seq, cp)
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], device="cuda", dtype=torch.bfloat16)
+
     def raw_out():
         iface._flash_attn_fwd(q, k, v, cu_seqlens_q=meta.seg_cu_rows, seqused_k=meta.seg_keys_used,
                               max_seqlen_q=meta.max_seg_len, max_seqlen_k=meta.max_seg_keys_used,
-                              cu_seqlens_k=meta.seg_key_start, causal=True, softmax_scale=d ** -0.5, out=out)
-    V = [("backend", lambda: s.attention(q, k, v, meta, backend="fa4")), ("raw", raw), ("raw_out", raw_out),
-         ("triton", lambda: s.attention(q, k, v, meta, backend="triton"))]
-    iters = max(3, int(0.15 / (fl / 600e12)))
-    res = {n: [] for n, _ in V}
-    for rep in range(4):
-        for n, f in (V if rep % 2 == 0 else V[::-1]):
-            res[n].append(fl / time_cuda_back_to_back(f, 2, iters, 2) / 1e9)
-    print(f"{shape} S={seq} C={cp}: " + "  ".join(f"{n}={statistics.median(x):.0f} [{min(x):.0f}-{max(x):.0f}]" for n, x in res.items()), flush=True)
+                              cu_seqlens_k=meta.seg_key_start, causal=True, softmax_scale=q.shape[-1] ** -0.5,
+                              out=out)
+
+    variants = [("backend", _nothing, lambda: s.attention(q, k, v, meta, backend="fa4")),
+                ("raw", _nothing, _fa4_raw_fn(q, k, v, meta, None)), ("raw_out", _nothing, raw_out),
+                ("triton", _nothing, lambda: s.attention(q, k, v, meta, backend="triton"))]
+    res = interleaved_tflops(variants, fl, 0.15, repeats=4)
+    print(f"{shape} S={seq} C={cp}: " + "  ".join(
+        f"{n}={statistics.median(x):.0f} [{min(x):.0f}-{max(x):.0f}]" for n, x in res.items()), flush=True)

@@ -1,9 +1,14 @@
 """sm90 kernel: correctness of each overlap mode (+ LSE off), then interleaved back-to-back timing."""
-import os, sys, time, torch
+import os
+import statistics
+import sys
+import time
+
+import torch
+
 import cpattn
 import cpattn.kernels.triton_attn as ta
-from cpattn.bench.common import time_cuda_back_to_back
-from cpattn.bench.kernel import _flops
+from ab_common import interleaved_tflops, rank0_workload
 os.environ["CPATTN_TRITON_SM90"] = "1"
 
 def case(opts, strategy, cp, ext, pre, hq, hkv, d, window=-1, sinks=False, dtype=torch.bfloat16, seed=0):
@@ -65,22 +70,10 @@ names = [a.strip() for a in os.environ.get("MODES", "ov0,ov1,ov1pp,ov2,ov2pp").s
 sel = [(n, o) for n, o in MODES if n in names]
 summary = {n: [] for n, _ in sel}
 for seq, cp in [(16384, 1), (16384, 2), (16384, 8), (65536, 1), (65536, 4), (131072, 1), (131072, 8)]:
-    hq, hkv, d = 32, 8, 128
-    s = cpattn.get_strategy("zigzag", cp, pad_multiple=64)
-    meta = s.build_metadata([seq], rank=0).to("cuda")
-    q = torch.randn(meta.num_physical_tokens, hq, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(seq, hkv, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(seq, hkv, d, device="cuda", dtype=torch.bfloat16)
-    fl = _flops(meta, hq, d, d)
-    iters = max(3, int(0.25 / (fl / 600e12)))
-    res = {n: [] for n, _ in sel}
-    for rep in range(2):
-        for n, o in (sel if rep % 2 == 0 else sel[::-1]):
-            ta.SM90_OPTIONS.update(o)
-            ms = time_cuda_back_to_back(lambda: s.attention(q, k, v, meta, backend="triton"), 2, iters, 2)
-            res[n].append(fl / ms / 1e9)
+    s, meta, q, k, v, fl = rank0_workload("d128", seq, cp)
+    fn = lambda: s.attention(q, k, v, meta, backend="triton")  # noqa: E731
+    res = interleaved_tflops([(n, lambda o=o: ta.SM90_OPTIONS.update(o), fn) for n, o in sel], fl, 0.25)
     for n in res:
         summary[n].append(max(res[n]))
-    print(f"S={seq} C={cp} iters={iters}: " + "  ".join(f"{n}={max(x):.0f}/{min(x):.0f}" for n, x in res.items()), flush=True)
-import statistics
+    print(f"S={seq} C={cp}: " + "  ".join(f"{n}={max(x):.0f}/{min(x):.0f}" for n, x in res.items()), flush=True)
 print("geomean:", "  ".join(f"{n}={statistics.geometric_mean(v):.0f}" for n, v in summary.items()), flush=True)

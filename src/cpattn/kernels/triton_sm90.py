@@ -16,8 +16,9 @@ one segment x ``G_PACK`` heads of one KV group), organised the way FA3 runs on H
 
 Programs walk the tile map by L2 head sections (see ``triton_attn.heads_per_l2_section``).
 
-Used for packed K/V with ``D == Dv`` in (64, 128), bf16/fp16, on sm_90 with Gluon available;
-everything else (paged K/V, split head dims, other GPUs, the CPU interpreter) runs the portable
+Used for packed K/V with ``(D, Dv)`` in (64, 64), (128, 128), (192, 128) (``Q K^T`` of D192 is
+two wgmmas over 128 + 64 columns, with 2 K/V stages), bf16/fp16, on sm_90 with Gluon available;
+everything else (paged K/V, other head dims, other GPUs, the CPU interpreter) runs the portable
 kernel. Masking, windows, sinks and LSE follow the portable kernel exactly.
 """
 
@@ -50,6 +51,21 @@ _LOG2E = 1.4426950408889634
 #: (consumer warpgroups) x (rows per consumer): the tile a program covers.
 NUM_CONSUMERS = 2
 CONSUMER_ROWS = 64
+#: (D, Dv) pairs the kernel takes; D = 192 (MLA prefill) splits ``Q K^T`` into 128 + 64 columns.
+SUPPORTED_HEAD_DIMS = {(64, 64), (128, 128), (192, 128)}
+_SMEM_LIMIT = 232448  # bytes of shared memory per block on sm90
+
+
+def split_qk_dim(d: int) -> tuple[int, int]:
+    """``(D1, D2)``: the ``Q K^T`` columns in the first and second wgmma (D2 = 0: one wgmma)."""
+    return (128, d - 128) if d > 128 else (d, 0)
+
+
+def max_stages(d: int, dv: int, block_n: int, elem_bytes: int = 2) -> int:
+    """K/V ring depth that fits in shared memory next to the 128-row Q tile (at most 3)."""
+    q_bytes = NUM_CONSUMERS * CONSUMER_ROWS * d * elem_bytes
+    stage_bytes = block_n * (d + dv) * elem_bytes
+    return max(1, min(3, (_SMEM_LIMIT - q_bytes - 1024) // stage_bytes))
 
 
 def ws_unsupported_reason(q: Tensor, k: Tensor, v: Tensor, paged: bool) -> Optional[str]:
@@ -57,8 +73,8 @@ def ws_unsupported_reason(q: Tensor, k: Tensor, v: Tensor, paged: bool) -> Optio
     if paged:
         return "paged K/V"
     d, dv = q.shape[-1], v.shape[-1]
-    if d != dv or d not in (64, 128):
-        return f"head dims D={d}, Dv={dv} (needs D == Dv in 64, 128)"
+    if (d, dv) not in SUPPORTED_HEAD_DIMS:
+        return f"head dims D={d}, Dv={dv} (needs (D, Dv) in {sorted(SUPPORTED_HEAD_DIMS)})"
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtype {q.dtype} (needs bf16 or fp16)"
     for x in (k, v):  # 2-D TMA view [rows, Hkv * D]: heads adjacent, rows 16-byte aligned
@@ -76,21 +92,28 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ws_loader(smem, kv, rows, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, RETURN_LSE: gl.constexpr,
-                   G_PACK: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+                   G_PACK: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, HEAD_DIM2: gl.constexpr):
         """1 warp: TMA K/V blocks ``n_lo + j * BLOCK_N`` (j < num_blocks) into the stage ring."""
-        q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn = smem
-        k_desc, v_desc, kv_col, kv_row_base, n_lo, num_blocks = kv
+        q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, k_ready, v_ready, kv_empty, turn = smem
+        k_desc, k2_desc, v_desc, k_col, v_col, kv_row_base, n_lo, num_blocks = kv
         STAGES: gl.constexpr = k_bufs.type.shape[0]
         BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+        HEAD_DIM1: gl.constexpr = k_bufs.type.shape[2]
         for j in range(num_blocks):
             slot = j % STAGES
             phase = (j // STAGES) & 1
             mbarrier.wait(kv_empty.index(slot), phase ^ 1)
             row = (kv_row_base + n_lo + j * BLOCK_N).to(gl.int32)
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(slot), k_bufs.index(slot))
+            if HEAD_DIM2 > 0:
+                mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes + k2_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [row, k_col], k_ready.index(slot), k_bufs.index(slot))
+                tma.async_copy_global_to_shared(k2_desc, [row, k_col + HEAD_DIM1], k_ready.index(slot),
+                                                k2_bufs.index(slot))
+            else:
+                mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [row, k_col], k_ready.index(slot), k_bufs.index(slot))
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(slot), v_bufs.index(slot))
+            tma.async_copy_global_to_shared(v_desc, [row, v_col], v_ready.index(slot), v_bufs.index(slot))
 
     @gluon.jit
     def _ws_softmax(s, m_i, l_i, start, pos, f_lo, f_hi, window, qk_scale, offs_n, HAS_WINDOW: gl.constexpr):
@@ -110,12 +133,20 @@ if HAVE_GLUON:
         return p, alpha, m_new, l_i
 
     @gluon.jit
+    def _ws_qk(q_lo, q_hi, k_lo, k_hi, s_zero, HEAD_DIM2: gl.constexpr):
+        """Async ``S = Q K^T`` of one block: one wgmma, or two over column splits (D = 128 + 64)."""
+        s = warpgroup_mma(q_lo, k_lo.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if HEAD_DIM2 > 0:
+            s = warpgroup_mma(q_hi, k_hi.permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
     def _ws_consumer(smem, kv, rows, HALF: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
                      RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, OVERLAP: gl.constexpr,
-                     PINGPONG: gl.constexpr):
+                     PINGPONG: gl.constexpr, HEAD_DIM2: gl.constexpr):
         """4 warps: rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of the tile."""
-        q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn = smem
-        k_desc, v_desc, kv_col, kv_row_base, n_lo, num_blocks = kv
+        q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, k_ready, v_ready, kv_empty, turn = smem
+        k_desc, k2_desc, v_desc, k_col, v_col, kv_row_base, n_lo, num_blocks = kv
         (Q, Out, Lse, Sinks, stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
          roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, qk_scale, window) = rows
         STAGES: gl.constexpr = k_bufs.type.shape[0]
@@ -144,6 +175,13 @@ if HAVE_GLUON:
         q = gl.load(q_ptrs, mask=gl.expand_dims(r_q < slen, 1), other=0.0)
         q_half = q_smem.index(HALF)
         q_half.store(q)
+        q2_half = q_half
+        if HEAD_DIM2 > 0:  # columns [HEAD_DIM, HEAD_DIM + HEAD_DIM2) of Q: the second Q K^T wgmma
+            d2_q = HEAD_DIM + gl.arange(0, HEAD_DIM2, layout=gl.SliceLayout(0, q_layout))
+            q2_ptrs = Q + gl.expand_dims((row0 + r_q).to(gl.int64) * stride_qm + head_q * stride_qh, 1) \
+                + gl.expand_dims(d2_q, 0)
+            q2_half = q2_smem.index(HALF)
+            q2_half.store(gl.load(q2_ptrs, mask=gl.expand_dims(r_q < slen, 1), other=0.0))
         fence_async_shared()
         gl.thread_barrier()
 
@@ -164,7 +202,7 @@ if HAVE_GLUON:
             mbarrier.wait(k_ready.index(0), 0)
             if PINGPONG:
                 mbarrier.wait(turn.index(HALF), HALF ^ 1)
-            s = warpgroup_mma(q_half, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = _ws_qk(q_half, q2_half, k_bufs.index(0), k2_bufs.index(0), s_zero, HEAD_DIM2)
             if PINGPONG:
                 mbarrier.arrive(turn.index(1 - HALF), count=1)
             s = warpgroup_mma_wait(0, deps=(s, ))
@@ -180,8 +218,7 @@ if HAVE_GLUON:
                 mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
                 if PINGPONG:  # the two consumers take turns issuing their GEMMs
                     mbarrier.wait(turn.index(HALF), (j & 1) ^ HALF ^ 1)
-                s = warpgroup_mma(q_half, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False,
-                                  is_async=True)
+                s = _ws_qk(q_half, q2_half, k_bufs.index(slot), k2_bufs.index(slot), s_zero, HEAD_DIM2)
                 acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
                 if PINGPONG:
                     mbarrier.arrive(turn.index(1 - HALF), count=1)
@@ -210,8 +247,7 @@ if HAVE_GLUON:
                 slot = j % STAGES
                 phase = (j // STAGES) & 1
                 mbarrier.wait(k_ready.index(slot), phase)
-                s = warpgroup_mma(q_half, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False,
-                                  is_async=True)
+                s = _ws_qk(q_half, q2_half, k_bufs.index(slot), k2_bufs.index(slot), s_zero, HEAD_DIM2)
                 s = warpgroup_mma_wait(0, deps=(s, ))
                 p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, n_lo + j * BLOCK_N, pos, f_lo, f_hi, window,
                                                  qk_scale, offs_n, HAS_WINDOW)
@@ -242,24 +278,26 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ws_consumer0(smem, kv, rows, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
-                      RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
-        _ws_consumer(smem, kv, rows, 0, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG)
+                      RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+                      HEAD_DIM2: gl.constexpr):
+        _ws_consumer(smem, kv, rows, 0, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG, HEAD_DIM2)
 
     @gluon.jit
     def _ws_consumer1(smem, kv, rows, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
-                      RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
-        _ws_consumer(smem, kv, rows, 1, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG)
+                      RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+                      HEAD_DIM2: gl.constexpr):
+        _ws_consumer(smem, kv, rows, 1, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG, HEAD_DIM2)
 
     @gluon.jit
     def _cp_attn_fwd_sm90(
-        Q, k_desc, v_desc, Out, Lse, Sinks,
+        Q, k_desc, k2_desc, v_desc, Out, Lse, Sinks,
         tile_segment, tile_row_offset,
         seg_seq, seg_row0, seg_len, seg_pos0, seg_stride, cu_kv_lens,
         qk_scale, window, num_tiles, num_head_groups, heads_per_section, group_size,
         stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
         BLOCK_M: gl.constexpr, STAGES: gl.constexpr, G_PACK: gl.constexpr,
         HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, RETURN_LSE: gl.constexpr, OVERLAP: gl.constexpr,
-        PINGPONG: gl.constexpr, Q_SMEM: gl.constexpr,
+        PINGPONG: gl.constexpr, Q_SMEM: gl.constexpr, HEAD_DIM2: gl.constexpr, Q2_SMEM: gl.constexpr,
     ):
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
@@ -298,6 +336,12 @@ if HAVE_GLUON:
 
         q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, BLOCK_M, HEAD_DIM], Q_SMEM)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        if HEAD_DIM2 > 0:
+            q2_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, BLOCK_M, HEAD_DIM2], Q2_SMEM)
+            k2_bufs = gl.allocate_shared_memory(k2_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM2], k2_desc.layout)
+        else:  # placeholders, never read
+            q2_smem = q_smem
+            k2_bufs = k_bufs
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM_V], v_desc.layout)
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -311,37 +355,43 @@ if HAVE_GLUON:
             mbarrier.init(turn.index(i), count=1)
 
         # partition arguments (scalars and shared-memory handles only): buffers, K/V stream, rows
-        smem = (q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn)
-        kv = (k_desc, v_desc, kvh * HEAD_DIM, kv_row_base, n_lo, num_blocks)
+        smem = (q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, k_ready, v_ready, kv_empty, turn)
+        kv = (k_desc, k2_desc, v_desc, kvh * (HEAD_DIM + HEAD_DIM2), kvh * HEAD_DIM_V, kv_row_base, n_lo, num_blocks)
         rows = (Q, Out, Lse, Sinks, stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
                 roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, qk_scale, window)
         # the flags go in tuple literals: assigning a tuple to a name would turn its constexprs into
         # runtime values
         gl.warp_specialize([
-            (_ws_consumer0, (smem, kv, rows, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG)),
-            (_ws_consumer1, (smem, kv, rows, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG)),
-            (_ws_loader, (smem, kv, rows, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG)),
+            (_ws_consumer0, (smem, kv, rows, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG,
+                              HEAD_DIM2)),
+            (_ws_consumer1, (smem, kv, rows, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG,
+                              HEAD_DIM2)),
+            (_ws_loader, (smem, kv, rows, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG,
+                              HEAD_DIM2)),
         ], [4, 1], [240, 24])
 
 
-def smem_layouts(block_m: int, block_n: int, d: int, dv: int, dtype: torch.dtype):
-    """NVMMA shared-memory layouts of the Q, K and V tiles."""
+def _smem_layout(block: int, cols: int, dtype: torch.dtype):
     gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return (gl.NVMMASharedLayout.get_default_for([block_m, d], gdt),
-            gl.NVMMASharedLayout.get_default_for([block_n, d], gdt),
-            gl.NVMMASharedLayout.get_default_for([block_n, dv], gdt))
+    return gl.NVMMASharedLayout.get_default_for([block, cols], gdt)
 
 
 def kv_descriptors(k: Tensor, v: Tensor, block_n: int):
-    """Host TMA descriptors over packed K/V seen as ``[rows, Hkv * D]`` matrices (block
-    ``[block_n, D]``; KV head ``h`` is column ``h * D``)."""
+    """Host TMA descriptors over packed K/V seen as ``[rows, Hkv * D]`` matrices: K in column
+    splits ``D1`` and ``D2`` (:func:`split_qk_dim`; KV head ``h`` starts at column ``h * D``, the
+    second split at ``h * D + D1``), V in blocks ``[block_n, Dv]``. With ``D2 = 0`` the second K
+    descriptor is the first (never read)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    _, k_l, v_l = smem_layouts(CONSUMER_ROWS, block_n, k.shape[-1], v.shape[-1], k.dtype)
-    n, hkv = k.shape[0], k.shape[1]
-    k_desc = TensorDescriptor(k, [n, hkv * k.shape[2]], [k.stride(0), 1], [block_n, k.shape[2]], k_l)
-    v_desc = TensorDescriptor(v, [n, hkv * v.shape[2]], [v.stride(0), 1], [block_n, v.shape[2]], v_l)
-    return k_desc, v_desc
+    n, hkv, d = k.shape
+    dv = v.shape[-1]
+    d1, d2 = split_qk_dim(d)
+    k_desc = TensorDescriptor(k, [n, hkv * d], [k.stride(0), 1], [block_n, d1], _smem_layout(block_n, d1, k.dtype))
+    k2_desc = k_desc
+    if d2:
+        k2_desc = TensorDescriptor(k, [n, hkv * d], [k.stride(0), 1], [block_n, d2], _smem_layout(block_n, d2, k.dtype))
+    v_desc = TensorDescriptor(v, [n, hkv * dv], [v.stride(0), 1], [block_n, dv], _smem_layout(block_n, dv, v.dtype))
+    return k_desc, k2_desc, v_desc
 
 
 def cp_attention_fwd_sm90(
@@ -355,19 +405,21 @@ def cp_attention_fwd_sm90(
     groups (:func:`cpattn.kernels.triton_attn.heads_per_l2_section`). ``overlap`` 1 issues
     ``P_{j-1} V_{j-1}`` and ``Q K_j^T`` back to back, 2 also runs softmax_j under the first.
     ``pingpong`` (with ``overlap``) makes the two consumers
-    take turns issuing their GEMMs, so one's softmax runs under the other's matrix work."""
+    take turns issuing their GEMMs, so one's softmax runs under the other's matrix work. ``stages``
+    is capped by shared memory (D192/128 fits 2)."""
     hq, d = q.shape[1], q.shape[2]
     hkv = k.shape[-2]
     block_m = CONSUMER_ROWS
     assert rows * g_pack == NUM_CONSUMERS * block_m
     tiles = meta.tiles[rows]
     num_head_groups = hq // g_pack
-    q_l = smem_layouts(block_m, block_n, d, v.shape[-1], q.dtype)[0]
-    k_desc, v_desc = kv_descriptors(k, v, block_n)
+    d1, d2 = split_qk_dim(d)
+    stages = min(stages, max_stages(d, v.shape[-1], block_n, q.element_size()))
+    k_desc, k2_desc, v_desc = kv_descriptors(k, v, block_n)
     lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     grid = (tiles.num_tiles * num_head_groups,)
     _cp_attn_fwd_sm90[grid](
-        q, k_desc, v_desc, out, lse if lse is not None else out, sinks if sinks is not None else out,
+        q, k_desc, k2_desc, v_desc, out, lse if lse is not None else out, sinks if sinks is not None else out,
         tiles.segment, tiles.row_offset,
         meta.seg_seq, meta.seg_row0, meta.seg_len, meta.seg_pos0, meta.seg_stride, meta.cu_kv_lens,
         float(softmax_scale) * _LOG2E, int(window_left), tiles.num_tiles, num_head_groups, heads_per_section,
@@ -375,6 +427,7 @@ def cp_attention_fwd_sm90(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *lse_strides,
         BLOCK_M=block_m, STAGES=stages, G_PACK=g_pack,
         HAS_WINDOW=window_left >= 0, HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None, OVERLAP=int(overlap),
-        PINGPONG=bool(pingpong and overlap), Q_SMEM=q_l,
+        PINGPONG=bool(pingpong and overlap), Q_SMEM=_smem_layout(block_m, d1, q.dtype), HEAD_DIM2=d2,
+        Q2_SMEM=_smem_layout(block_m, max(d2, 16), q.dtype),
         num_warps=4, maxnreg=168,
     )
