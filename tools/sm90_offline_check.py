@@ -1,0 +1,101 @@
+"""Compile the sm_90 Gluon kernel for H100/H200 without a GPU and report what ptxas makes of it.
+
+For kernel work on a machine with no GPU: each variant is compiled for sm_90a with the installed
+triton (>= 3.5; Gluon), then ptxas reports registers and spills; ``--sass DIR`` also writes the
+SASS of each variant (via the cuobjdump bundled with triton) for reading instruction order.
+
+Set-up (CPU only; the triton wheel carries ptxas and cuobjdump):
+    python -m venv /tmp/t36 && /tmp/t36/bin/pip install torch==2.13.0 triton==3.6.0 numpy
+Run from the repository root:
+    PYTHONPATH=src /tmp/t36/bin/python tools/sm90_offline_check.py [--sass /tmp/sass]
+ptxas's "Used N registers" is the launch count (168); ``setmaxnreg`` then gives the consumer
+warpgroups 240 and the loader 24, and the spill figures cover the whole kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+
+import cpattn.kernels.triton_sm90 as ws
+
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+#: (D, Dv, G_PACK, stages, overlap, pingpong, window, sinks, lse): the variants compiled by default.
+VARIANTS = [
+    (128, 128, 4, 3, 0, False, False, False, True),
+    (128, 128, 4, 3, 0, False, True, True, False),
+    (128, 128, 4, 3, 2, True, False, False, True),
+    (64, 64, 1, 3, 0, False, False, False, True),
+    (192, 128, 1, 2, 0, False, False, False, True),
+    (192, 128, 4, 2, 1, True, True, True, False),
+]
+
+
+def compile_variant(d, dv, g_pack, stages, overlap, pingpong, window, sinks, lse, dtype=torch.bfloat16,
+                    block_n=128):
+    """The compiled kernel (``.asm["ptx"]``, ``.metadata.shared``) of one variant, for sm_90a."""
+    fn = ws._cp_attn_fwd_sm90
+    d1, d2 = ws.split_qk_dim(d)
+    k_desc, k2_desc, v_desc = ws.kv_descriptors(torch.empty(4096, 8, d, dtype=dtype),
+                                                torch.empty(4096, 8, dv, dtype=dtype), block_n)
+    elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
+    sig = {name: "i32" for name in fn.arg_names}
+    sig.update(Q=elem, Out=elem, Sinks=elem, Lse="*fp32", qk_scale="fp32", cu_kv_lens="*i64",
+               k_desc=mangle_type(k_desc), k2_desc=mangle_type(k2_desc), v_desc=mangle_type(v_desc))
+    for name in ("tile_segment", "tile_row_offset", "seg_seq", "seg_row0", "seg_len", "seg_pos0", "seg_stride"):
+        sig[name] = "*i32"
+    consts = dict(BLOCK_M=ws.CONSUMER_ROWS, STAGES=stages, G_PACK=g_pack, HAS_WINDOW=window, HAS_SINKS=sinks,
+                  RETURN_LSE=lse, OVERLAP=overlap, PINGPONG=pingpong,
+                  Q_SMEM=ws._smem_layout(ws.CONSUMER_ROWS, d1, dtype), HEAD_DIM2=d2,
+                  Q2_SMEM=ws._smem_layout(ws.CONSUMER_ROWS, max(d2, 16), dtype))
+    sig.update({name: "constexpr" for name in consts})
+    return triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=168))
+
+
+def ptxas_report(ptx: str, sass_path: str | None = None) -> str:
+    """ptxas's register / spill lines for ``ptx`` (sm_90a); optionally writes the SASS."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([os.path.join(_BIN, "ptxas"), "-arch=sm_90a", "-v", src, "-o", cubin],
+                           capture_output=True, text=True, check=True)
+        if sass_path:
+            sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", cubin], capture_output=True,
+                                  text=True, check=True).stdout
+            with open(sass_path, "w") as f:
+                f.write(sass)
+    keep = ("spill", "registers", "Performance", "warning")
+    return "; ".join(line.split(":", 1)[-1].strip() for line in (r.stdout + r.stderr).splitlines()
+                     if any(k in line for k in keep))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sass", default=None, help="folder to write each variant's SASS into")
+    args = p.parse_args()
+    if args.sass:
+        os.makedirs(args.sass, exist_ok=True)
+    for v in VARIANTS:
+        d, dv, g_pack, stages, overlap, pingpong, window, sinks, lse = v
+        name = f"d{d}-{dv}_g{g_pack}_st{stages}_ov{overlap}{'pp' if pingpong else ''}" \
+               f"{'_win' if window else ''}{'_sink' if sinks else ''}{'' if lse else '_nolse'}"
+        k = compile_variant(*v)
+        ptx = k.asm["ptx"]
+        sass = os.path.join(args.sass, name + ".sass") if args.sass else None
+        print(f"{name}: smem {k.metadata.shared} B, {ptx.count('wgmma.mma_async')} wgmma in PTX; "
+              f"{ptxas_report(ptx, sass)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
