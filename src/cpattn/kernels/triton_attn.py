@@ -326,8 +326,7 @@ def _attn_key_range(
 @triton.jit
 def _tile_and_head_group(pid, num_tiles, num_head_groups, heads_per_section):
     """Program ``pid`` -> (tile, head group): sections of ``heads_per_section`` head groups, all
-    tiles of a section (heaviest first) before the next, head groups fastest inside a section.
-    Both kernels call it (the Gluon sm90 kernel too)."""
+    tiles of a section (heaviest first) before the next, head groups fastest inside a section."""
     per_section = num_tiles * heads_per_section
     section = pid // per_section
     r = pid - section * per_section

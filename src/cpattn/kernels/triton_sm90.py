@@ -45,7 +45,6 @@ except (ImportError, AssertionError):  # triton < 3.5, or triton loaded for the 
     HAVE_GLUON = False
 
 from ..metadata import CPMetadata
-from .triton_attn import _tile_and_head_group
 
 _LOG2E = 1.4426950408889634
 
@@ -304,7 +303,14 @@ if HAVE_GLUON:
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
         HEAD_DIM_V: gl.constexpr = v_desc.block_type.shape[1]
         ROWS: gl.constexpr = 2 * BLOCK_M // G_PACK
-        tile, hg = _tile_and_head_group(gl.program_id(0), num_tiles, num_head_groups, heads_per_section)
+        # program -> (tile, head group) by L2 sections, as triton_attn._tile_and_head_group
+        pid = gl.program_id(0)
+        per_section = num_tiles * heads_per_section
+        section = pid // per_section
+        r = pid - section * per_section
+        section_heads = gl.minimum(heads_per_section, num_head_groups - section * heads_per_section)
+        tile = r // section_heads
+        hg = section * heads_per_section + r % section_heads
         seg = gl.load(tile_segment + tile)
         roff = gl.load(tile_row_offset + tile)
         seq = gl.load(seg_seq + seg)
