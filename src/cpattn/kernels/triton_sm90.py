@@ -303,7 +303,8 @@ if HAVE_GLUON:
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
         HEAD_DIM_V: gl.constexpr = v_desc.block_type.shape[1]
         ROWS: gl.constexpr = 2 * BLOCK_M // G_PACK
-        # program -> (tile, head group) by L2 sections, as triton_attn._tile_and_head_group
+        # program -> (tile, head group) by L2 sections, as triton_attn._tile_and_head_group (not
+        # imported from there: that import would fix triton_attn's interpreter/GPU mode early)
         pid = gl.program_id(0)
         per_section = num_tiles * heads_per_section
         section = pid // per_section
