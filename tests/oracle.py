@@ -22,6 +22,9 @@ def attention_oracle(q, k, v, extend_lens, prefix_lens, *, scale=None, window_le
     for ext, pre in zip(extend_lens, prefix_lens):
         ext, pre = int(ext), int(pre)
         n_kv = ext + pre
+        if ext == 0:  # no query rows (its keys, if any, are only skipped)
+            kv_off += n_kv
+            continue
         mask = torch.zeros(ext, n_kv, dtype=torch.bool)
         for i in range(ext):
             pos = pre + i
