@@ -28,6 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..metadata import CPMetadata
+from ._limits import SM90_SMEM_PER_BLOCK
 
 logger = logging.getLogger("cpattn")
 
@@ -36,7 +37,6 @@ logger = logging.getLogger("cpattn")
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 _LOG2E = 1.4426950408889634
-_SMEM_LIMIT = 232448  # bytes of shared memory per block on sm90 (H100 / H200)
 _LN2 = 0.6931471805599453
 
 
@@ -152,7 +152,7 @@ def _prune_configs(configs, named_args, **kwargs):
     for c in configs:
         bn, stages = c.kwargs["BLOCK_N"], c.num_stages
         smem = stages * bn * (d + dv) * elt + block_m * d * elt
-        if smem > _SMEM_LIMIT:
+        if smem > SM90_SMEM_PER_BLOCK:
             continue
         if max(d, dv) > 128 and (bn > 64 or c.num_warps < 8):
             continue

@@ -45,6 +45,7 @@ except (ImportError, AssertionError):  # triton < 3.5, or triton loaded for the 
     HAVE_GLUON = False
 
 from ..metadata import CPMetadata
+from ._limits import SM90_SMEM_PER_BLOCK
 
 _LOG2E = 1.4426950408889634
 
@@ -53,7 +54,6 @@ NUM_CONSUMERS = 2
 CONSUMER_ROWS = 64
 #: (D, Dv) pairs the kernel takes; D = 192 (MLA prefill) splits ``Q K^T`` into 128 + 64 columns.
 SUPPORTED_HEAD_DIMS = {(64, 64), (128, 128), (192, 128)}
-_SMEM_LIMIT = 232448  # bytes of shared memory per block on sm90
 
 
 def split_qk_dim(d: int) -> tuple[int, int]:
@@ -65,7 +65,7 @@ def max_stages(d: int, dv: int, block_n: int, elem_bytes: int = 2) -> int:
     """K/V ring depth that fits in shared memory next to the 128-row Q tile (at most 3)."""
     q_bytes = NUM_CONSUMERS * CONSUMER_ROWS * d * elem_bytes
     stage_bytes = block_n * (d + dv) * elem_bytes
-    return max(1, min(3, (_SMEM_LIMIT - q_bytes - 1024) // stage_bytes))
+    return max(1, min(3, (SM90_SMEM_PER_BLOCK - q_bytes - 1024) // stage_bytes))
 
 
 def ws_unsupported_reason(q: Tensor, k: Tensor, v: Tensor, paged: bool) -> Optional[str]:
@@ -373,6 +373,7 @@ if HAVE_GLUON:
 
 
 def _smem_layout(block: int, cols: int, dtype: torch.dtype):
+    """NVMMA (wgmma / TMA) shared-memory layout of a ``[block, cols]`` bf16/fp16 tile."""
     gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     return gl.NVMMASharedLayout.get_default_for([block, cols], gdt)
 
