@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import tempfile
@@ -12,31 +13,37 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn, args) -> None:
+def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn, args, pg_timeout, barrier) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    kw = {} if pg_timeout is None else {"timeout": datetime.timedelta(seconds=pg_timeout)}
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, **kw)
     try:
         result = ("ok", fn(rank, world_size, *args))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         result = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+    if not barrier:  # a test that left collectives unmatched on purpose: leave without teardown
+        os._exit(0)
     try:
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> list:
+def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, pg_timeout: float | None = None,
+                    barrier: bool = True) -> list:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the ranks' results.
 
     ``fn`` must be a module-level function (picklable). A rank's exception is re-raised here as an
-    AssertionError with that rank's traceback.
+    AssertionError with that rank's traceback. ``pg_timeout``: the process group's timeout (s).
+    ``barrier=False``: ranks exit without the final barrier (for tests that break collectives).
     """
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         ctx = mp.start_processes(
-            _worker, args=(world_size, init_file, tmp, fn, args), nprocs=world_size, join=False, start_method="spawn"
+            _worker, args=(world_size, init_file, tmp, fn, args, pg_timeout, barrier), nprocs=world_size, join=False,
+            start_method="spawn",
         )
         while not ctx.join(timeout=timeout):
             pass

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -70,7 +72,7 @@ def _worker_checks(rank: int, world: int, subgroups: bool):
             results[f"{name}/stack_finite"] = bool(torch.isfinite(y_local).all())
 
         # Only short sequences: some ranks own nothing, still join every collective, no NaN.
-        s = cpattn.ZigzagStrategy(cp_size)
+        s = cpattn.ZigzagStrategy(cp_size, rotate=False)
         m = s.build_metadata([1, 0, 1], rank=cp_rank)
         xs = torch.randn(2, 4, generator=g)
         results["empty_rank_rows"] = m.num_local_tokens
@@ -116,3 +118,99 @@ def test_collectives_and_stack(world, subgroups):
         assert res["empty_batch_gather"] == (0, 3)
         assert "group size" in res["group_size_error"]
         assert "metadata was built for rank" in res["rank_error"]
+
+
+# ----------------------------------------------------------------------------- plan agreement
+def _worker_disagree(rank: int, world: int, case: str):
+    """Plan with group= in a way that differs between ranks; report what this rank raised."""
+    import time
+
+    s = cpattn.ZigzagStrategy(world)
+    ext, pre, claimed = [5, 9, 3], [0, 2, 0], rank
+    if case == "lengths" and rank == 0:
+        ext = [9, 5, 3]  # same T, a different batch
+    if case == "swapped" and rank == 1:
+        claimed = 0  # two processes claim rank 0
+    if case == "fail" and rank == world - 1:
+        ext = [5, -1, 3]  # this rank's own planning fails
+    if case == "cp_size" and rank == 0:
+        s = cpattn.ZigzagStrategy(world + 1)
+    if case == "static":  # two ranks' planners were sized differently
+        s = cpattn.StaticPlanner(s, max_tokens=64 + (rank == 0), max_seqs=4, max_kv_tokens=128, device="cpu")
+    t0 = time.monotonic()
+    try:
+        if case == "static":
+            s.plan(ext, pre, rank=claimed, group=dist.group.WORLD)
+        else:
+            s.build_metadata(ext, pre, rank=claimed, group=dist.group.WORLD)
+        outcome = None
+    except Exception as exc:  # noqa: BLE001
+        outcome = (type(exc).__name__, str(exc))
+    return outcome, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", ["lengths", "swapped", "fail", "cp_size", "static"])
+def test_ranks_that_disagree_all_raise(world, case):
+    results = run_distributed(_worker_disagree, world, case, timeout=120)
+    for rank, (outcome, seconds) in enumerate(results):
+        assert outcome is not None, f"rank {rank} accepted a plan the others disagree with ({case})"
+        assert seconds < 10, (rank, seconds)
+        name, message = outcome
+        if case == "fail" and rank == world - 1:
+            assert name == "ValueError" and "extend_lens must be >= 0" in message  # its own error
+        else:
+            assert name == "PlanDisagreement" and "CP plan" in message, outcome
+    messages = {r[0][1] for rank, r in enumerate(results) if not (case == "fail" and rank == world - 1)}
+    assert len(messages) == 1  # every rank raises the same error
+    expected = {"lengths": "extend_lens / prefix_lens differ", "swapped": "two processes claim one rank",
+                "fail": "could not build a plan", "cp_size": "cp_size", "static": "capacity differ"}[case]
+    assert expected in messages.pop()
+
+
+def _worker_agree(rank: int, world: int):
+    s = cpattn.InterleaveStrategy(world)
+    m = s.build_metadata([7, 4], [3, 0], rank=rank, group=dist.group.WORLD)
+    x = torch.arange(11.0).view(11, 1)
+    full = s.gather(s.shard(x, m), m)  # the plan remembers the group it was checked on
+    q = torch.zeros(m.num_physical_tokens, 2, 4)
+    errors = []
+    other = s.build_metadata([7, 4], [3, 0], rank=(rank + 1) % world)  # another rank's plan...
+    other = dataclasses.replace(other, group=dist.group.WORLD)  # ...claiming this group
+    try:
+        s.attention(q, torch.zeros(14, 1, 4), torch.zeros(14, 1, 4), other)
+    except ValueError as exc:
+        errors.append(str(exc))
+    return torch.equal(full, x), m.group is dist.group.WORLD, errors
+
+
+def test_agreed_plan_and_rank_check_in_attention():
+    for ok, has_group, errors in run_distributed(_worker_agree, 2):
+        assert ok and has_group
+        assert errors and "metadata was built for rank" in errors[0]
+
+
+def _worker_timeout(rank: int, world: int):
+    """Rank 1 fails mid-layer and skips the collective; rank 0 waits in it. The process group's
+    timeout bounds the wait: rank 0 raises instead of hanging."""
+    import time
+
+    s = cpattn.ZigzagStrategy(world)
+    m = s.build_metadata([8], rank=rank, group=dist.group.WORLD)
+    if rank == 1:
+        time.sleep(12)  # 'crashed' (alive, but never joins the all-gather)
+        return None
+    t0 = time.monotonic()
+    try:
+        s.gather(torch.zeros(m.num_physical_tokens, 2), m)
+        outcome = None
+    except Exception as exc:  # noqa: BLE001
+        outcome = type(exc).__name__
+    return outcome, time.monotonic() - t0
+
+
+def test_process_group_timeout_bounds_a_mid_layer_failure():
+    results = run_distributed(_worker_timeout, 2, timeout=120, pg_timeout=3, barrier=False)
+    outcome, seconds = results[0]
+    assert outcome is not None, "rank 0 returned from a collective its peer never joined"
+    assert 2.5 <= seconds < 11, seconds

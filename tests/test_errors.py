@@ -79,20 +79,22 @@ def test_metadata_from_other_strategy_or_size(setup):
 def test_attention_inputs(setup):
     s, m, q, k = setup
     v = torch.zeros_like(k)
-    with pytest.raises(ValueError, match="q_local has 3 rows"):
+    with pytest.raises(ValueError, match=r"q_local must be \[P, Hq, D\] = \[5, 4, 8\], got \[3, 4, 8\]"):
         s.attention(q[:3], k, v, m)
     with pytest.raises(ValueError, match="Hq=4 must be a multiple of Hkv=3"):
         s.attention(q, torch.zeros(m.num_kv_tokens, 3, 8), torch.zeros(m.num_kv_tokens, 3, 8), m)
-    with pytest.raises(ValueError, match=r"sum\(prefix_lens \+ extend_lens\) = 10"):
+    with pytest.raises(ValueError, match=r"packed k/v must be \[10, 2, 8\].*rows = sum\(prefix_lens \+ extend_lens\)"):
         s.attention(q, k[:9], v[:9], m)
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(TypeError, match="k dtype torch.float16 != the plan's dtype torch.float32"):
         s.attention(q, k.half(), v.half(), m)
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(TypeError, match="v dtype torch.float64"):
         s.attention(q, k, v.double(), m)
     with pytest.raises(ValueError, match="head dim"):
         s.attention(q, torch.zeros(10, 2, 4), torch.zeros(10, 2, 4), m)
     with pytest.raises(ValueError, match="window_size"):
         s.attention(q, k, v, m, window_size=(4, 3))
+    with pytest.raises(TypeError, match=r"window_size must be a pair \(left, right\) of ints, got 5"):
+        s.attention(q, k, v, m, window_size=5)
     with pytest.raises(ValueError, match="sinks"):
         s.attention(q, k, v, m, sinks=torch.zeros(3))
     with pytest.raises(ValueError, match="backend must be one of"):

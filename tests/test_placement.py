@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import cpattn
 from cpattn.collectives import all_gather_rows
+from cpattn.kernels._tiles import TILE_ROWS, tile_map
 
 NAMES = ["zigzag", "interleave", "contiguous"]
 
@@ -37,9 +38,10 @@ def _blocks(length: int, num_blocks: int) -> list[range]:
     return out
 
 
-def expected_owner(name: str, cp_size: int, extend: list[int]) -> list[int]:
-    """Owner of every packed token, straight from the placement rules."""
-    owner, t0 = [], 0
+def expected_owner(name: str, cp_size: int, extend: list[int], rotate: bool = True) -> list[int]:
+    """Owner of every packed token, straight from the placement rules (rotation: the remainder
+    rows of each sequence start on the rank after the previous sequence's)."""
+    owner, t0, shift = [], 0, 0
     for length in extend:
         if name == "interleave":
             owner += [(t0 + i) % cp_size for i in range(length)]
@@ -47,25 +49,28 @@ def expected_owner(name: str, cp_size: int, extend: list[int]) -> list[int]:
             nb = 2 * cp_size if name == "zigzag" else cp_size
             per = [0] * length
             for j, block in enumerate(_blocks(length, nb)):
+                pair = j if j < cp_size else 2 * cp_size - 1 - j
                 for i in block:
-                    per[i] = j if j < cp_size else 2 * cp_size - 1 - j
+                    per[i] = (pair + shift) % cp_size if rotate else pair
             owner += per
+            shift = (shift + length % nb) % cp_size
         t0 += length
     return owner
 
 
-def all_metas(name, cp_size, extend, prefix, pad_multiple):
-    s = cpattn.get_strategy(name, cp_size, pad_multiple=pad_multiple)
+def all_metas(name, cp_size, extend, prefix, pad_multiple, **options):
+    s = cpattn.get_strategy(name, cp_size, pad_multiple=pad_multiple, **options)
     return s, [s.build_metadata(extend, prefix, rank=r) for r in range(cp_size)]
 
 
 @settings(max_examples=150, deadline=None)
-@given(batches(), st.sampled_from(NAMES))
-def test_placement_partitions_and_follows_rules(batch, name):
+@given(batches(), st.sampled_from(NAMES), st.booleans())
+def test_placement_partitions_and_follows_rules(batch, name, rotate):
     cp_size, extend, prefix, pad_multiple = batch
-    _, metas = all_metas(name, cp_size, extend, prefix, pad_multiple)
+    options = {} if name == "interleave" else {"rotate": rotate}
+    _, metas = all_metas(name, cp_size, extend, prefix, pad_multiple, **options)
     T = sum(extend)
-    owner = expected_owner(name, cp_size, extend)
+    owner = expected_owner(name, cp_size, extend, rotate)
     positions = [p + i for e, p in zip(extend, prefix) for i in range(e)]
     seen = []
     for r, m in enumerate(metas):
@@ -132,21 +137,21 @@ def test_segments_and_tiles_cover_local_rows(batch, name):
             assert m.num_segments <= 2 * sum(1 for e in extend if e)
         elif expected_segments is None:
             assert m.num_segments <= sum(1 for e in extend if e)
-        # varlen descriptors (FA4's cu_seqlens_q / cu_seqlens_k + seqused_k) agree with the segments
-        cu_kv = [0]
-        for e, p in zip(extend, prefix):
-            cu_kv.append(cu_kv[-1] + e + p)
-        segs = m.host_segments
-        assert m.seg_cu_rows.tolist() == [row0 for _, row0, *_ in segs] + [m.num_local_tokens]
-        assert m.seg_key_start.tolist() == [cu_kv[seq] for seq, *_ in segs] + [cu_kv[-1]]
-        used = [pos0 + (length - 1) * stride + 1 for _, _, length, pos0, stride in segs]
-        assert m.seg_keys_used.tolist() == used and m.max_seg_keys_used == max(used, default=0)
-        for rows_per_tile, tiles in m.tiles.items():
-            covered = []
+        # the pad segment: rows [n, P) at position -1
+        s_ = m.num_segments
+        assert (m.seg_row0[s_].item(), m.seg_len[s_].item(), m.seg_pos0[s_].item()) == (
+            m.num_local_tokens, m.num_pad_tokens, -1)
+        assert m.max_seg_keys == max((p0 + (n - 1) * st_ + 1 for _, _, n, p0, st_ in m.host_segments), default=0)
+        for rows_per_tile in TILE_ROWS:
+            tiles = tile_map(m, rows_per_tile)
+            covered, last = [], []
+            segs = m.host_segments + ((0, m.num_local_tokens, m.num_pad_tokens, -1, 0),)
             for seg, off in zip(tiles.segment.tolist(), tiles.row_offset.tolist()):
-                _, row0, length, _, _ = m.host_segments[seg]
+                _, row0, length, pos0, stride = segs[seg]
                 covered += range(row0 + off, row0 + min(off + rows_per_tile, length))
-            assert sorted(covered) == list(range(m.num_local_tokens))
+                last.append(pos0 + stride * (min(off + rows_per_tile, length) - 1))
+            assert sorted(covered) == list(range(m.num_physical_tokens))  # pad rows included, once
+            assert last == sorted(last, reverse=True)  # heaviest first
 
 
 @settings(max_examples=60, deadline=None)
@@ -175,6 +180,13 @@ def test_zigzag_rank_blocks_example():
     m = s.build_metadata([10], [5], rank=0)
     assert m.local_positions.tolist() == [5, 6, 7, 13, 14]
     assert [seg[2:4] for seg in m.host_segments] == [(3, 5), (2, 13)]
+    # rotation: the second sequence's remainder rows start where the first one's ended
+    s3 = cpattn.ZigzagStrategy(3)
+    owners = [[r for r in range(3) if t in s3.build_metadata([2, 2, 2], rank=r).local_token_indices.tolist()]
+              for t in range(6)]
+    assert owners == [[0], [1], [2], [0], [1], [2]]
+    plain = cpattn.ZigzagStrategy(3, rotate=False)
+    assert plain.build_metadata([2, 2, 2], rank=0).local_token_indices.tolist() == [0, 2, 4]
 
 
 def test_empty_batch_and_short_sequences():
@@ -182,8 +194,10 @@ def test_empty_batch_and_short_sequences():
     m = s.build_metadata([], rank=3)
     assert (m.num_tokens, m.num_local_tokens, m.num_physical_tokens) == (0, 0, 0)
     assert s.shard(torch.zeros(0, 7), m).shape == (0, 7)
-    m = cpattn.ZigzagStrategy(4).build_metadata([1, 0, 3], rank=3)
+    m = cpattn.ZigzagStrategy(4, rotate=False).build_metadata([1, 0, 3], rank=3)
     assert m.num_local_tokens == 0 and m.num_physical_tokens == 2  # rank 0 holds 2 tokens
+    m = cpattn.ZigzagStrategy(4).build_metadata([1, 0, 3], rank=3)  # rotated: one token per rank
+    assert m.num_local_tokens == 1 and m.num_physical_tokens == 1
     assert s.build_metadata(torch.tensor([5, 0]), torch.tensor([1, 2], dtype=torch.int32), rank=0).num_tokens == 5
 
 
@@ -199,7 +213,42 @@ def test_pack_kv_places_prefix_and_extend():
         cpattn.pack_kv(k_ext, k_ext, m)
 
 
-def test_metadata_to_device_keeps_values():
+def test_metadata_to_device_keeps_values_and_compares():
     m = cpattn.ZigzagStrategy(2).build_metadata([9, 4], [1, 0], rank=1)
     m2 = m.to("cpu")
-    assert torch.equal(m2.gather_index, m.gather_index) and m2.tiles[64].num_tiles == m.tiles[64].num_tiles
+    assert torch.equal(m2.gather_index, m.gather_index)
+    assert m == m and m != cpattn.ZigzagStrategy(2).build_metadata([9, 4], [1, 0], rank=1)  # identity, no raise
+    same = cpattn.ZigzagStrategy(2).build_metadata([9, 4], [1, 0], rank=1)
+    assert same.fingerprint == m.fingerprint
+    assert cpattn.ZigzagStrategy(2).build_metadata([4, 9], [1, 0], rank=1).fingerprint != m.fingerprint
+
+
+def test_numpy_lengths_accepted():
+    np = pytest.importorskip("numpy")
+    s = cpattn.ZigzagStrategy(2)
+    ref = s.build_metadata([5, 7], [1, 0], rank=1)
+    for ext, pre in ((np.array([5, 7]), np.array([1, 0])), ([np.int64(5), np.int32(7)], [np.int16(1), 0])):
+        m = s.build_metadata(ext, pre, rank=1)
+        assert m.fingerprint == ref.fingerprint and torch.equal(m.gather_index, ref.gather_index)
+    with pytest.raises(TypeError, match="extend_lens"):
+        s.build_metadata(np.array([1.5, 2.0]), rank=0)
+
+
+def test_planning_cost_independent_of_prefix():
+    """The plan holds nothing per prefix token: the same tensors for a 0- and a 1M-token prefix."""
+    s = cpattn.ZigzagStrategy(8)
+    a = s.build_metadata([1000, 24], [0, 0], rank=3)
+    b = s.build_metadata([1000, 24], [1 << 20, 3 << 20], rank=3)
+    from cpattn.metadata import DEVICE_FIELDS
+
+    for name in DEVICE_FIELDS:
+        assert getattr(a, name).numel() == getattr(b, name).numel(), name
+
+
+def test_rotation_spreads_short_sequences():
+    """4096 sequences of length 2 at C=8: without rotation ranks 2-7 hold nothing and 75% of
+    every rank's rows are padding; with rotation every rank holds 1024 rows, no padding."""
+    plain = cpattn.ZigzagStrategy(8, rotate=False).build_metadata([2] * 4096, rank=0)
+    rot = cpattn.ZigzagStrategy(8).build_metadata([2] * 4096, rank=0)
+    assert plain.num_local_tokens_per_rank == (4096, 4096, 0, 0, 0, 0, 0, 0)
+    assert rot.num_local_tokens_per_rank == (1024,) * 8 and rot.num_physical_tokens == 1024

@@ -7,61 +7,16 @@ behaviour), small shapes. GPU (``-m gpu``): real sizes against the torch referen
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
 import cpattn
+from cpattn.kernels import _tiles, get_backend
 from oracle import TOLERANCE, attention_oracle
 
-CUDA = torch.cuda.is_available()
-
-
-def _import_triton_interpreted() -> None:
-    """Triton decorates its own library (tl.zeros, ...) when first imported, in the mode the
-    environment says then; on CPU-only machines import it in interpreter mode, then restore the
-    environment so the other test modules keep their behaviour."""
-    if CUDA or "triton" in sys.modules:
-        return
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton.language  # noqa: F401
-    except ImportError:
-        pass
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-
-
-_import_triton_interpreted()
 pytest.importorskip("triton")
 
-
-@pytest.fixture(scope="module")
-def interp():
-    """Triton interpreter for this module's CPU tests (CPU-only machines)."""
-    if CUDA:
-        pytest.skip("interpreter tests run on CPU-only machines (GPU machines run -m gpu)")
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton.language as tl
-
-        mod = importlib.import_module("cpattn.kernels.triton_attn")
-        if not mod.INTERPRETED or type(tl.zeros).__name__ != "InterpretedFunction":
-            pytest.skip("cpattn.kernels.triton_attn was imported for the GPU before this module")
-        yield mod
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+CUDA = torch.cuda.is_available()
 
 
 def _paged(k, v, ext, pre, page, int64=False, gen=None):
@@ -161,17 +116,17 @@ def test_l2_head_sections(interp, monkeypatch, kv_heads_per_section):
     3 over 4 KV heads, the last one short) still cover every (tile, head) once."""
     ext, pre, d = [40, 9], [5, 0], 16
     row_bytes = (d + d) * 2
-    monkeypatch.setattr(interp, "L2_KV_BYTES", kv_heads_per_section * sum(ext + pre) * row_bytes)
-    assert interp.heads_per_l2_section(sum(ext + pre), row_bytes, 1, 4, torch.device("cpu")) == kv_heads_per_section
+    monkeypatch.setattr(_tiles, "L2_KV_BYTES", kv_heads_per_section * sum(ext + pre) * row_bytes)
+    assert _tiles.heads_per_l2_section(sum(ext + pre), row_bytes, 1, 4, torch.device("cpu")) == kv_heads_per_section
     _check("zigzag", 2, ext, pre, hq=8, hkv=4, d=d, seed=kv_heads_per_section)
 
 
-def test_heads_per_l2_section_bounds(interp, monkeypatch):
-    monkeypatch.setattr(interp, "L2_KV_BYTES", 10 << 20)
+def test_heads_per_l2_section_bounds(monkeypatch):
+    monkeypatch.setattr(_tiles, "L2_KV_BYTES", 10 << 20)
     cpu = torch.device("cpu")
-    assert interp.heads_per_l2_section(1 << 20, 512, 4, 32, cpu) == 4  # K/V of one head > budget: one KV head
-    assert interp.heads_per_l2_section(1024, 512, 4, 32, cpu) == 32  # all fit: one section
-    assert interp.heads_per_l2_section(10240, 512, 2, 16, cpu) == 4  # 2 KV heads x 2 groups each
+    assert _tiles.heads_per_l2_section(1 << 20, 512, 4, 32, cpu) == 4  # K/V of one head > budget: one KV head
+    assert _tiles.heads_per_l2_section(1024, 512, 4, 32, cpu) == 32  # all fit: one section
+    assert _tiles.heads_per_l2_section(10240, 512, 2, 16, cpu) == 4  # 2 KV heads x 2 groups each
 
 
 @pytest.mark.parametrize("page", [1, 3, 16])
@@ -224,14 +179,16 @@ def test_backend_selection(interp, monkeypatch):
         cpattn.resolve_backend(s, q.double(), k.double(), v.double(), meta, backend="triton")
     with pytest.raises(NotImplementedError, match="fa4"):
         cpattn.resolve_backend(s, q, k, v, meta, backend="fa4")
-    si = cpattn.InterleaveStrategy(2)
-    mi = si.build_metadata([8], rank=0)
-    with pytest.raises(NotImplementedError, match="interleave"):
-        cpattn.resolve_backend(si, q[: mi.num_physical_tokens], k, v, mi, backend="fa4")
+    mi = cpattn.InterleaveStrategy(2).build_metadata([8], rank=0)
+    spec = cpattn.AttentionSpec(2, 1, 16, 16, torch.bfloat16)
+    assert "interleave" in get_backend("fa4").unsupported_reason(spec, mi)
+    assert get_backend("fa4").unsupported_reason(spec, meta) == "fa4 needs CUDA tensors"
     monkeypatch.delenv("TRITON_INTERPRET")
+    fresh = s.build_metadata([8], rank=0)  # plans are cached per metadata
     with pytest.raises(NotImplementedError, match="TRITON_INTERPRET"):
-        cpattn.resolve_backend(s, q, k, v, meta, backend="triton")
-    assert cpattn.resolve_backend(s, q, k, v, meta) == "torch"
+        cpattn.resolve_backend(s, q, k, v, fresh, backend="triton")
+    assert cpattn.resolve_backend(s, q, k, v, fresh) == "torch"
+    assert cpattn.available_backends() == ["torch"]
 
 
 def test_split_head_dim(interp):
@@ -340,8 +297,6 @@ def test_gpu_sm90_kernel_vs_torch(monkeypatch, strategy, cp_size, rank, ext, pre
     """The warp-specialized Hopper kernel and the portable kernel both match the torch reference
     (GQA/MQA/MHA, D64 / D128 / D192-Dv128, ragged batch with prefixes, window, sinks, LSE on and
     off, fp16, L2 sections of one KV head), K/V as strided views."""
-    from cpattn.kernels.triton_attn import cp_attention_fwd
-
     s, meta, q, k, v, sk, _, _ = _gpu_case(strategy, cp_size, rank, ext, pre, hq, hkv, d, dv, window=window,
                                            sinks=sinks)
     q = q.to(dtype)
@@ -353,25 +308,26 @@ def test_gpu_sm90_kernel_vs_torch(monkeypatch, strategy, cp_size, rank, ext, pre
     ref, ref_lse = s.attention(q.float(), k.float(), v.float(), meta, backend="torch", window_size=(window, 0),
                                sinks=sk, return_lse=True)
     n = meta.num_local_tokens
-    from cpattn.kernels import triton_attn
-
-    for sm90, l2_bytes in ((True, None), (True, 1), (False, None), (False, 1)):  # 1: a section per KV head
-        monkeypatch.setattr(triton_attn, "L2_KV_BYTES", l2_bytes)
-        out, lse = cp_attention_fwd(q, kv_k, kv_v, meta, d ** -0.5, window, sk, return_lse=True, sm90=sm90)
-        assert _max_err(out, ref, n) < 2e-2 and _max_err(lse, ref_lse, n) < 1e-2, f"sm90={sm90} l2={l2_bytes}"
+    for family, l2_bytes in (("sm90", None), ("sm90", 1), ("portable", None), ("portable", 1)):  # 1: a section per KV head
+        monkeypatch.setattr(_tiles, "L2_KV_BYTES", l2_bytes)
+        plan = s.plan_attention(meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=dtype,
+                                window_size=(window, 0), has_sinks=sinks, backend="triton",
+                                backend_options={"family": family})
+        assert plan.family == family
+        out, lse = plan.run(q, kv_k, kv_v, sinks=sk, return_lse=True)
+        assert _max_err(out, ref, n) < 2e-2 and _max_err(lse, ref_lse, n) < 1e-2, f"{family} l2={l2_bytes}"
         assert (out[n:] == 0).all() and torch.isneginf(lse[n:]).all()
-        out_only = cp_attention_fwd(q, kv_k, kv_v, meta, d ** -0.5, window, sk, sm90=sm90)[0]
+        out_only = plan.run(q, kv_k, kv_v, sinks=sk)
         assert torch.equal(out_only, out), "output differs without LSE"
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _is_sm90(), reason="needs an sm_90 GPU")
 def test_gpu_sm90_forced_on_unsupported_call_raises():
-    from cpattn.kernels.triton_attn import cp_attention_fwd
-
     s, meta, q, k, v, _, table, caches = _gpu_case("zigzag", 2, 0, [2048], [0], 8, 2, 128, 128, page=64)
     with pytest.raises(ValueError, match="paged"):
-        cp_attention_fwd(q, caches[0], caches[1], meta, 0.1, page_table=table, sm90=True)
+        s.plan_attention(meta, num_q_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, page_size=64,
+                         backend="triton", backend_options={"family": "sm90"})
 
 
 def _fa4_available():

@@ -17,35 +17,37 @@ def _qkv(d=128, dv=None, dtype=torch.bfloat16, hq=8, hkv=2, rows=256):
     return q, k, v
 
 
+CPU = torch.device("cpu")
+
+
 @pytest.mark.parametrize(
-    "make,paged,expect",
+    "d,dv,dtype,paged,expect",
     [
-        (lambda: _qkv(), True, "paged"),
-        (lambda: _qkv(d=192, dv=192), False, "head dims"),
-        (lambda: _qkv(d=128, dv=64), False, "head dims"),
-        (lambda: _qkv(d=256), False, "head dims"),
-        (lambda: _qkv(dtype=torch.float32), False, "dtype"),
+        (128, 128, torch.bfloat16, True, "paged"),
+        (192, 192, torch.bfloat16, False, "head dims"),
+        (128, 64, torch.bfloat16, False, "head dims"),
+        (256, 256, torch.bfloat16, False, "head dims"),
+        (128, 128, torch.float32, False, "dtype"),
     ],
 )
-def test_unsupported_calls_name_the_reason(make, paged, expect):
-    q, k, v = make()
-    assert expect in sm90.ws_unsupported_reason(q, k, v, paged)
+def test_unsupported_plans_name_the_reason(d, dv, dtype, paged, expect):
+    assert expect in sm90.unsupported_reason(d, dv, dtype, paged, CPU)
 
 
 def test_kv_layout_must_be_tma_compatible():
     q, k, v = _qkv()
+    assert sm90.kv_layout_ok(k, v)
     # heads not adjacent: a [rows, D, Hkv] tensor transposed to [rows, Hkv, D]
     k_t = torch.zeros(256, 128, 2, dtype=torch.bfloat16).transpose(1, 2)
-    assert "TMA" in sm90.ws_unsupported_reason(q, k_t, v, False)
+    assert not sm90.kv_layout_ok(k_t, v)
     # rows of 2 * 128 + 3 elements: not 16-byte aligned
     buf = torch.zeros(256, 2 * 128 + 3, dtype=torch.bfloat16)
-    assert "TMA" in sm90.ws_unsupported_reason(q, buf[:, :256].view(256, 2, 128), v, False)
+    assert not sm90.kv_layout_ok(buf[:, :256].view(256, 2, 128), v)
 
 
 @pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (192, 128)])
 def test_supported_shape_on_cpu_is_refused_for_the_device(d, dv):
-    q, k, v = _qkv(d=d, dv=dv)
-    reason = sm90.ws_unsupported_reason(q, k, v, False)
+    reason = sm90.unsupported_reason(d, dv, torch.bfloat16, False, CPU)
     assert reason == "not an sm_90 GPU" or reason.startswith("Gluon unavailable")
 
 

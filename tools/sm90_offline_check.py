@@ -51,7 +51,8 @@ def compile_variant(d, dv, g_pack, stages, overlap, pingpong, window, sinks, lse
     sig = {name: "i32" for name in fn.arg_names}
     sig.update(Q=elem, Out=elem, Sinks=elem, Lse="*fp32", qk_scale="fp32", cu_kv_lens="*i64",
                k_desc=mangle_type(k_desc), k2_desc=mangle_type(k2_desc), v_desc=mangle_type(v_desc))
-    for name in ("tile_segment", "tile_row_offset", "seg_seq", "seg_row0", "seg_len", "seg_pos0", "seg_stride"):
+    for name in ("tile_segment", "tile_row_offset", "NumTiles", "seg_seq", "seg_row0", "seg_len", "seg_pos0",
+                 "seg_stride"):
         sig[name] = "*i32"
     consts = dict(BLOCK_M=ws.CONSUMER_ROWS, STAGES=stages, G_PACK=g_pack, HAS_WINDOW=window, HAS_SINKS=sinks,
                   RETURN_LSE=lse, OVERLAP=overlap, PINGPONG=pingpong,

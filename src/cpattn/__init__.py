@@ -5,19 +5,22 @@ input boundary, all-gather K/V in each attention layer, run attention for the lo
 gather hidden states back before the logits::
 
     s = cpattn.ZigzagStrategy(cp_size)
-    meta = s.build_metadata(extend_lens, prefix_lens, rank=rank).to(device)
+    meta = s.build_metadata(extend_lens, prefix_lens, rank=rank, group=group).to(device)
+    plan = s.plan_attention(meta, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
     h = s.shard(hidden, meta)                                 # [P, hidden]
     k_ext, v_ext = s.gather_kv(k_local, v_local, meta, group)  # per layer, one collective
-    o = s.attention(q_local, k, v, meta)                       # [P, Hq, Dv]
+    o = plan.run(q_local, k, v)                                # [P, Hq, Dv]
     h_full = s.gather(h, meta, group)                          # [T, hidden]
 """
 
+from . import padding
 from .cache import kv_bytes_per_token, mla_bytes_per_token, read_mla_cache, write_kv_cache, write_mla_cache
-from .collectives import PendingGather, gathered_bytes_per_token
-from .kernels import AttentionCall, available_backends, resolve_backend as _resolve_call
+from .collectives import PendingGather, PlanDisagreement, gathered_bytes_per_token
+from .kernels import AttentionSpec, available_backends
 from .kv import pack_kv
-from .metadata import CPMetadata
+from .metadata import Capacity, CPMetadata
 from .overlap import GatherHandle, start_gather_kv, start_gather_mla_latent
+from .plans import AttentionPlan, StaticPlanner, plan_attention
 from .strategies import (
     STRATEGIES,
     ContiguousStrategy,
@@ -27,17 +30,21 @@ from .strategies import (
     get_strategy,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
-    "AttentionCall",
+    "AttentionPlan",
+    "AttentionSpec",
     "CPMetadata",
     "CPStrategy",
+    "Capacity",
     "ContiguousStrategy",
     "GatherHandle",
     "InterleaveStrategy",
     "PendingGather",
+    "PlanDisagreement",
     "STRATEGIES",
+    "StaticPlanner",
     "ZigzagStrategy",
     "available_backends",
     "gathered_bytes_per_token",
@@ -45,6 +52,8 @@ __all__ = [
     "kv_bytes_per_token",
     "mla_bytes_per_token",
     "pack_kv",
+    "padding",
+    "plan_attention",
     "read_mla_cache",
     "resolve_backend",
     "start_gather_kv",
@@ -68,12 +77,9 @@ def resolve_backend(
     backend: str = "auto",
     return_lse: bool = False,
 ) -> str:
-    """Name of the backend ``strategy.attention`` would run for the same arguments.
-
-    Validates exactly like ``attention`` and raises NotImplementedError when a named backend
-    cannot run the call. ``backend="auto"`` prefers fa4, then triton, then torch.
-    """
-    call = strategy._attention_call(
-        q_local, k, v, meta, page_table, softmax_scale, window_size, sinks, return_lse
-    )
-    return _resolve_call(call, backend).name
+    """Name of the backend ``strategy.attention(q_local, k, v, meta, ...)`` runs for the same
+    arguments (the first argument is the strategy). Plans (and caches the plan on ``meta``)
+    exactly like ``attention``; NotImplementedError when a named backend cannot run the call.
+    ``backend="auto"`` prefers fa4, then triton, then torch. (``softmax_scale`` and
+    ``return_lse`` do not change the choice; they are accepted so the call mirrors ``attention``.)"""
+    return strategy._cached_plan(q_local, k, v, meta, page_table, window_size, sinks, backend).backend

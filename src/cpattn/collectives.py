@@ -19,7 +19,14 @@ from torch import Tensor
 
 from .metadata import CPMetadata
 
-__all__ = ["PendingGather", "all_gather_rows", "check_group", "gathered_bytes_per_token"]
+__all__ = [
+    "PendingGather",
+    "PlanDisagreement",
+    "agree_on_plan",
+    "all_gather_rows",
+    "check_group",
+    "gathered_bytes_per_token",
+]
 
 PART_ALIGN_BYTES = 16  # byte alignment of each part inside a packed row (any dtype views back cleanly)
 
@@ -28,6 +35,73 @@ def _all_gather_into(output: Tensor, input: Tensor, group, async_op: bool):
     """The single collective call (tests count calls through this function)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(output, input, group=group, async_op=async_op)
+
+
+class PlanDisagreement(ValueError):
+    """The ranks of a CP group planned different batches (or one of them failed to plan)."""
+
+
+def _group_device(group) -> torch.device:
+    """Where a collective over ``group`` takes its tensors: CUDA for NCCL, else the CPU."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+#: Fingerprint entries: names used in the error message (the last one is the claimed rank).
+_FINGERPRINT_FIELDS = (
+    "strategy", "cp_size", "pad_multiple", "num_seqs", "num_tokens", "num_kv_tokens", "lengths",
+    "lengths", "capacity", "capacity", "capacity", "capacity", "capacity", "rank",
+)
+
+
+def agree_on_plan(fingerprint: Optional[tuple[int, ...]], group, cp_size: int) -> None:
+    """Exchange plan fingerprints over ``group`` (ONE tiny all-gather, plan time) and raise the
+    same :class:`PlanDisagreement` on every rank unless all ranks planned the same batch with
+    distinct ranks ``0..C-1`` in group order.
+
+    ``fingerprint`` is None on a rank whose own planning failed: it still joins the exchange
+    (so no rank hangs), then every other rank raises too and that rank re-raises its own error.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            f"group= needs an initialized torch.distributed process group (cp_size={cp_size})"
+        )
+    width = len(_FINGERPRINT_FIELDS) + 2  # + ok flag + this process's rank in the group
+    mine = torch.zeros(width, dtype=torch.int64)
+    if fingerprint is not None:
+        if len(fingerprint) != len(_FINGERPRINT_FIELDS):
+            raise ValueError(f"fingerprint must have {len(_FINGERPRINT_FIELDS)} entries, got {len(fingerprint)}")
+        mine[0] = 1
+        mine[1 : 1 + len(fingerprint)] = torch.tensor(fingerprint, dtype=torch.int64)
+    mine[-1] = dist.get_rank(group)
+    size = dist.get_world_size(group)
+    device = _group_device(group)
+    table = torch.empty(size * width, dtype=torch.int64, device=device)
+    _all_gather_into(table, mine.to(device), group, False)
+    rows = table.view(size, width).cpu().tolist()
+    failed = [r[-1] for r in rows if r[0] == 0]
+    if failed:
+        raise PlanDisagreement(f"CP plan: group rank(s) {failed} could not build a plan for this batch "
+                               "(their own error says why); no rank ran a collective with it")
+    fields = [r[1:-1] for r in rows]
+    claimed = [f[-1] for f in fields]
+    if any(f[1] != size for f in fields):
+        raise PlanDisagreement(f"CP plan: group has {size} ranks but the ranks planned with cp_size "
+                               f"{[f[1] for f in fields]}")
+    for name_i, name in enumerate(_FINGERPRINT_FIELDS[:-1]):
+        values = [f[name_i] for f in fields]
+        if len(set(values)) > 1:
+            what = {"lengths": "extend_lens / prefix_lens", "capacity": "StaticPlanner capacity"}.get(name, name)
+            raise PlanDisagreement(f"CP plan: the ranks planned different batches: {what} differ "
+                                   f"(per group rank: {values})")
+    if sorted(claimed) != list(range(size)):
+        raise PlanDisagreement(f"CP plan: ranks {claimed} (per group rank) must be 0..{size - 1} once each; "
+                               "two processes claim one rank or a rank is missing")
+    if claimed != [r[-1] for r in rows]:
+        raise PlanDisagreement(f"CP plan: claimed ranks {claimed} differ from the group ranks "
+                               f"{[r[-1] for r in rows]} (rank= must be the process's rank in group)")
 
 
 def check_group(meta: CPMetadata, group) -> None:

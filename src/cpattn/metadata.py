@@ -1,97 +1,108 @@
-"""The CP plan: token placement, padding and the segment descriptors the kernels read.
+"""The placement plan: which rank owns which token, padding, gather order, query segments.
 
-A :class:`CPMetadata` is pure data. A strategy builds it once per forward pass on the host
-(vectorized torch ops, no Python loop over tokens), :meth:`CPMetadata.to` moves it to the device,
-and every layer of the forward reuses it. Nothing on the per-layer path reads it back to the host:
-the few host-side numbers the per-layer path needs (row counts, grid sizes) are plain Python ints
-stored alongside the tensors.
+A :class:`CPMetadata` is pure data about one batch on one CP rank. A strategy builds it once per
+forward pass on the host (vectorized torch ops, cost O(T + B): no Python loop over tokens, nothing
+proportional to cached-prefix length), :meth:`CPMetadata.to` moves every tensor to the device in
+ONE copy from one pinned host buffer, and every layer reuses it. What a particular attention
+backend needs (tile maps, varlen descriptors) is not here: it lives in the attention plans
+(:mod:`cpattn.plans`), built from this one.
 
 Vocabulary (the same everywhere in cpattn):
 
-* ``T``: extend (new) tokens of the batch, packed sequence after sequence.
+* ``T``: extend (new) tokens of the batch, packed sequence after sequence; ``B`` sequences.
 * logical row: index ``t`` in ``[0, T)``.
-* local rows: the real tokens a rank owns, in increasing logical order (``num_local_tokens``).
-* physical rows: ``num_physical_tokens`` rows every rank holds; rows past the local ones are pad.
+* local rows: the real tokens a rank owns, in increasing logical order (``n = num_local_tokens``).
+* physical rows: ``P = num_physical_tokens`` rows every rank holds; rows ``[n, P)`` are pad.
 * position: index of a token in its sequence, prefix counted (``prefix_len + offset``).
 * packed K/V row: sequences laid out as ``prefix_0, extend_0, prefix_1, extend_1, ...``; the key at
   position ``p`` of sequence ``b`` is row ``cu_kv_lens[b] + p``.
-* segment: a run of local rows of one sequence whose positions are ``pos0 + i * stride``.
+* segment: a run of local rows of one sequence whose positions are ``pos0 + i * stride``. The
+  segment arrays hold one more entry after the ``S`` real ones: the *pad segment*, rows
+  ``[n, P)`` at position -1 (no key visible), so kernels write the pad rows themselves.
+
+Static plans (:class:`cpattn.StaticPlanner`) have the same fields, sized for a capacity
+(``meta.capacity``) at fixed device addresses; the "row" properties below give the sizes of the
+tensors a caller passes (``num_token_rows`` etc.), which equal the batch counts otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Callable, Sequence, Union
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["CPMetadata", "LengthsLike", "TILE_ROWS", "as_lengths", "build_metadata"]
+from . import padding
+from ._buffers import move_packed
+
+__all__ = ["CPMetadata", "Capacity", "LengthsLike", "as_lengths", "build_metadata", "plan_fingerprint"]
 
 LengthsLike = Union[Sequence[int], Tensor]
 
-#: Query-tile heights (rows) for which tile maps are planned; kernels pick one of these.
-TILE_ROWS: tuple[int, ...] = (16, 32, 64, 128)
-
-#: owner_fn(seq_ids, offsets, extend_lens) -> owning rank of every logical token, int64 [T].
+#: owner_fn(seq_ids, offsets, extend_lens) -> owning rank of every logical token [T].
 OwnerFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
-
 @dataclass(frozen=True)
-class TileMap:
-    """Query tiles of ``rows`` rows each, heaviest first (longest causal key range).
+class Capacity:
+    """Sizes a static plan's tensors are allocated for (see :class:`cpattn.StaticPlanner`).
 
-    ``segment[i]`` is the segment of tile ``i`` and ``row_offset[i]`` its first row inside that
-    segment; int32 [num_tiles]. ``num_tiles`` is a host int (grid size, no device sync).
+    max_tokens: T rows of logical tensors. max_seqs: B rows of per-sequence tensors (and of a
+    page table). max_kv_tokens: rows of packed K/V. max_local_tokens: P, the physical rows of
+    every rank. max_segments: S, query segments per rank.
     """
 
-    rows: int
-    num_tiles: int
-    segment: Tensor
-    row_offset: Tensor
-
-    def to(self, device: torch.device | str, non_blocking: bool = True) -> "TileMap":
-        return dataclasses.replace(
-            self,
-            segment=self.segment.to(device, non_blocking=non_blocking),
-            row_offset=self.row_offset.to(device, non_blocking=non_blocking),
-        )
+    max_tokens: int
+    max_seqs: int
+    max_kv_tokens: int
+    max_local_tokens: int
+    max_segments: int
 
 
-@dataclass(frozen=True)
+#: Tensor fields of CPMetadata, in the order they are packed for the one host-to-device copy.
+DEVICE_FIELDS = (
+    "extend_lens", "prefix_lens", "kv_lens", "cu_extend_lens", "cu_kv_lens",
+    "local_token_indices", "local_positions", "local_seq_ids", "shard_index", "row_valid",
+    "gather_index", "kv_extend_index",
+    "seg_seq", "seg_row0", "seg_len", "seg_pos0", "seg_stride", "counts",
+)
+
+
+@dataclass(frozen=True, eq=False)
 class CPMetadata:
-    """Placement of one batch's tokens on one CP rank, plus the kernel plan. Pure data.
+    """Placement of one batch's tokens on one CP rank. Pure data; compare plans by ``fingerprint``.
 
-    Tensor fields are int64 unless stated; ``[B]`` is per sequence, ``[T]`` per logical token,
-    ``[n]`` per local row (``n = num_local_tokens``), ``[S]`` per segment.
+    Tensors are int64 unless stated. ``[B]`` per sequence, ``[T]`` per logical token, ``[n]`` per
+    local row, ``[P]`` per physical row, ``[S + 1]`` per segment (the last one is the pad segment).
+    Host ints describe the batch itself; the ``num_*_rows`` properties give tensor sizes.
 
     Attributes:
         strategy: name of the strategy that built it ("zigzag", "interleave", "contiguous").
-        cp_size: number of CP ranks C. rank: this rank, in [0, C). pad_multiple: row alignment.
+        cp_size: C ranks. rank: this rank, in [0, C). pad_multiple: physical row alignment.
         num_seqs: B. num_tokens: T. num_kv_tokens: sum(prefix_lens + extend_lens).
         extend_lens, prefix_lens, kv_lens: [B]. cu_extend_lens, cu_kv_lens: [B + 1] offsets.
-        local_token_indices: [n] logical row of each local row (increasing).
-        local_positions: [n] position of each local row in its sequence (prefix counted).
-        local_seq_ids: [n] sequence of each local row.
-        num_local_tokens: n. num_local_tokens_per_rank: n of every rank (tuple of C ints).
-        num_physical_tokens: P, rows every rank holds, the smallest multiple of pad_multiple
-            >= max(num_local_tokens_per_rank).
+        local_token_indices, local_positions, local_seq_ids: [n] logical row, position and
+            sequence of each local row (increasing logical order).
+        num_local_tokens: n. num_local_tokens_per_rank: n of every rank (C host ints).
+        num_physical_tokens: P = ``padding.physical_rows(num_local_tokens_per_rank, pad_multiple)``.
+        shard_index: [P] logical row of each physical row (pad rows: 0). row_valid: [P] bool.
         gather_index: [T] row of logical token t in the all-gathered ``[C * P]`` buffer.
         kv_extend_index: [T] packed K/V row of each extend token.
-        kv_prefix_index: [sum(prefix_lens)] packed K/V row of each prefix token.
-        max_kv_len: the longest prefix + extend (host int).
-        causal_work_per_rank: per rank, the number of (query, key) pairs its local rows attend
-            to under causal masking without window (host ints; a load-balance measure).
-        seg_seq, seg_row0, seg_len, seg_pos0, seg_stride: [S] int32 segment descriptors
-            (sequence, first local row, rows, first row's position, position step).
-        seg_cu_rows: [S + 1] int32 first local row of each segment, then n (varlen cu_seqlens_q).
-        seg_key_start: [S + 1] int32 packed K/V row of each segment's sequence start, then
-            num_kv_tokens (varlen cu_seqlens_k used with seg_keys_used).
-        seg_keys_used: [S] int32 keys visible to the segment's last row (its position + 1).
-        max_seg_keys_used: the largest seg_keys_used (host int).
-        tiles: query-tile maps keyed by tile height (see :data:`TILE_ROWS`).
-        max_seg_len: the longest segment (host int).
+        max_kv_len: the longest prefix + extend. max_seg_len: the longest segment (host ints).
+        max_seg_keys: the largest ``last position + 1`` over segments (host int).
+        has_strided_segments: some segment of > 1 row has stride != 1 (interleave).
+        causal_work_per_rank: (query, key) pairs per rank under causal masking (host ints).
+        seg_seq, seg_row0, seg_len, seg_pos0, seg_stride: [S + 1] int32 segment descriptors;
+            entry S is the pad segment (row0 = n, len = P - n, pos0 = -1, stride 0).
+        num_segments: S (host int).
+        counts: [4] int32 on the device: T, n, num_kv_tokens, S (what static-plan kernels read).
+        fingerprint: host ints identifying the plan (strategy, C, alignment, lengths, rank,
+            capacity); equal on every rank of a consistent CP group except for the rank entry.
+        group: the process group the plan was checked against (``build_metadata(group=)``).
+        capacity: None, or the :class:`Capacity` of a static plan.
+        host: the CPU copy this one was moved from (itself when on the CPU); planners read it.
     """
 
     strategy: str
@@ -101,6 +112,15 @@ class CPMetadata:
     num_seqs: int
     num_tokens: int
     num_kv_tokens: int
+    num_local_tokens: int
+    num_local_tokens_per_rank: tuple[int, ...]
+    num_physical_tokens: int
+    num_segments: int
+    max_kv_len: int
+    max_seg_len: int
+    max_seg_keys: int
+    has_strided_segments: bool
+    causal_work_per_rank: tuple[int, ...]
     extend_lens: Tensor
     prefix_lens: Tensor
     kv_lens: Tensor
@@ -109,29 +129,38 @@ class CPMetadata:
     local_token_indices: Tensor
     local_positions: Tensor
     local_seq_ids: Tensor
-    num_local_tokens: int
-    num_local_tokens_per_rank: tuple[int, ...]
-    num_physical_tokens: int
+    shard_index: Tensor
+    row_valid: Tensor
     gather_index: Tensor
     kv_extend_index: Tensor
-    kv_prefix_index: Tensor
-    max_kv_len: int
-    causal_work_per_rank: tuple[int, ...]
     seg_seq: Tensor
     seg_row0: Tensor
     seg_len: Tensor
     seg_pos0: Tensor
     seg_stride: Tensor
-    seg_cu_rows: Tensor
-    seg_key_start: Tensor
-    seg_keys_used: Tensor
-    max_seg_keys_used: int
-    tiles: dict[int, TileMap]
-    max_seg_len: int
-    # Host copies of the small per-sequence / per-segment tables, for host-side planning
-    # (the torch reference backend, FA4 argument building) without device syncs.
-    host_cu_kv_lens: tuple[int, ...]
-    host_segments: tuple[tuple[int, int, int, int, int], ...]
+    counts: Tensor
+    fingerprint: tuple[int, ...]
+    group: Any = None
+    capacity: Optional[Capacity] = None
+    host: Optional["CPMetadata"] = field(default=None, repr=False)
+    arena: Any = field(default=None, repr=False)  # StaticPlanner buffers (static plans only)
+    plan_cache: dict = field(default_factory=dict, repr=False)  # strategy.attention's plans
+
+    # ------------------------------------------------------------------ sizes of caller tensors
+    @property
+    def num_token_rows(self) -> int:
+        """Rows of logical ``[T, ...]`` tensors (shard input, gather output): T, or the capacity."""
+        return self.capacity.max_tokens if self.capacity else self.num_tokens
+
+    @property
+    def num_kv_rows(self) -> int:
+        """Rows of packed K/V: num_kv_tokens, or the capacity."""
+        return self.capacity.max_kv_tokens if self.capacity else self.num_kv_tokens
+
+    @property
+    def num_seq_rows(self) -> int:
+        """Rows of per-sequence tensors and page tables: B, or the capacity."""
+        return self.capacity.max_seqs if self.capacity else self.num_seqs
 
     @property
     def num_pad_tokens(self) -> int:
@@ -139,12 +168,12 @@ class CPMetadata:
         return self.num_physical_tokens - self.num_local_tokens
 
     @property
-    def num_segments(self) -> int:
-        return len(self.host_segments)
+    def device(self) -> torch.device:
+        return self.gather_index.device
 
     @property
-    def device(self) -> torch.device:
-        return self.local_token_indices.device
+    def is_static(self) -> bool:
+        return self.capacity is not None
 
     @property
     def load_imbalance(self) -> float:
@@ -153,19 +182,39 @@ class CPMetadata:
         mean = sum(work) / len(work)
         return max(work) / mean if mean > 0 else 1.0
 
+    @property
+    def host_segments(self) -> tuple[tuple[int, int, int, int, int], ...]:
+        """The S real segments as (seq, row0, len, pos0, stride) host tuples (O(S) Python: for
+        tests, benchmarks and the torch reference, never for the per-layer path of a kernel)."""
+        h = self.host if self.host is not None else self
+        s = self.num_segments
+        cols = [getattr(h, f)[:s].tolist() for f in ("seg_seq", "seg_row0", "seg_len", "seg_pos0", "seg_stride")]
+        return tuple(zip(*cols))
+
     def to(self, device: torch.device | str, non_blocking: bool = True) -> "CPMetadata":
-        """Copy every tensor to ``device`` (host-to-device once per forward, before any layer)."""
-        changes = {}
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, Tensor):
-                changes[field.name] = value.to(device, non_blocking=non_blocking)
-        changes["tiles"] = {k: t.to(device, non_blocking) for k, t in self.tiles.items()}
-        return dataclasses.replace(self, **changes)
+        """Every tensor on ``device`` in ONE copy (from one pinned buffer when ``device`` is CUDA).
+
+        The result keeps ``host`` (the CPU copy), which attention planning reads without a sync.
+        """
+        device = torch.device(device)
+        src = self.host if self.host is not None else self
+        if device.type == "cpu":
+            return src
+        if self.device == device or (device.index is None and self.device.type == device.type):
+            return self
+        tensors = {name: getattr(src, name) for name in DEVICE_FIELDS}
+        views = move_packed(tensors, device, non_blocking)
+        return dataclasses.replace(src, **views, host=src, plan_cache={})
 
 
+# ---------------------------------------------------------------------------- inputs
 def as_lengths(value: LengthsLike, name: str) -> Tensor:
-    """Validate a list/tuple/1-D integer tensor of non-negative lengths; return int64 CPU [B]."""
+    """Validate a list/tuple/1-D integer tensor or array of lengths >= 0; return int64 CPU [B].
+
+    Accepts Python ints, numpy integers and arrays, and integer torch tensors.
+    """
+    if not isinstance(value, Tensor) and hasattr(value, "__array__") and not isinstance(value, (list, tuple)):
+        value = torch.as_tensor(value)  # numpy arrays
     if isinstance(value, Tensor):
         if value.dim() != 1:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
@@ -173,13 +222,19 @@ def as_lengths(value: LengthsLike, name: str) -> Tensor:
             raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
         lengths = value.detach().to("cpu", torch.int64)
     elif isinstance(value, (list, tuple)):
+        items = []
         for item in value:
-            if isinstance(item, bool) or not isinstance(item, int):
-                if not (isinstance(item, Tensor) and item.dim() == 0 and not item.is_floating_point()):
-                    raise TypeError(f"{name} must hold integers, got {type(item).__name__} {item!r}")
-        lengths = torch.tensor([int(x) for x in value], dtype=torch.int64)
+            if isinstance(item, bool) or isinstance(item, float):
+                raise TypeError(f"{name} must hold integers, got {type(item).__name__} {item!r}")
+            if isinstance(item, Tensor) and (item.dim() != 0 or item.is_floating_point()):
+                raise TypeError(f"{name} must hold integers, got a tensor of shape {tuple(item.shape)}")
+            try:
+                items.append(operator.index(item))
+            except TypeError:
+                raise TypeError(f"{name} must hold integers, got {type(item).__name__} {item!r}") from None
+        lengths = torch.tensor(items, dtype=torch.int64)
     else:
-        raise TypeError(f"{name} must be a list, tuple or 1-D int tensor, got {type(value).__name__}")
+        raise TypeError(f"{name} must be a list, tuple, 1-D int tensor or array, got {type(value).__name__}")
     if lengths.numel() and int(lengths.min()) < 0:
         raise ValueError(f"{name} must be >= 0, got {lengths.tolist()}")
     return lengths
@@ -191,23 +246,38 @@ def _exclusive_cumsum(x: Tensor) -> Tensor:
     return out
 
 
-def _tile_map(seg_len: Tensor, seg_pos0: Tensor, seg_stride: Tensor, rows: int) -> TileMap:
-    counts = (seg_len + rows - 1) // rows
-    num_tiles = int(counts.sum())
-    segment = torch.repeat_interleave(torch.arange(seg_len.numel()), counts)
-    first_tile = _exclusive_cumsum(counts)[:-1]
-    row_offset = (torch.arange(num_tiles) - first_tile[segment]) * rows
-    last_row = torch.minimum(row_offset + rows, seg_len[segment]) - 1
-    last_pos = seg_pos0[segment] + seg_stride[segment] * last_row
-    order = torch.argsort(last_pos, descending=True, stable=True)  # heaviest tiles first
-    return TileMap(
-        rows=rows,
-        num_tiles=num_tiles,
-        segment=segment[order].to(torch.int32),
-        row_offset=row_offset[order].to(torch.int32),
+# ---------------------------------------------------------------------------- fingerprint
+_HASH_P = 2147483647  # 2**31 - 1: products of two residues fit in int64
+
+
+def _lengths_hash(ext: Tensor, pre: Tensor, mult: int, salt: int) -> int:
+    """A vectorized polynomial hash of the (extend, prefix) pairs, in [0, 2**31 - 1)."""
+    i = torch.arange(ext.numel(), dtype=torch.int64)
+    w = (i * mult + salt) % _HASH_P
+    term = ((ext % _HASH_P) * 40503 + (pre % _HASH_P) * 65599 + 1) % _HASH_P
+    return int(((term * w) % _HASH_P).sum() % _HASH_P)
+
+
+def plan_fingerprint(
+    strategy: str, cp_size: int, rank: int, pad_multiple: int, ext: Tensor, pre: Tensor,
+    capacity: Optional[Capacity] = None,
+) -> tuple[int, ...]:
+    """Host ints that identify a plan: equal on all ranks of one batch except ``rank``.
+
+    (strategy code, cp_size, pad_multiple, B, T, num_kv_tokens, two length hashes, rank,
+    capacity...). Strategies and :class:`cpattn.StaticPlanner` exchange it over the group.
+    """
+    import zlib
+
+    cap = dataclasses.astuple(capacity) if capacity is not None else (0, 0, 0, 0, 0)
+    return (
+        zlib.crc32(strategy.encode()) & 0x7FFFFFFF, cp_size, pad_multiple, ext.numel(), int(ext.sum()),
+        int(ext.sum() + pre.sum()), _lengths_hash(ext, pre, 1103515245, 12345),
+        _lengths_hash(ext, pre, 69069, 1013904223), *cap, rank,
     )
 
 
+# ---------------------------------------------------------------------------- build
 def build_metadata(
     strategy: str,
     owner_fn: OwnerFn,
@@ -217,11 +287,13 @@ def build_metadata(
     pad_multiple: int,
     extend_lens: LengthsLike,
     prefix_lens: LengthsLike | None,
+    physical_rows: Optional[int] = None,
 ) -> CPMetadata:
-    """Plan one batch for one rank (host, vectorized over tokens). Strategies call this.
+    """Plan one batch for one rank on the host (O(T + B), vectorized). Strategies call this.
 
-    ``owner_fn`` decides placement; everything else (padding, gather order, segments, tiles) is
-    derived here the same way for every strategy.
+    ``owner_fn`` decides placement; everything else (padding, gather order, segments) is derived
+    here the same way for every strategy. ``physical_rows``: a fixed P (static plans; ValueError
+    when a rank owns more rows), else ``padding.physical_rows`` of the per-rank counts.
     """
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise TypeError(f"rank must be an int, got {type(rank).__name__}")
@@ -242,7 +314,7 @@ def build_metadata(
     # Per logical token: sequence, offset in the extend part, position, owner. Token-level math
     # runs in int32 when it fits (about twice as fast on the host as int64).
     tok = torch.int32 if int(cu_kv[-1]) < 2**31 - 1 else torch.int64
-    seq_ids = torch.repeat_interleave(torch.arange(num_seqs, dtype=tok), ext)
+    seq_ids = torch.repeat_interleave(torch.arange(num_seqs, dtype=tok), ext, output_size=num_tokens)
     offsets = torch.arange(num_tokens, dtype=tok) - cu_ext.to(tok)[seq_ids]
     positions = pre.to(tok)[seq_ids] + offsets
     owner = owner_fn(seq_ids, offsets, ext.to(tok))
@@ -255,12 +327,19 @@ def build_metadata(
     local_row_sorted = torch.arange(num_tokens, dtype=tok) - rank_start.to(tok)[owner[by_rank]]
     local_row = torch.empty(num_tokens, dtype=tok)
     local_row[by_rank] = local_row_sorted
-    max_local = int(per_rank.max()) if cp_size else 0
-    physical = -(-max_local // pad_multiple) * pad_multiple
+    counts_per_rank = tuple(int(c) for c in per_rank)
+    physical = padding.physical_rows(counts_per_rank, pad_multiple)
+    if physical_rows is not None:
+        if physical > physical_rows:
+            raise ValueError(
+                f"batch over capacity: a rank owns {max(counts_per_rank)} rows, more than the "
+                f"{physical_rows} physical rows planned"
+            )
+        physical = physical_rows
     gather_index = owner.long() * physical + local_row
 
     work = torch.bincount(owner, weights=(positions + 1).double(), minlength=cp_size)
-    mine = by_rank[int(rank_start[rank]) : int(rank_start[rank + 1])]
+    mine = by_rank[int(rank_start[rank]) : int(rank_start[rank + 1])].long()
     local_seq = seq_ids[mine].long()
     local_pos = positions[mine].long()
     n = mine.numel()
@@ -274,15 +353,20 @@ def build_metadata(
     seg_seq = local_seq[seg_row0]
     seg_pos0 = local_pos[seg_row0]
     seg_stride = torch.full_like(seg_row0, segment_stride)
-    tiles = {rows: _tile_map(seg_len, seg_pos0, seg_stride, rows) for rows in TILE_ROWS}
-    seg_keys_used = seg_pos0 + (seg_len - 1) * seg_stride + 1
-    seg_cu_rows = torch.cat([seg_row0, torch.tensor([n])])
-    seg_key_start = torch.cat([cu_kv[seg_seq], cu_kv[-1:]])
-    kv_extend_index = cu_kv[seq_ids] + positions.long()
-    cu_pre = _exclusive_cumsum(pre)
-    prefix_seq = torch.repeat_interleave(torch.arange(num_seqs), pre)
-    kv_prefix_index = cu_kv[prefix_seq] + torch.arange(prefix_seq.numel()) - cu_pre[prefix_seq]
+    num_segments = seg_row0.numel()
+    seg_keys = seg_pos0 + (seg_len - 1) * seg_stride + 1
+    # the pad segment: rows [n, P), position -1 (no key visible)
+    pad_seg = torch.tensor([n])
+    seg_seq = torch.cat([seg_seq, torch.zeros(1, dtype=torch.int64)])
+    seg_row0 = torch.cat([seg_row0, pad_seg])
+    seg_len = torch.cat([seg_len, torch.tensor([physical - n])])
+    seg_pos0 = torch.cat([seg_pos0, torch.tensor([-1])])
+    seg_stride = torch.cat([seg_stride, torch.zeros(1, dtype=torch.int64)])
 
+    shard_index = torch.zeros(physical, dtype=torch.int64)
+    shard_index[:n] = mine
+    row_valid = torch.zeros(physical, dtype=torch.bool)
+    row_valid[:n] = True
     i32 = torch.int32
     return CPMetadata(
         strategy=strategy,
@@ -292,6 +376,15 @@ def build_metadata(
         num_seqs=num_seqs,
         num_tokens=num_tokens,
         num_kv_tokens=int(cu_kv[-1]),
+        num_local_tokens=n,
+        num_local_tokens_per_rank=counts_per_rank,
+        num_physical_tokens=physical,
+        num_segments=num_segments,
+        max_kv_len=int(kv_lens.max()) if num_seqs else 0,
+        max_seg_len=int(seg_len[:num_segments].max()) if num_segments else 0,
+        max_seg_keys=int(seg_keys.max()) if num_segments else 0,
+        has_strided_segments=bool(segment_stride != 1 and bool((seg_len[:num_segments] > 1).any())),
+        causal_work_per_rank=tuple(int(w) for w in work),
         extend_lens=ext,
         prefix_lens=pre,
         kv_lens=kv_lens,
@@ -300,27 +393,15 @@ def build_metadata(
         local_token_indices=mine,
         local_positions=local_pos,
         local_seq_ids=local_seq,
-        num_local_tokens=n,
-        num_local_tokens_per_rank=tuple(int(c) for c in per_rank),
-        num_physical_tokens=physical,
+        shard_index=shard_index,
+        row_valid=row_valid,
         gather_index=gather_index,
-        kv_extend_index=kv_extend_index,
-        kv_prefix_index=kv_prefix_index,
-        max_kv_len=int(kv_lens.max()) if num_seqs else 0,
-        causal_work_per_rank=tuple(int(w) for w in work),
+        kv_extend_index=cu_kv[seq_ids.long()] + positions.long(),
         seg_seq=seg_seq.to(i32),
         seg_row0=seg_row0.to(i32),
         seg_len=seg_len.to(i32),
         seg_pos0=seg_pos0.to(i32),
         seg_stride=seg_stride.to(i32),
-        seg_cu_rows=seg_cu_rows.to(i32),
-        seg_key_start=seg_key_start.to(i32),
-        seg_keys_used=seg_keys_used.to(i32),
-        max_seg_keys_used=int(seg_keys_used.max()) if seg_keys_used.numel() else 0,
-        tiles=tiles,
-        max_seg_len=int(seg_len.max()) if seg_len.numel() else 0,
-        host_cu_kv_lens=tuple(cu_kv.tolist()),
-        host_segments=tuple(
-            zip(seg_seq.tolist(), seg_row0.tolist(), seg_len.tolist(), seg_pos0.tolist(), seg_stride.tolist())
-        ),
+        counts=torch.tensor([num_tokens, n, int(cu_kv[-1]), num_segments], dtype=i32),
+        fingerprint=plan_fingerprint(strategy, cp_size, rank, pad_multiple, ext, pre),
     )

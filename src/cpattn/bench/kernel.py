@@ -4,10 +4,10 @@ For each head shape and total sequence length S (one sequence, no prefix), rank 
 zigzag C = 1, 2, 4, 8 (q = two blocks, k = the whole sequence; C = 1 is plain causal), interleave
 C = 4, and zigzag C = 2 with a paged cache (page 64). Backends on the same tensors:
 
-* ``triton``: ``strategy.attention(..., backend="triton")`` (one launch; on sm_90 the
-  warp-specialized Gluon kernel wherever it applies, else the portable Triton kernel).
-* ``triton-portable``: the portable Triton kernel alone (``cp_attention_fwd(..., sm90=False)``).
-* ``fa4``: ``strategy.attention(..., backend="fa4")`` (one varlen launch plus output set-up).
+* ``triton``: ``plan.run(...)`` of a plan built once per workload with ``backend="triton"`` (one
+  launch; on sm_90 the warp-specialized Gluon kernel wherever it applies, else the portable one).
+* ``triton-portable``: the portable Triton kernel alone (``backend_options={"family": "portable"}``).
+* ``fa4``: ``plan.run(...)`` of an ``backend="fa4"`` plan (one varlen launch plus output set-up).
 * ``fa4-raw``: ``flash_attn.cute.flash_attn_varlen_func`` called directly with the same
   per-segment arguments, to show the fa4 backend's overhead.
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``, one call per segment (zigzag:
@@ -80,20 +80,26 @@ def _sdpa_fn(q, k, v, meta, group: int) -> Callable[[], object]:
     return run
 
 
+def varlen_descriptors(meta, device) -> dict:
+    """FA4's varlen arguments for the segments of ``meta`` (what the fa4 backend plans)."""
+    segs = meta.host_segments
+    cu_kv = meta.host.cu_kv_lens.tolist() if meta.host is not None else meta.cu_kv_lens.tolist()
+    i32 = dict(dtype=torch.int32, device=device)
+    return dict(
+        cu_seqlens_q=torch.tensor([r0 for _, r0, *_ in segs] + [meta.num_local_tokens], **i32),
+        cu_seqlens_k=torch.tensor([cu_kv[b] for b, *_ in segs] + [cu_kv[-1]], **i32),
+        seqused_k=torch.tensor([p0 + (n - 1) * st + 1 for _, _, n, p0, st in segs], **i32),
+        max_seqlen_q=meta.max_seg_len, max_seqlen_k=meta.max_seg_keys,
+    )
+
+
 def _fa4_raw_fn(q, k, v, meta, page_table) -> Optional[Callable[[], object]]:
     from flash_attn.cute import flash_attn_varlen_func
 
-    kw = dict(
-        cu_seqlens_q=meta.seg_cu_rows,
-        seqused_k=meta.seg_keys_used,
-        max_seqlen_q=meta.max_seg_len,
-        max_seqlen_k=meta.max_seg_keys_used,
-        causal=True,
-    )
+    kw = dict(varlen_descriptors(meta, q.device), causal=True)
     if page_table is not None:
-        kw["page_table"] = page_table.index_select(0, meta.seg_seq).contiguous()
-    else:
-        kw["cu_seqlens_k"] = meta.seg_key_start
+        kw.pop("cu_seqlens_k")
+        kw["page_table"] = page_table.index_select(0, meta.seg_seq[: meta.num_segments].long()).contiguous()
     return lambda: flash_attn_varlen_func(q, k, v, **kw)
 
 
@@ -120,7 +126,7 @@ def main(args: argparse.Namespace) -> int:
     triton_kw = {}
     if args.triton_config:
         bm, bn, w, s = (int(x) for x in args.triton_config.split(","))
-        triton_kw = dict(block_m=bm, config=(bn, w, s))
+        triton_kw = dict(block_m=bm, config=(bn, w, s), family="portable")
     info = header("python -m cpattn.bench kernel " + " ".join(_argv_summary(args)))
     progress(f"{info['machine']}; backends {backends}")
     dev = "cuda"
@@ -179,23 +185,23 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_fn(s, q, k, v, meta, table, backend, options):
+    hq, d = q.shape[1], q.shape[2]
+    plan = s.plan_attention(meta, num_q_heads=hq, num_kv_heads=k.shape[-2], head_dim=d, head_dim_v=v.shape[-1],
+                            dtype=q.dtype, page_size=k.shape[1] if table is not None else None, backend=backend,
+                            backend_options=options)
+    return lambda: plan.run(q, k, v, page_table=table)
+
+
 def _make_fn(backend, s, q, k, v, meta, table, group, strategy_name, triton_kw):
     if backend == "triton":
-        if triton_kw:
-            from ..kernels.triton_attn import cp_attention_fwd
-
-            scale = q.shape[-1] ** -0.5
-            return lambda: cp_attention_fwd(q, k, v, meta, scale, page_table=table, **triton_kw)
-        return lambda: s.attention(q, k, v, meta, page_table=table, backend="triton")
+        return _plan_fn(s, q, k, v, meta, table, "triton", triton_kw)
     if backend == "triton-portable":
-        from ..kernels.triton_attn import cp_attention_fwd
-
-        scale = q.shape[-1] ** -0.5
-        return lambda: cp_attention_fwd(q, k, v, meta, scale, page_table=table, sm90=False, **triton_kw)
+        return _plan_fn(s, q, k, v, meta, table, "triton", {**triton_kw, "family": "portable"})
     if backend == "fa4":
         if strategy_name == "interleave":
             return None
-        return lambda: s.attention(q, k, v, meta, page_table=table, backend="fa4")
+        return _plan_fn(s, q, k, v, meta, table, "fa4", {})
     if backend == "fa4-raw":
         if strategy_name == "interleave":
             return None

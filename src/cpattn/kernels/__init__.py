@@ -1,16 +1,25 @@
-"""Attention backends for the local queries of a CP rank, behind one registry.
+"""Attention backends behind one registry, each planning its launches once per forward.
 
-Every backend computes the same thing (see :class:`AttentionCall`); ``backend="auto"`` picks the
-first of :data:`AUTO_ORDER` that is installed and supports the call. Backends register themselves
-here; the hot path does one dictionary lookup, no if/else chain per backend.
+A backend answers two questions at plan time, for an :class:`AttentionSpec` (heads, head dims,
+dtype, window, page size, sinks) and a placement plan (:class:`cpattn.CPMetadata`): can it run
+them here (:meth:`AttentionBackend.unsupported_reason`), and what does it launch
+(:meth:`AttentionBackend.plan`, returning a :class:`BackendRun`: a callable holding every
+launch fact, whose per-layer call does O(1) host work and only device work). ``backend="auto"``
+picks the first of :data:`AUTO_ORDER` that can. Kernel families live one per module
+(``reference``, ``triton_attn`` portable, ``triton_sm90`` Hopper, ``fa4``); a backend module
+picks the family, a family never imports another.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
+import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol
+from typing import Callable, Mapping, Optional, Protocol
 
+import torch
 from torch import Tensor
 
 from ..metadata import CPMetadata
@@ -18,109 +27,156 @@ from ..metadata import CPMetadata
 __all__ = [
     "AUTO_ORDER",
     "AttentionBackend",
-    "AttentionCall",
+    "AttentionSpec",
+    "BackendRun",
     "available_backends",
     "get_backend",
     "register_backend",
-    "resolve_backend",
+    "select_backend",
 ]
 
 logger = logging.getLogger("cpattn")
 
 
 @dataclass(frozen=True)
-class AttentionCall:
-    """One validated attention call for a rank's local queries.
+class AttentionSpec:
+    """The layer-kind facts an attention plan is bound to (validated by ``cpattn.plans``).
 
-    q: [P, Hq, D]. k, v: packed [num_kv_tokens, Hkv, D] / [.., Hkv, Dv], or paged caches
-    [num_pages, page_size, Hkv, D] / [.., Dv] when ``page_table`` ([B, max_pages] int32) is given.
-    softmax_scale: float. window_left: keys at positions >= position - window_left (-1: none).
-    sinks: [Hq] float logits or None. Returns out [P, Hq, Dv] (pad rows 0) and, if asked, lse
-    [P, Hq] float32 natural log (-inf on pad rows, sinks counted).
+    num_q_heads Hq, num_kv_heads Hkv (Hq % Hkv == 0), head_dim D, head_dim_v Dv, dtype of q/k/v,
+    window_left (keys at positions >= position - window_left; -1: no window), page_size (None:
+    packed K/V), has_sinks (one float logit per query head joins each row's denominator).
     """
 
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    meta: CPMetadata
-    softmax_scale: float
-    window_left: int
-    sinks: Optional[Tensor]
-    page_table: Optional[Tensor]
-    return_lse: bool
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    dtype: torch.dtype
+    window_left: int = -1
+    page_size: Optional[int] = None
+    has_sinks: bool = False
 
     @property
     def paged(self) -> bool:
-        return self.page_table is not None
+        return self.page_size is not None
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.num_q_heads // self.num_kv_heads
+
+
+class BackendRun(Protocol):
+    """One planned attention launch: ``run(q, k, v, page_table, sinks, softmax_scale, out, lse)``
+    writes ``out`` [P, Hq, Dv] (pad rows 0) and, if ``lse`` is not None, ``lse`` [P, Hq] float32
+    natural log (pad rows -inf). Arguments are already validated against the spec."""
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, page_table: Optional[Tensor], sinks: Optional[Tensor],
+                 softmax_scale: float, out: Tensor, lse: Optional[Tensor]) -> None: ...
 
 
 class AttentionBackend(Protocol):
     name: str
 
-    def unsupported_reason(self, call: AttentionCall) -> Optional[str]:
-        """None when this backend can run ``call`` here, else why not (one line)."""
+    def available(self) -> Optional[str]:
+        """None when this backend can run on this machine at all, else why not (one line)."""
 
-    def run(self, call: AttentionCall) -> tuple[Tensor, Optional[Tensor]]:
-        """Return (out [P, Hq, Dv], lse [P, Hq] float32 or None)."""
+    def unsupported_reason(self, spec: AttentionSpec, meta: CPMetadata) -> Optional[str]:
+        """None when this backend can run ``spec`` over ``meta`` here, else why not (one line)."""
 
-
-_REGISTRY: dict[str, Callable[[], AttentionBackend]] = {}
-_INSTANCES: dict[str, AttentionBackend] = {}
-
-#: Preference of ``backend="auto"``.
-AUTO_ORDER: tuple[str, ...] = ("fa4", "triton", "torch")
+    def plan(self, spec: AttentionSpec, meta: CPMetadata, options: Mapping) -> BackendRun:
+        """Bind everything the launches need (host work, may allocate and copy once)."""
 
 
-def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
-    """Register a backend factory under ``name`` (called lazily, once)."""
-    _REGISTRY[name] = factory
+#: Plan kinds: "dense" (causal attention of local queries, :func:`cpattn.plan_attention`); the
+#: sparse (DSA) and sharded-KV / decode plans register their own kinds beside it.
+_REGISTRY: dict[tuple[str, str], Callable[[], AttentionBackend]] = {}
+_INSTANCES: dict[tuple[str, str], AttentionBackend] = {}
+
+#: Preference of ``backend="auto"`` per plan kind.
+AUTO_ORDER: dict[str, tuple[str, ...]] = {"dense": ("fa4", "triton", "torch")}
 
 
-def get_backend(name: str) -> AttentionBackend:
-    if name not in _REGISTRY:
-        raise ValueError(f"backend must be one of {sorted(_REGISTRY) + ['auto']}, got {name!r}")
-    if name not in _INSTANCES:
-        _INSTANCES[name] = _REGISTRY[name]()
-    return _INSTANCES[name]
+def register_backend(name: str, factory: Callable[[], AttentionBackend], kind: str = "dense",
+                     auto_rank: Optional[int] = None) -> None:
+    """Register a backend factory for plans of ``kind`` under ``name`` (called lazily, once).
+    ``auto_rank``: its place in ``auto``'s order for that kind (None: last)."""
+    _REGISTRY[(kind, name)] = factory
+    order = [n for n in AUTO_ORDER.get(kind, ()) if n != name]
+    order.insert(len(order) if auto_rank is None else auto_rank, name)
+    AUTO_ORDER[kind] = tuple(order)
 
 
-def available_backends() -> list[str]:
-    return sorted(_REGISTRY)
+def get_backend(name: str, kind: str = "dense") -> AttentionBackend:
+    if not isinstance(name, str) or (kind, name) not in _REGISTRY:
+        names = sorted(n for k, n in _REGISTRY if k == kind)
+        raise ValueError(f"backend must be one of {names + ['auto']}, got {name!r}")
+    if (kind, name) not in _INSTANCES:
+        _INSTANCES[(kind, name)] = _REGISTRY[(kind, name)]()
+    return _INSTANCES[(kind, name)]
 
 
-def resolve_backend(call: AttentionCall, backend: str = "auto") -> AttentionBackend:
-    """The backend that runs ``call``: the named one (ValueError/NotImplementedError if it cannot),
-    or for "auto" the first of :data:`AUTO_ORDER` that can. Logged at DEBUG level."""
+def available_backends(kind: str = "dense") -> list[str]:
+    """Backends of a plan kind that can run on this machine now (installed, with a device
+    they support)."""
+    out = []
+    for k, name in sorted(_REGISTRY):
+        if k != kind:
+            continue
+        try:
+            if get_backend(name, kind).available() is None:
+                out.append(name)
+        except ImportError:
+            continue
+    return out
+
+
+def select_backend(spec, meta: CPMetadata, backend: str = "auto", kind: str = "dense") -> AttentionBackend:
+    """The backend that runs ``spec`` over ``meta`` for plans of ``kind``: the named one
+    (NotImplementedError naming the reason if it cannot), or for "auto" the first of
+    ``AUTO_ORDER[kind]`` that can. A CUDA plan that falls back to a torch reference warns
+    (once per call site)."""
     if backend != "auto":
-        chosen = get_backend(backend)
-        reason = chosen.unsupported_reason(call)
+        chosen = get_backend(backend, kind)
+        reason = chosen.available() or chosen.unsupported_reason(spec, meta)
         if reason is not None:
             raise NotImplementedError(f"backend {backend!r} cannot run this call: {reason}")
         return chosen
     reasons = []
-    for name in AUTO_ORDER:
+    for name in AUTO_ORDER.get(kind, ()):
         try:
-            candidate = get_backend(name)
+            candidate = get_backend(name, kind)
+            reason = candidate.available() or candidate.unsupported_reason(spec, meta)
         except ImportError as exc:  # a backend module that cannot load here is just unavailable
-            reasons.append(f"{name}: {exc}")
-            continue
-        reason = candidate.unsupported_reason(call)
+            reason = str(exc)
         if reason is None:
             logger.debug("cpattn: backend 'auto' -> %r (%s)", name, "; ".join(reasons) or "first choice")
+            if name == "torch" and meta.device.type == "cuda":
+                warnings.warn(
+                    "cpattn: backend='auto' runs the slow torch reference on CUDA (" + "; ".join(reasons) + ")",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
             return candidate
         reasons.append(f"{name}: {reason}")
     raise NotImplementedError("no attention backend can run this call: " + "; ".join(reasons))
 
 
+def module_available(name: str) -> bool:
+    """Is a module importable here (without importing it)?"""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def _lazy(module: str, attr: str) -> Callable[[], AttentionBackend]:
     def factory() -> AttentionBackend:
-        import importlib
-
         return getattr(importlib.import_module(module, __name__), attr)()
 
     return factory
 
 
-register_backend("torch", _lazy(".reference", "TorchReferenceBackend"))
-register_backend("triton", _lazy(".triton_backend", "TritonBackend"))
 register_backend("fa4", _lazy(".fa4", "FA4Backend"))
+register_backend("triton", _lazy(".triton_backend", "TritonBackend"))
+register_backend("torch", _lazy(".reference", "TorchReferenceBackend"))

@@ -12,8 +12,11 @@ K/V are either packed (key ``p`` of sequence ``b`` at row ``cu_kv_lens[b] + p``)
 (page ``page_table[b, p // PAGE_SIZE]``, slot ``p % PAGE_SIZE``); any row strides work (last dim
 contiguous). Softmax runs in base 2 with fp32 accumulation; LSE is converted to natural log.
 
-Per-layer path: no host sync, no host-to-device copy; the grid comes from host ints in the
-metadata, so a launch can be captured in a CUDA graph (after the autotuner has run once).
+The launch geometry (tile map, GQA packing, L2 sections) is planned by the backend
+(:mod:`.triton_backend`); this module holds the kernel and :func:`launch`, which only passes
+arguments. The tile count is read from device memory and programs past it exit, so a grid sized
+for a static plan's capacity replays in a CUDA graph for any batch within it. Pad rows are tiles
+of the pad segment (position -1): the kernel writes them as 0 / lse -inf.
 """
 
 from __future__ import annotations
@@ -27,8 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..metadata import CPMetadata
-from ._limits import SM90_SMEM_PER_BLOCK
+from ._tiles import LOG2E, SM90_SMEM_PER_BLOCK
 
 logger = logging.getLogger("cpattn")
 
@@ -36,8 +38,6 @@ logger = logging.getLogger("cpattn")
 #: import): Triton decides at decoration time, so one process runs one kind.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
-_LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 
 
 # ----------------------------------------------------------------------------- helpers (host)
@@ -68,49 +68,13 @@ def shape_unsupported_reason(d: int, dv: int, dtype: torch.dtype) -> Optional[st
     return None
 
 
-def _default_block_m(d: int, dv: int) -> int:
+def default_block_m(d: int, dv: int) -> int:
+    """Query rows x packed heads per program (the tile map follows from it)."""
     if INTERPRETED:
         return 32
     if max(d, dv) > 256:
         return 64
     return 128
-
-
-def _sm90_enabled() -> bool:
-    """The warp-specialized Hopper kernel (:mod:`.triton_sm90`) is used where it applies unless
-    ``CPATTN_TRITON_SM90=0``."""
-    return os.environ.get("CPATTN_TRITON_SM90", "1") != "0"
-
-
-#: Tuning of the sm_90 kernel: key block, K/V stages, FA3-style overlap (0 off, 1 paired GEMMs,
-#: 2 softmax under P V) and ping-pong between the two consumer warpgroups (none measured faster
-#: on H200; docs/kernels.md has the numbers).
-SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": 0, "pingpong": False}
-
-
-#: Bytes of L2 the launch order plans to keep K/V in (None: two thirds of the GPU's L2; 32 MiB
-#: under the interpreter). See :func:`heads_per_l2_section`.
-L2_KV_BYTES: Optional[int] = None
-
-
-def heads_per_l2_section(
-    num_kv_tokens: int, kv_row_bytes: int, head_groups_per_kv_head: int, num_head_groups: int, device: torch.device
-) -> int:
-    """Head groups whose programs run together, so the K/V they stream stays in L2.
-
-    Programs are launched section by section: all tiles (heaviest first) of ``n`` head groups,
-    then the next ``n``. Head groups fastest over the whole grid would have every KV head's
-    stream in flight at once (8 heads x 64 MiB at 128k keys, D128), and tiles that start at
-    different times would re-read it from HBM. ``kv_row_bytes`` is one key's K + V bytes for one
-    KV head, ``num_kv_tokens`` the batch's keys; at least one KV head per section.
-    """
-    budget = L2_KV_BYTES
-    if budget is None:
-        budget = 32 << 20
-        if device.type == "cuda":
-            budget = torch.cuda.get_device_properties(device).L2_cache_size * 2 // 3
-    kv_heads = max(1, budget // max(1, num_kv_tokens * kv_row_bytes))
-    return max(1, min(num_head_groups, kv_heads * head_groups_per_kv_head))
 
 
 def _autotune_enabled() -> bool:
@@ -191,17 +155,28 @@ def _scratch_alloc(size: int, alignment: int, stream: Optional[int]):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _ensure_allocator() -> None:
-    """Device-side tensor descriptors need a global-memory scratch allocator; install a torch
-    one unless the caller has set an allocator in this context."""
-    try:
-        from triton.runtime import _allocation
+class scratch_allocator:
+    """Context manager: device-side tensor descriptors need a global-memory scratch allocator.
+    Installs a torch one for the launches inside (unless the caller set one) and restores the
+    previous allocator afterwards (no process-wide side effect)."""
 
-        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-            return
-    except (ImportError, AttributeError):
-        pass
-    triton.set_allocator(_scratch_alloc)
+    def __enter__(self):
+        self._token = None
+        try:
+            from triton.runtime import _allocation
+
+            var = _allocation._allocator
+        except (ImportError, AttributeError):  # another triton: fall back to the public setter
+            triton.set_allocator(_scratch_alloc)
+            return self
+        current = var.get()
+        if isinstance(current, _allocation.NullAllocator):
+            self._var, self._token = var, var.set(_scratch_alloc)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._token is not None:
+            self._var.reset(self._token)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -337,10 +312,10 @@ def _tile_and_head_group(pid, num_tiles, num_head_groups, heads_per_section):
 @triton.jit
 def _cp_attn_fwd(
     Q, K, V, Out, Lse, Sinks, PageTable,
-    tile_segment, tile_row_offset,
+    tile_segment, tile_row_offset, NumTiles,
     seg_seq, seg_row0, seg_len, seg_pos0, seg_stride, cu_kv_lens,
-    qk_scale, window, num_tiles, num_head_groups, heads_per_section, group_size, num_kv_rows,
-    stride_qm, stride_qh,
+    qk_scale, window, num_head_groups, heads_per_section, group_size, num_kv_rows,
+    stride_qm, stride_qh, stride_sink,
     stride_kp, stride_kn, stride_kh,
     stride_vp, stride_vn, stride_vh,
     stride_om, stride_oh, stride_lm, stride_lh, stride_pt,
@@ -352,7 +327,11 @@ def _cp_attn_fwd(
     BLOCK_N: tl.constexpr,
 ):
     ROWS: tl.constexpr = BLOCK_M // G_PACK
-    tile, hg = _tile_and_head_group(tl.program_id(0), num_tiles, num_head_groups, heads_per_section)
+    num_tiles = tl.load(NumTiles)  # from device memory: a capacity-sized grid replays for any batch
+    pid = tl.program_id(0)
+    if pid >= num_tiles * num_head_groups:
+        return
+    tile, hg = _tile_and_head_group(pid, num_tiles, num_head_groups, heads_per_section)
 
     seg = tl.load(tile_segment + tile)
     roff = tl.load(tile_row_offset + tile)
@@ -413,7 +392,7 @@ def _cp_attn_fwd(
         v_desc = v_base
 
     if HAS_SINKS:
-        m_i = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634
+        m_i = tl.load(Sinks + head * stride_sink).to(tl.float32) * 1.4426950408889634
         l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -455,7 +434,8 @@ def _cp_attn_fwd(
         False,
     )
 
-    has_mass = l_i > 0.0
+    # l_i == 0: no visible key (0 / -inf); NaN (from q, k, v or a sink) stays NaN in out and lse
+    has_mass = l_i != 0.0
     inv_l = tl.where(has_mass, 1.0 / tl.where(has_mass, l_i, 1.0), 0.0)
     out = acc * inv_l[:, None]
     o_ptrs = Out + row[:, None] * stride_om + head[:, None] * stride_oh + offs_dv[None, :]
@@ -463,6 +443,7 @@ def _cp_attn_fwd(
     if RETURN_LSE:
         lse = tl.where(has_mass, (m_i + tl.math.log2(tl.where(has_mass, l_i, 1.0))) * 0.6931471805599453,
                        float("-inf"))
+        lse = tl.where(pos < 0, float("-inf"), lse)  # pad rows (pad segment, position -1)
         tl.store(Lse + row * stride_lm + head * stride_lh, lse, mask=valid)
 
 
@@ -474,125 +455,54 @@ _cp_attn_fwd_tuned = triton.autotune(
 )(_cp_attn_fwd)
 
 
-# ----------------------------------------------------------------------------- host wrapper
-def _last_dim_contiguous(x: Tensor, name: str) -> Tensor:
+# ----------------------------------------------------------------------------- host launcher
+def last_dim_contiguous(x: Tensor, name: str) -> Tensor:
     if x.stride(-1) != 1:
         logger.debug("cpattn triton: %s has last-dim stride %d, copying", name, x.stride(-1))
         return x.contiguous()
     return x
 
 
-def pick_tiling(meta: CPMetadata, hq: int, hkv: int, block_m: int) -> tuple[int, int]:
-    """(G_PACK, rows): query heads packed per program and tile rows (block_m = rows * G_PACK)."""
-    group = hq // hkv
-    g_pack = 1
-    while group % (g_pack * 2) == 0 and (block_m // (g_pack * 2)) in meta.tiles:
-        g_pack *= 2
-    rows = block_m // g_pack
-    if rows not in meta.tiles:
-        raise ValueError(f"no tile map for {rows} rows (have {sorted(meta.tiles)}); pick another block_m")
-    return g_pack, rows
+def dot_settings(dtype: torch.dtype) -> dict:
+    """DOT_PRECISION / DOT_UPCAST constexprs: fp32 is exact ("ieee"); under the interpreter bf16
+    operands are upcast (its bf16 dot is wrong; bf16 x bf16 products are exact in fp32)."""
+    upcast = INTERPRETED and dtype == torch.bfloat16
+    return dict(DOT_PRECISION="ieee" if dtype == torch.float32 or upcast else "tf32", DOT_UPCAST=upcast)
 
 
-def cp_attention_fwd(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    meta: CPMetadata,
-    softmax_scale: float,
-    window_left: int = -1,
-    sinks: Optional[Tensor] = None,
-    page_table: Optional[Tensor] = None,
-    return_lse: bool = False,
-    *,
-    block_m: Optional[int] = None,
+def launch(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tensor], sinks: Optional[Tensor],
+    page_table: Optional[Tensor], *, grid: tuple[int], plan_args: dict, softmax_scale: float,
     config: Optional[tuple[int, int, int]] = None,
-    sm90: Optional[bool] = None,
-) -> tuple[Tensor, Optional[Tensor]]:
-    """Causal attention of a rank's local queries in one launch.
-
-    q [P, Hq, D]; k/v packed [num_kv_tokens, Hkv, D/Dv] or paged [num_pages, page_size, Hkv, D/Dv]
-    with page_table [B, max_pages] int32/int64. Returns out [P, Hq, Dv] (q.dtype, pad rows 0) and
-    lse [P, Hq] float32 natural log (pad rows -inf) or None. ``block_m`` (query rows x packed
-    heads per program) and ``config`` ((BLOCK_N, num_warps, num_stages), bypassing the autotuner)
-    are tuning knobs. ``sm90`` picks the warp-specialized Hopper kernel (:mod:`.triton_sm90`):
-    None uses it wherever it applies (unless ``CPATTN_TRITON_SM90=0``), False never, True raises
-    ValueError where it cannot run. No host sync; safe to capture in a CUDA graph once autotuned.
-    """
-    p_rows, hq, d = q.shape
-    hkv, dv = k.shape[-2], v.shape[-1]
-    q = _last_dim_contiguous(q, "q")
-    k = _last_dim_contiguous(k, "k")
-    v = _last_dim_contiguous(v, "v")
-    out = torch.empty((p_rows, hq, dv), dtype=q.dtype, device=q.device)
-    lse = torch.empty((p_rows, hq), dtype=torch.float32, device=q.device) if return_lse else None
-    n = meta.num_local_tokens
-    if n < p_rows:
-        out[n:].zero_()
-        if lse is not None:
-            lse[n:].fill_(float("-inf"))
-    d1, d2 = split_head_dim(d)
-    block_m = block_m or _default_block_m(d, dv)
-    g_pack, rows = pick_tiling(meta, hq, hkv, block_m)
-    tiles = meta.tiles[rows]
-    if tiles.num_tiles == 0 or hq == 0:
-        return out, lse
-
+) -> None:
+    """Launch the portable kernel. ``plan_args`` holds the planned keyword arguments (tile map,
+    tile count, segments, geometry constexprs, see ``triton_backend``); the rest is per layer.
+    ``config`` = (BLOCK_N, num_warps, num_stages) bypasses the autotuner."""
     paged = page_table is not None
     if paged:
-        if page_table.stride(-1) != 1:
-            page_table = page_table.contiguous()
-        page_size = k.shape[1]
         skp, skn, skh = k.stride(0), k.stride(1), k.stride(2)
         svp, svn, svh = v.stride(0), v.stride(1), v.stride(2)
         pt, stride_pt = page_table, page_table.stride(0)
     else:
-        page_size = 1
         skp, skn, skh = 0, k.stride(0), k.stride(1)
         svp, svn, svh = 0, v.stride(0), v.stride(1)
-        pt, stride_pt = meta.cu_kv_lens, 0
-    use_tma = not paged and _tma_ok(k, v)
-    if use_tma and not INTERPRETED:
-        _ensure_allocator()
-    num_head_groups = hq // g_pack
-    section = heads_per_l2_section(meta.num_kv_tokens, (d + dv) * k.element_size(), hq // hkv // g_pack,
-                                   num_head_groups, q.device)
-    if sm90 or (sm90 is None and not INTERPRETED and config is None and _sm90_enabled()
-                and block_m == _default_block_m(d, dv)):
-        from . import triton_sm90
-
-        reason = triton_sm90.ws_unsupported_reason(q, k, v, paged)
-        if block_m != triton_sm90.NUM_CONSUMERS * triton_sm90.CONSUMER_ROWS:
-            reason = f"block_m={block_m} (the sm_90 kernel covers {triton_sm90.NUM_CONSUMERS * triton_sm90.CONSUMER_ROWS})"
-        if reason is None:
-            triton_sm90.cp_attention_fwd_sm90(q, k, v, out, lse, meta, softmax_scale, window_left, sinks, g_pack, rows,
-                                              section, **SM90_OPTIONS)
-            return out, lse
-        if sm90:
-            raise ValueError(f"the sm_90 kernel cannot run this call: {reason}")
-    upcast = INTERPRETED and q.dtype == torch.bfloat16
-    lse_arg = lse if lse is not None else out
-    slm, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
-    grid = (tiles.num_tiles * num_head_groups,)
-    args = (
-        q, k, v, out, lse_arg, sinks if sinks is not None else out, pt,
-        tiles.segment, tiles.row_offset,
-        meta.seg_seq, meta.seg_row0, meta.seg_len, meta.seg_pos0, meta.seg_stride, meta.cu_kv_lens,
-        float(softmax_scale) * _LOG2E, int(window_left), tiles.num_tiles, num_head_groups, section, hq // hkv,
-        k.shape[0],
-        q.stride(0), q.stride(1),
-        skp, skn, skh, svp, svn, svh,
-        out.stride(0), out.stride(1), slm, slh, stride_pt,
-    )
-    meta_args = dict(
-        HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D1=d1, BLOCK_D2=d2, BLOCK_M=block_m, G_PACK=g_pack,
-        PAGED=paged, PAGE_SIZE=page_size, HAS_WINDOW=window_left >= 0, HAS_SINKS=sinks is not None,
-        RETURN_LSE=lse is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
-        DOT_UPCAST=upcast, USE_TMA=use_tma,
+        pt, stride_pt = plan_args["cu_kv_lens"], 0
+    use_tma = not paged and not INTERPRETED and _tma_ok(k, v)
+    args = dict(
+        Q=q, K=k, V=v, Out=out, Lse=lse if lse is not None else out, Sinks=sinks if sinks is not None else out,
+        PageTable=pt, qk_scale=float(softmax_scale) * LOG2E, num_kv_rows=k.shape[0],
+        stride_qm=q.stride(0), stride_qh=q.stride(1), stride_sink=sinks.stride(0) if sinks is not None else 0,
+        stride_kp=skp, stride_kn=skn, stride_kh=skh, stride_vp=svp, stride_vn=svn, stride_vh=svh,
+        stride_om=out.stride(0), stride_oh=out.stride(1),
+        stride_lm=lse.stride(0) if lse is not None else 0, stride_lh=lse.stride(1) if lse is not None else 0,
+        stride_pt=stride_pt, HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None, USE_TMA=use_tma,
+        **plan_args,
     )
     if INTERPRETED or config is not None:
         bn, warps, stages = config if config is not None else (16, 4, 1)
-        _cp_attn_fwd[grid](*args, **meta_args, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        _cp_attn_fwd[grid](**args, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    elif use_tma:
+        with scratch_allocator():
+            _cp_attn_fwd_tuned[grid](**args)
     else:
-        _cp_attn_fwd_tuned[grid](*args, **meta_args)
-    return out, lse
+        _cp_attn_fwd_tuned[grid](**args)

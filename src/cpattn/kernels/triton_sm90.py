@@ -44,10 +44,7 @@ try:  # Gluon ships with triton >= 3.5; older versions use the portable kernel o
 except (ImportError, AssertionError):  # triton < 3.5, or triton loaded for the CPU interpreter
     HAVE_GLUON = False
 
-from ..metadata import CPMetadata
-from ._limits import SM90_SMEM_PER_BLOCK
-
-_LOG2E = 1.4426950408889634
+from ._tiles import LOG2E, SM90_SMEM_PER_BLOCK
 
 #: (consumer warpgroups) x (rows per consumer): the tile a program covers.
 NUM_CONSUMERS = 2
@@ -68,24 +65,29 @@ def max_stages(d: int, dv: int, block_n: int, elem_bytes: int = 2) -> int:
     return max(1, min(3, (SM90_SMEM_PER_BLOCK - q_bytes - 1024) // stage_bytes))
 
 
-def ws_unsupported_reason(q: Tensor, k: Tensor, v: Tensor, paged: bool) -> Optional[str]:
-    """Why the sm_90 warp-specialized kernel cannot take this call (None if it can)."""
+def unsupported_reason(d: int, dv: int, dtype: torch.dtype, paged: bool, device: torch.device) -> Optional[str]:
+    """Why the sm_90 kernel cannot take this plan (None if it can; the K/V layout is checked
+    per layer by :func:`kv_layout_ok`)."""
     if paged:
         return "paged K/V"
-    d, dv = q.shape[-1], v.shape[-1]
     if (d, dv) not in SUPPORTED_HEAD_DIMS:
         return f"head dims D={d}, Dv={dv} (needs (D, Dv) in {sorted(SUPPORTED_HEAD_DIMS)})"
-    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"dtype {q.dtype} (needs bf16 or fp16)"
-    for x in (k, v):  # 2-D TMA view [rows, Hkv * D]: heads adjacent, rows 16-byte aligned
-        if (x.stride(-1) != 1 or x.stride(-2) != x.shape[-1] or (x.stride(0) * x.element_size()) % 16
-                or x.data_ptr() % 16):
-            return "K/V rows not TMA-compatible (need [rows, Hkv, D] with heads adjacent, 16-byte rows)"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {dtype} (needs bf16 or fp16)"
     if not HAVE_GLUON:
         return "Gluon unavailable (needs triton >= 3.5, not in interpreter mode)"
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return "not an sm_90 GPU"
     return None
+
+
+def kv_layout_ok(k: Tensor, v: Tensor) -> bool:
+    """K/V seen as 2-D TMA matrices ``[rows, Hkv * D]``: heads adjacent, 16-byte rows and base."""
+    for x in (k, v):
+        if (x.stride(-1) != 1 or x.stride(-2) != x.shape[-1] or (x.stride(0) * x.element_size()) % 16
+                or x.data_ptr() % 16):
+            return False
+    return True
 
 
 if HAVE_GLUON:
@@ -148,7 +150,7 @@ if HAVE_GLUON:
         q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, k_ready, v_ready, kv_empty, turn = smem
         k_desc, k2_desc, v_desc, k_col, v_col, kv_row_base, n_lo, num_blocks = kv
         (Q, Out, Lse, Sinks, stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
-         roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, qk_scale, window) = rows
+         roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, qk_scale, window, stride_sink) = rows
         STAGES: gl.constexpr = k_bufs.type.shape[0]
         BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
         HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
@@ -189,7 +191,7 @@ if HAVE_GLUON:
         pos = pos0 + (roff + m_s // G_PACK) * pstride
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         if HAS_SINKS:
-            m_i = gl.load(Sinks + hg * G_PACK + m_s % G_PACK).to(gl.float32) * 1.4426950408889634
+            m_i = gl.load(Sinks + (hg * G_PACK + m_s % G_PACK) * stride_sink).to(gl.float32) * 1.4426950408889634
             l_i = gl.full([BLOCK_M], 1.0, gl.float32, layout=s_rows)
         else:
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=s_rows)
@@ -258,8 +260,8 @@ if HAVE_GLUON:
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
                 mbarrier.arrive(kv_empty.index(slot), count=1)
 
-        # epilogue: O / l (0 for rows that saw no key), LSE in natural log
-        has_mass = l_i > 0.0
+        # epilogue: O / l (0 / -inf for rows that saw no key; NaN stays NaN), LSE in natural log
+        has_mass = l_i != 0.0
         inv_l = gl.where(has_mass, 1.0 / gl.where(has_mass, l_i, 1.0), 0.0)
         out = acc * gl.expand_dims(gl.convert_layout(inv_l, o_rows), 1)
         m_o = HALF * BLOCK_M + gl.arange(0, BLOCK_M, layout=o_rows)
@@ -272,6 +274,7 @@ if HAVE_GLUON:
         if RETURN_LSE:
             lse = gl.where(has_mass, (m_i + gl.log2(gl.where(has_mass, l_i, 1.0))) * 0.6931471805599453,
                            float("-inf"))
+            lse = gl.where(pos < 0, float("-inf"), lse)  # pad rows (pad segment, position -1)
             r_s = roff + m_s // G_PACK
             head_s = hg * G_PACK + m_s % G_PACK
             gl.store(Lse + (row0 + r_s).to(gl.int64) * stride_lm + head_s * stride_lh, lse, mask=r_s < slen)
@@ -291,10 +294,10 @@ if HAVE_GLUON:
     @gluon.jit
     def _cp_attn_fwd_sm90(
         Q, k_desc, k2_desc, v_desc, Out, Lse, Sinks,
-        tile_segment, tile_row_offset,
+        tile_segment, tile_row_offset, NumTiles,
         seg_seq, seg_row0, seg_len, seg_pos0, seg_stride, cu_kv_lens,
-        qk_scale, window, num_tiles, num_head_groups, heads_per_section, group_size,
-        stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
+        qk_scale, window, num_head_groups, heads_per_section, group_size,
+        stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh, stride_sink,
         BLOCK_M: gl.constexpr, STAGES: gl.constexpr, G_PACK: gl.constexpr,
         HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, RETURN_LSE: gl.constexpr, OVERLAP: gl.constexpr,
         PINGPONG: gl.constexpr, Q_SMEM: gl.constexpr, HEAD_DIM2: gl.constexpr, Q2_SMEM: gl.constexpr,
@@ -306,6 +309,11 @@ if HAVE_GLUON:
         # program -> (tile, head group) by L2 sections, as triton_attn._tile_and_head_group (not
         # imported from there: that import would fix triton_attn's interpreter/GPU mode early)
         pid = gl.program_id(0)
+        # tile count from device memory (static plans: a capacity-sized grid); programs past it
+        # run no key block and store nothing (slen 0), so every partition agrees without a branch
+        num_tiles = gl.load(NumTiles)
+        live = pid < num_tiles * num_head_groups
+        pid = gl.where(live, pid, 0)
         per_section = num_tiles * heads_per_section
         section = pid // per_section
         r = pid - section * per_section
@@ -316,7 +324,7 @@ if HAVE_GLUON:
         roff = gl.load(tile_row_offset + tile)
         seq = gl.load(seg_seq + seg)
         row0 = gl.load(seg_row0 + seg)
-        slen = gl.load(seg_len + seg)
+        slen = gl.where(live, gl.load(seg_len + seg), 0)
         pos0 = gl.load(seg_pos0 + seg)
         pstride = gl.load(seg_stride + seg)
         last_r = gl.minimum(roff + ROWS, slen) - 1
@@ -333,7 +341,7 @@ if HAVE_GLUON:
             n_lo = pos_min * 0
             f_lo = pos_min * 0
         f_hi = gl.maximum(((pos_min + 1) // BLOCK_N) * BLOCK_N, f_lo)
-        num_blocks = gl.cdiv(key_end - n_lo, BLOCK_N)
+        num_blocks = gl.where(live, gl.cdiv(key_end - n_lo, BLOCK_N), 0)
 
         q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, BLOCK_M, HEAD_DIM], Q_SMEM)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -359,7 +367,7 @@ if HAVE_GLUON:
         smem = (q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, k_ready, v_ready, kv_empty, turn)
         kv = (k_desc, k2_desc, v_desc, kvh * (HEAD_DIM + HEAD_DIM2), kvh * HEAD_DIM_V, kv_row_base, n_lo, num_blocks)
         rows = (Q, Out, Lse, Sinks, stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
-                roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, qk_scale, window)
+                roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, qk_scale, window, stride_sink)
         # the flags go in tuple literals: assigning a tuple to a name would turn its constexprs into
         # runtime values
         gl.warp_specialize([
@@ -396,40 +404,30 @@ def kv_descriptors(k: Tensor, v: Tensor, block_n: int):
     return k_desc, k2_desc, v_desc
 
 
-def cp_attention_fwd_sm90(
-    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tensor], meta: CPMetadata, softmax_scale: float,
-    window_left: int, sinks: Optional[Tensor], g_pack: int, rows: int, heads_per_section: int,
-    *, block_n: int = 128, stages: int = 3, overlap: int = 0, pingpong: bool = False,
+def launch(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tensor], sinks: Optional[Tensor], *,
+    grid: tuple[int], plan_args: dict, softmax_scale: float, block_n: int = 128, stages: int = 3,
+    overlap: int = 0, pingpong: bool = False,
 ) -> None:
-    """Launch the warp-specialized kernel into ``out`` / ``lse`` (shapes as in
-    :func:`cpattn.kernels.triton_attn.cp_attention_fwd`); ``rows * g_pack`` must be
-    ``NUM_CONSUMERS * CONSUMER_ROWS``; programs run by L2 sections of ``heads_per_section`` head
-    groups (:func:`cpattn.kernels.triton_attn.heads_per_l2_section`). ``overlap`` 1 issues
-    ``P_{j-1} V_{j-1}`` and ``Q K_j^T`` back to back, 2 also runs softmax_j under the first.
-    ``pingpong`` (with ``overlap``) makes the two consumers
-    take turns issuing their GEMMs, so one's softmax runs under the other's matrix work. ``stages``
-    is capped by shared memory (D192/128 fits 2)."""
-    hq, d = q.shape[1], q.shape[2]
-    hkv = k.shape[-2]
-    block_m = CONSUMER_ROWS
-    assert rows * g_pack == NUM_CONSUMERS * block_m
-    tiles = meta.tiles[rows]
-    num_head_groups = hq // g_pack
+    """Launch the warp-specialized kernel into ``out`` / ``lse`` (packed K/V). ``plan_args``:
+    the planned keyword arguments (tile map with its device tile count, segments, G_PACK, L2
+    section; see ``triton_backend``), whose tiles are ``NUM_CONSUMERS * CONSUMER_ROWS`` rows x
+    heads. ``overlap`` 1 issues ``P_{j-1} V_{j-1}`` and ``Q K_j^T`` back to back, 2 also runs
+    softmax_j under the first; ``pingpong`` (with ``overlap``) makes the two consumers take
+    turns issuing their GEMMs. ``stages`` is capped by shared memory (D192/128 fits 2)."""
+    d, dv = q.shape[2], v.shape[-1]
     d1, d2 = split_qk_dim(d)
-    stages = min(stages, max_stages(d, v.shape[-1], block_n, q.element_size()))
+    block_m = CONSUMER_ROWS
+    stages = min(stages, max_stages(d, dv, block_n, q.element_size()))
     k_desc, k2_desc, v_desc = kv_descriptors(k, v, block_n)
-    lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
-    grid = (tiles.num_tiles * num_head_groups,)
     _cp_attn_fwd_sm90[grid](
-        q, k_desc, k2_desc, v_desc, out, lse if lse is not None else out, sinks if sinks is not None else out,
-        tiles.segment, tiles.row_offset,
-        meta.seg_seq, meta.seg_row0, meta.seg_len, meta.seg_pos0, meta.seg_stride, meta.cu_kv_lens,
-        float(softmax_scale) * _LOG2E, int(window_left), tiles.num_tiles, num_head_groups, heads_per_section,
-        hq // hkv,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *lse_strides,
-        BLOCK_M=block_m, STAGES=stages, G_PACK=g_pack,
-        HAS_WINDOW=window_left >= 0, HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None, OVERLAP=int(overlap),
-        PINGPONG=bool(pingpong and overlap), Q_SMEM=_smem_layout(block_m, d1, q.dtype), HEAD_DIM2=d2,
-        Q2_SMEM=_smem_layout(block_m, max(d2, 16), q.dtype),
-        num_warps=4, maxnreg=168,
+        Q=q, k_desc=k_desc, k2_desc=k2_desc, v_desc=v_desc, Out=out, Lse=lse if lse is not None else out,
+        Sinks=sinks if sinks is not None else out, qk_scale=float(softmax_scale) * LOG2E,
+        stride_qm=q.stride(0), stride_qh=q.stride(1), stride_om=out.stride(0), stride_oh=out.stride(1),
+        stride_lm=lse.stride(0) if lse is not None else 0, stride_lh=lse.stride(1) if lse is not None else 0,
+        stride_sink=sinks.stride(0) if sinks is not None else 0,
+        BLOCK_M=block_m, STAGES=stages, HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None,
+        OVERLAP=int(overlap), PINGPONG=bool(pingpong and overlap), Q_SMEM=_smem_layout(block_m, d1, q.dtype),
+        HEAD_DIM2=d2, Q2_SMEM=_smem_layout(block_m, max(d2, 16), q.dtype), num_warps=4, maxnreg=168,
+        **plan_args,
     )

@@ -14,8 +14,9 @@ STRATEGIES: dict[str, type[CPStrategy]] = {
 }
 
 
-def get_strategy(name: str, cp_size: int, pad_multiple: int = 1) -> CPStrategy:
-    """Build a strategy by name: "zigzag", "interleave" or "contiguous"."""
+def get_strategy(name: str, cp_size: int, pad_multiple: int = 1, **options) -> CPStrategy:
+    """Build a strategy by name: "zigzag", "interleave" or "contiguous" (``options``: e.g.
+    ``rotate=False`` for zigzag / contiguous)."""
     if name not in STRATEGIES:
         raise ValueError(f"strategy name must be one of {sorted(STRATEGIES)}, got {name!r}")
-    return STRATEGIES[name](cp_size, pad_multiple=pad_multiple)
+    return STRATEGIES[name](cp_size, pad_multiple=pad_multiple, **options)

@@ -10,6 +10,7 @@ no host sync of their own once the metadata is on the device.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from typing import ClassVar, Optional, Sequence
 
@@ -17,11 +18,12 @@ import torch
 from torch import Tensor
 
 from .._validation import check_int, check_tensor
-from ..collectives import PendingGather, all_gather_rows, check_group
-from ..kernels import AttentionCall, resolve_backend
+from ..collectives import PendingGather, PlanDisagreement, agree_on_plan, all_gather_rows, check_group
 from ..metadata import CPMetadata, LengthsLike, build_metadata
+from ..plans import AttentionPlan, plan_attention
+from ..plans import window_left as window_left_of
 
-__all__ = ["CPStrategy", "block_of"]
+__all__ = ["CPStrategy", "block_of", "rotation_offsets"]
 
 
 def block_of(offsets: Tensor, lengths: Tensor, num_blocks: int) -> Tensor:
@@ -36,6 +38,13 @@ def block_of(offsets: Tensor, lengths: Tensor, num_blocks: int) -> Tensor:
         offsets // (base + 1),
         rem + (offsets - big_rows) // base.clamp(min=1),
     )
+
+
+def rotation_offsets(extend_lens: Tensor, num_blocks: int, cp_size: int) -> Tensor:
+    """Per sequence, the rank shift ``(sum of L % num_blocks over earlier sequences) % C`` [B]:
+    the next sequence's remainder rows start on the rank after the previous one's."""
+    rem = (extend_lens % num_blocks).long()
+    return ((torch.cumsum(rem, 0) - rem) % cp_size).to(extend_lens.dtype)
 
 
 def _check_same(tensors: dict[str, Tensor], what: str) -> None:
@@ -70,21 +79,44 @@ class CPStrategy(ABC):
         """Owning rank of every logical token (same int dtype as the inputs). seq_ids, offsets: [T];
         extend_lens: [B]; int32, or int64 for batches past 2**31 keys."""
 
+    @abstractmethod
+    def max_local_tokens(self, max_tokens: int, max_seqs: int) -> int:
+        """Most real rows one rank can own for any batch of <= max_tokens tokens in <= max_seqs
+        sequences (what a static plan's physical rows must hold, before alignment)."""
+
+    def max_segments(self, max_seqs: int) -> int:
+        """Most query segments one rank can have for <= max_seqs sequences."""
+        return max_seqs
+
     # ------------------------------------------------------------------ plan (host, per forward)
     def build_metadata(
-        self, extend_lens: LengthsLike, prefix_lens: Optional[LengthsLike] = None, *, rank: int
+        self,
+        extend_lens: LengthsLike,
+        prefix_lens: Optional[LengthsLike] = None,
+        *,
+        rank: int,
+        group=None,
     ) -> CPMetadata:
-        """Plan a batch for ``rank`` (host, vectorized; call once per forward, then ``.to(device)``).
+        """Plan a batch for ``rank`` (host, O(T + B); call once per forward, then ``.to(device)``).
 
         Args:
-            extend_lens: [B] new tokens per sequence (list, tuple or 1-D int tensor; 0 allowed).
+            extend_lens: [B] new tokens per sequence (list, tuple, numpy array or 1-D int tensor;
+                0 allowed).
             prefix_lens: [B] tokens per sequence already in the KV cache (default 0).
             rank: this process's rank in the CP group, in [0, cp_size).
+            group: the CP process group. Given, the ranks exchange a small plan fingerprint in
+                ONE tiny all-gather (a host sync) and every rank raises the same ValueError
+                (:class:`cpattn.collectives.PlanDisagreement`) when any rank planned a different
+                batch, strategy or alignment, claims another rank's rank, or failed to plan. The
+                plan remembers the group; later calls check this process's rank against it.
 
         Example::
 
             meta = cpattn.ZigzagStrategy(2).build_metadata([5, 9], [0, 3], rank=1).to("cuda")
         """
+        return self._agreed(lambda: self._build(extend_lens, prefix_lens, rank), group)
+
+    def _build(self, extend_lens, prefix_lens, rank, physical_rows: Optional[int] = None) -> CPMetadata:
         return build_metadata(
             self.name,
             self._token_owner,
@@ -94,7 +126,23 @@ class CPStrategy(ABC):
             self.pad_multiple,
             extend_lens,
             prefix_lens,
+            physical_rows,
         )
+
+    def _agreed(self, build, group) -> CPMetadata:
+        """Run ``build()``; with a group, exchange its fingerprint (also when it failed) first."""
+        if group is None:
+            return build()
+        try:
+            meta = build()
+        except (ValueError, TypeError):
+            try:  # join the exchange so the other ranks raise too, then raise this rank's own error
+                agree_on_plan(None, group, self.cp_size)
+            except PlanDisagreement:
+                pass
+            raise
+        agree_on_plan(meta.fingerprint, group, self.cp_size)
+        return dataclasses.replace(meta, group=group)
 
     def check_metadata(self, meta: CPMetadata) -> None:
         """ValueError unless ``meta`` was built by this kind of strategy with the same geometry."""
@@ -123,14 +171,17 @@ class CPStrategy(ABC):
 
         Rows ``[0, num_local_tokens)`` are ``x`` at ``meta.local_token_indices``; pad rows are zero.
         Use it for hidden states, input ids, 1-D positions and M-RoPE positions ``[3, T]`` (dim=1).
+        Device-only (graph-safe with a static plan: ``T`` is then the capacity).
         """
         self.check_metadata(meta)
-        dim = self._check_rows(x, "x", dim, meta.num_tokens, "num_tokens T", meta)
-        shape = list(x.shape)
-        shape[dim] = meta.num_physical_tokens
-        out = x.new_zeros(shape)
-        out.narrow(dim, 0, meta.num_local_tokens).copy_(x.index_select(dim, meta.local_token_indices))
-        return out
+        dim = self._check_rows(x, "x", dim, meta.num_token_rows, "num_tokens T", meta)
+        if x.shape[dim] == 0 or meta.num_physical_tokens == 0:
+            shape = list(x.shape)
+            shape[dim] = meta.num_physical_tokens
+            return x.new_zeros(shape)
+        rows = x.index_select(dim, meta.shard_index)
+        keep = meta.row_valid.view([-1] + [1] * (x.dim() - dim - 1))
+        return torch.where(keep, rows, torch.zeros((), dtype=x.dtype, device=x.device))
 
     def gather(self, x_local: Tensor, meta: CPMetadata, group=None, dim: int = 0) -> Tensor:
         """Every rank's physical ``[.., P, ..]`` -> logical ``[.., T, ..]`` (pad dropped), identical
@@ -142,11 +193,34 @@ class CPStrategy(ABC):
         return full.movedim(0, dim).contiguous()
 
     # ------------------------------------------------------------------ per layer
+    def gather_packed(
+        self, parts: Sequence[Tensor], meta: CPMetadata, group=None, *, async_op: bool = False
+    ) -> list[Tensor] | PendingGather:
+        """Any number of per-token tensors ``[P, ...]`` of this rank -> logical ``[T, ...]`` each,
+        in ONE all-gather (any dtypes, fp8 and fp32 scales included, any trailing shapes; moved
+        as raw bytes). The results are views of one gathered buffer (rows strided, last dim
+        contiguous). ``async_op=True`` returns a handle whose ``wait()`` gives the list.
+
+        Example (DSA: latent, rope key and index key of a layer)::
+
+            kv_c, k_pe, k_idx = s.gather_packed([kv_c, k_pe, k_idx], meta, group)
+        """
+        self.check_metadata(meta)
+        if isinstance(parts, Tensor) or not isinstance(parts, (list, tuple)) or not parts:
+            raise TypeError("parts must be a non-empty list or tuple of tensors")
+        for i, t in enumerate(parts):
+            self._check_rows(t, f"parts[{i}]", 0, meta.num_physical_tokens, "num_physical_tokens", meta)
+            if t.dim() == 0:
+                raise ValueError(f"parts[{i}] must have a row dim")
+        check_group(meta, group)
+        result = all_gather_rows(list(parts), meta, group, async_op=async_op)
+        return result if async_op else list(result)
+
     def gather_kv(
         self, k_local: Tensor, v_local: Tensor, meta: CPMetadata, group=None, *, async_op: bool = False
     ) -> tuple[Tensor, Tensor] | PendingGather:
         """K ``[P, Hkv, D]`` and V ``[P, Hkv, Dv]`` of this rank -> logical ``[T, Hkv, D]``,
-        ``[T, Hkv, Dv]`` of all extend tokens, packed into ONE all-gather.
+        ``[T, Hkv, Dv]`` of all extend tokens, packed into ONE all-gather (``gather_packed``).
 
         The results are views of one gathered buffer (rows strided, last dim contiguous); write
         them to a cache, or merge with cached prefix K/V via :func:`cpattn.pack_kv`.
@@ -156,15 +230,14 @@ class CPStrategy(ABC):
         self._check_rows(k_local, "k_local", 0, meta.num_physical_tokens, "num_physical_tokens", meta)
         self._check_rows(v_local, "v_local", 0, meta.num_physical_tokens, "num_physical_tokens", meta)
         _check_same({"k_local": k_local, "v_local": v_local}, "dtype")
-        check_group(meta, group)
-        result = all_gather_rows([k_local, v_local], meta, group, async_op=async_op)
+        result = self.gather_packed([k_local, v_local], meta, group, async_op=async_op)
         return result if async_op else (result[0], result[1])
 
     def gather_mla_latent(
         self, kv_c_local: Tensor, k_pe_local: Tensor, meta: CPMetadata, group=None, *, async_op: bool = False
     ) -> tuple[Tensor, Tensor] | PendingGather:
         """MLA latent ``kv_c`` [P, r] and rotary key ``k_pe`` [P, d_rope] of this rank -> logical
-        [T, r] and [T, d_rope] of all extend tokens, packed into ONE all-gather.
+        [T, r] and [T, d_rope] of all extend tokens, packed into ONE all-gather (``gather_packed``).
 
         This is what a paged MLA cache stores: (r + d_rope) * itemsize bytes per token instead of
         Hkv * (D + Dv) for up-projected K/V. Any dtype, fp8 included (moved as raw bytes; the two
@@ -175,9 +248,32 @@ class CPStrategy(ABC):
             self._check_rows(t, name, 0, meta.num_physical_tokens, "num_physical_tokens", meta)
             if t.dim() != 2:
                 raise ValueError(f"{name} must be 2-D [P, dim], got shape {tuple(t.shape)}")
-        check_group(meta, group)
-        result = all_gather_rows([kv_c_local, k_pe_local], meta, group, async_op=async_op)
+        result = self.gather_packed([kv_c_local, k_pe_local], meta, group, async_op=async_op)
         return result if async_op else (result[0], result[1])
+
+    def plan_attention(
+        self,
+        meta: CPMetadata,
+        *,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        head_dim_v: Optional[int] = None,
+        dtype: torch.dtype,
+        window_size: Sequence[int] = (-1, -1),
+        page_size: Optional[int] = None,
+        has_sinks: bool = False,
+        backend: str = "auto",
+        backend_options=None,
+    ) -> AttentionPlan:
+        """Plan one layer kind's attention over ``meta`` (host, once per forward): see
+        :func:`cpattn.plans.plan_attention`. Per layer, call ``plan.run(q_local, k, v, ...)``."""
+        self.check_metadata(meta)
+        return plan_attention(
+            meta, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, head_dim_v=head_dim_v,
+            dtype=dtype, window_size=window_size, page_size=page_size, has_sinks=has_sinks, backend=backend,
+            backend_options=backend_options,
+        )
 
     def attention(
         self,
@@ -195,17 +291,22 @@ class CPStrategy(ABC):
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Causal attention of this rank's local queries over their whole sequences.
 
+        The convenience form of ``plan_attention(...).run(...)``: it derives the layer kind from
+        the tensors, plans once per (meta, layer kind, backend) and caches the plan on ``meta``.
+
         Args:
             q_local: [P, Hq, D] (P = meta.num_physical_tokens; pad rows are ignored).
             k, v: packed per sequence in logical order (prefix then extend of sequence 0, then
                 sequence 1, ...): [num_kv_tokens, Hkv, D] and [num_kv_tokens, Hkv, Dv]. With
                 ``page_table``: caches [num_pages, page_size, Hkv, D] / [.., Dv] where key j of
                 sequence b is at page ``page_table[b, j // page_size]``, slot ``j % page_size``.
-            page_table: [B, max_pages] int32, or None for packed K/V.
+            page_table: [B, max_pages] int32/int64, or None for packed K/V.
             softmax_scale: default D ** -0.5.
             window_size: (left, right) like flash-attn; a row at position p sees keys at positions
-                in [p - left, p] (left = -1: no limit). Causal, so right must be -1 or 0.
-            sinks: [Hq] float logits that join each row's softmax denominator only.
+                in [p - left, p] (left = -1: no limit; positions are global). Causal, so right
+                must be -1 or 0.
+            sinks: [Hq] float logits (any float dtype, any stride) that join each row's softmax
+                denominator only.
             backend: "auto", "torch", "triton" or "fa4" (see :func:`cpattn.resolve_backend`).
             return_lse: also return lse [P, Hq] float32, natural log; it counts the sinks
                 (``lse = log(sum_j exp(s_j) + exp(sink))``) and is -inf on pad rows.
@@ -213,70 +314,39 @@ class CPStrategy(ABC):
         Returns:
             out [P, Hq, Dv] in q's dtype, pad rows exactly zero; with return_lse, (out, lse).
         """
-        call = self._attention_call(q_local, k, v, meta, page_table, softmax_scale, window_size, sinks, return_lse)
-        out, lse = resolve_backend(call, backend).run(call)
-        return (out, lse) if return_lse else out
+        plan = self._cached_plan(q_local, k, v, meta, page_table, window_size, sinks, backend)
+        return plan.run(q_local, k, v, page_table=page_table, sinks=sinks, softmax_scale=softmax_scale,
+                        return_lse=return_lse)
 
-    def _attention_call(
-        self, q, k, v, meta, page_table, softmax_scale, window_size, sinks, return_lse
-    ) -> AttentionCall:
+    def _cached_plan(self, q, k, v, meta, page_table, window_size, sinks, backend) -> AttentionPlan:
         self.check_metadata(meta)
-        self._check_rows(q, "q_local", 0, meta.num_physical_tokens, "num_physical_tokens", meta)
-        for name, t in (("k", k), ("v", v)):
-            check_tensor(t, name)
+        check_tensor(q, "q_local")
+        check_tensor(k, "k")
+        check_tensor(v, "v")
         if q.dim() != 3:
             raise ValueError(f"q_local must be [P, Hq, D], got shape {tuple(q.shape)}")
         if not q.dtype.is_floating_point:
             raise TypeError(f"q_local must be a floating tensor, got {q.dtype}")
-        _check_same({"q_local": q, "k": k, "v": v}, "dtype")
-        _check_same({"q_local": q, "k": k, "v": v}, "device")
-        kv_dims = 4 if page_table is not None else 3
-        for name, t in (("k", k), ("v", v)):
-            if t.dim() != kv_dims:
-                layout = "[num_pages, page_size, Hkv, D]" if kv_dims == 4 else "[num_kv_tokens, Hkv, D]"
-                raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
+        paged = page_table is not None
+        if k.dim() != (4 if paged else 3) or v.dim() != k.dim():
+            layout = "[num_pages, page_size, Hkv, D]" if paged else "[num_kv_tokens, Hkv, D]"
+            raise ValueError(f"k and v must be {layout}, got shapes {tuple(k.shape)} and {tuple(v.shape)}")
+        if k.shape[-1] != q.shape[-1]:
+            raise ValueError(f"k head dim {k.shape[-1]} != q head dim {q.shape[-1]}")
         if k.shape[:-1] != v.shape[:-1]:
             raise ValueError(f"k shape {tuple(k.shape)} and v shape {tuple(v.shape)} differ before the last dim")
-        if page_table is None:
-            if k.shape[0] != meta.num_kv_tokens:
-                raise ValueError(
-                    f"k/v have {k.shape[0]} rows, expected sum(prefix_lens + extend_lens) = {meta.num_kv_tokens}"
-                )
-        else:
-            self._check_page_table(page_table, k, meta)
         hq, hkv = q.shape[1], k.shape[-2]
         if hkv == 0 or hq % hkv != 0:
             raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
-        if k.shape[-1] != q.shape[-1]:
-            raise ValueError(f"k head dim {k.shape[-1]} != q head dim {q.shape[-1]}")
-        window = tuple(window_size)
-        if len(window) != 2 or any(isinstance(w, bool) or not isinstance(w, int) for w in window):
-            raise TypeError(f"window_size must be a pair of ints, got {window_size!r}")
-        if window[0] < -1 or window[1] not in (-1, 0):
-            raise ValueError(f"window_size must be (left >= -1, right in (-1, 0)) for causal attention, got {window}")
-        if sinks is not None:
-            check_tensor(sinks, "sinks")
-            if tuple(sinks.shape) != (hq,) or not sinks.dtype.is_floating_point:
-                raise ValueError(f"sinks must be a float [Hq={hq}] tensor, got {sinks.dtype} {tuple(sinks.shape)}")
-            if sinks.device != q.device:
-                raise ValueError(f"sinks is on {sinks.device} but q_local on {q.device}")
-        scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-        return AttentionCall(q, k, v, meta, scale, window[0], sinks, page_table, bool(return_lse))
-
-    @staticmethod
-    def _check_page_table(page_table: Tensor, k_cache: Tensor, meta: CPMetadata) -> None:
-        check_tensor(page_table, "page_table")
-        if page_table.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"page_table must be int32 or int64, got {page_table.dtype}")
-        if page_table.dim() != 2 or page_table.shape[0] != meta.num_seqs:
-            raise ValueError(f"page_table must be [B={meta.num_seqs}, max_pages], got {tuple(page_table.shape)}")
-        if page_table.device != k_cache.device:
-            raise ValueError(f"page_table is on {page_table.device} but k on {k_cache.device}")
-        page_size = k_cache.shape[1]
-        if not 1 <= page_size <= 256:
-            raise ValueError(f"page_size must be in [1, 256], got {page_size}")
-        if page_table.shape[1] * page_size < meta.max_kv_len:
-            raise ValueError(
-                f"page_table holds {page_table.shape[1]} pages of {page_size} = "
-                f"{page_table.shape[1] * page_size} keys, fewer than the longest sequence ({meta.max_kv_len})"
+        window_left = window_left_of(window_size)
+        key = (q.dtype, hq, hkv, q.shape[-1], v.shape[-1], window_left, k.shape[1] if paged else None,
+               sinks is not None, backend)
+        plan = meta.plan_cache.get(key)
+        if plan is None:
+            plan = plan_attention(
+                meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=q.shape[-1], head_dim_v=v.shape[-1],
+                dtype=q.dtype, window_size=(window_left, 0), page_size=k.shape[1] if paged else None,
+                has_sinks=sinks is not None, backend=backend,
             )
+            meta.plan_cache[key] = plan
+        return plan

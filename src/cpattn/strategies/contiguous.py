@@ -4,14 +4,34 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .base import CPStrategy, block_of
+from .base import CPStrategy, block_of, rotation_offsets
 
 
 class ContiguousStrategy(CPStrategy):
     """Each sequence of extend length L is cut into C contiguous blocks of sizes
-    ``L // C + (j < L % C)``; rank r owns block r. Later ranks do more causal work."""
+    ``L // C + (j < L % C)``; rank r owns block r. Later ranks do more causal work.
+
+    ``rotate=True`` (default): block j of sequence b goes to rank ``(j + o_b) % C`` with
+    ``o_b = (sum of L % C over earlier sequences) % C``, so sequences shorter than C spread over
+    the ranks; ``rotate=False``: rank r owns block r of every sequence.
+    """
 
     name = "contiguous"
 
+    def __init__(self, cp_size: int, pad_multiple: int = 1, *, rotate: bool = True) -> None:
+        super().__init__(cp_size, pad_multiple)
+        if not isinstance(rotate, bool):
+            raise TypeError(f"rotate must be a bool, got {type(rotate).__name__}")
+        self.rotate = rotate
+
+    def __repr__(self) -> str:
+        return f"ContiguousStrategy(cp_size={self.cp_size}, pad_multiple={self.pad_multiple}, rotate={self.rotate})"
+
     def _token_owner(self, seq_ids: Tensor, offsets: Tensor, extend_lens: Tensor) -> Tensor:
-        return block_of(offsets, extend_lens[seq_ids], self.cp_size)
+        block = block_of(offsets, extend_lens[seq_ids], self.cp_size)
+        if not self.rotate or self.cp_size == 1:
+            return block
+        return (block + rotation_offsets(extend_lens, self.cp_size, self.cp_size)[seq_ids]) % self.cp_size
+
+    def max_local_tokens(self, max_tokens: int, max_seqs: int) -> int:
+        return min(max_tokens, -(-max_tokens // self.cp_size) + max_seqs)

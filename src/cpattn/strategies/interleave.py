@@ -21,3 +21,6 @@ class InterleaveStrategy(CPStrategy):
 
     def _token_owner(self, seq_ids: Tensor, offsets: Tensor, extend_lens: Tensor) -> Tensor:
         return torch.arange(seq_ids.numel(), dtype=seq_ids.dtype) % self.cp_size
+
+    def max_local_tokens(self, max_tokens: int, max_seqs: int) -> int:
+        return -(-max_tokens // self.cp_size)

@@ -5,13 +5,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import CPStrategy, block_of
+from .base import CPStrategy, block_of, rotation_offsets
 
 
 class ZigzagStrategy(CPStrategy):
     """Each sequence of extend length L is cut into 2C contiguous blocks of sizes
-    ``L // 2C + (j < L % 2C)``; rank r owns block r (early) and block 2C-1-r (late), so every rank
-    gets about the same causal work. Sequences shorter than 2C leave some ranks with none of them.
+    ``L // 2C + (j < L % 2C)``; blocks j and 2C-1-j go to one rank, so every rank gets about the
+    same causal work.
+
+    ``rotate=True`` (default): sequence b's block pair j goes to rank ``(j + o_b) % C`` with
+    ``o_b = (sum of L % 2C over earlier sequences) % C``, so the remainder rows of successive
+    sequences (all of a sequence shorter than 2C) land on successive ranks instead of always on
+    the low ranks; a long sequence's balance is unchanged (its ranks still own one early and one
+    late block each). ``rotate=False``: rank r owns blocks r and 2C-1-r of every sequence.
 
     Example::
 
@@ -21,7 +27,26 @@ class ZigzagStrategy(CPStrategy):
 
     name = "zigzag"
 
+    def __init__(self, cp_size: int, pad_multiple: int = 1, *, rotate: bool = True) -> None:
+        super().__init__(cp_size, pad_multiple)
+        if not isinstance(rotate, bool):
+            raise TypeError(f"rotate must be a bool, got {type(rotate).__name__}")
+        self.rotate = rotate
+
+    def __repr__(self) -> str:
+        return f"ZigzagStrategy(cp_size={self.cp_size}, pad_multiple={self.pad_multiple}, rotate={self.rotate})"
+
     def _token_owner(self, seq_ids: Tensor, offsets: Tensor, extend_lens: Tensor) -> Tensor:
         blocks = 2 * self.cp_size
         block = block_of(offsets, extend_lens[seq_ids], blocks)
-        return torch.where(block < self.cp_size, block, blocks - 1 - block)
+        pair = torch.where(block < self.cp_size, block, blocks - 1 - block)
+        if not self.rotate or self.cp_size == 1:
+            return pair
+        return (pair + rotation_offsets(extend_lens, blocks, self.cp_size)[seq_ids]) % self.cp_size
+
+    def max_local_tokens(self, max_tokens: int, max_seqs: int) -> int:
+        # per sequence at most two blocks of ceil(L / 2C) rows: <= L / C + 2 rows
+        return min(max_tokens, -(-max_tokens // self.cp_size) + 2 * max_seqs)
+
+    def max_segments(self, max_seqs: int) -> int:
+        return 2 * max_seqs

@@ -1,0 +1,104 @@
+"""Launch geometry shared by the Triton kernel families: query tile maps, GQA head packing, L2
+head sections, constants. Pure host code (no triton import), planned once per forward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..metadata import CPMetadata
+
+#: Query-tile heights (rows) the kernels are planned for.
+TILE_ROWS: tuple[int, ...] = (16, 32, 64, 128)
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+#: Bytes of shared memory one block may use on sm_90 (H100 / H200).
+SM90_SMEM_PER_BLOCK = 232448
+
+#: Bytes of L2 the launch order plans to keep K/V in (None: two thirds of the GPU's L2; 32 MiB
+#: on the CPU). See :func:`heads_per_l2_section`.
+L2_KV_BYTES: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class TileMap:
+    """Query tiles of ``rows`` rows each, heaviest first (largest last position), pad tiles last.
+
+    segment [N] / row_offset [N] int32 host tensors: the tile's segment and first row in it.
+    ``num_tiles`` real entries; ``N`` may be larger (a static plan's capacity).
+    """
+
+    rows: int
+    num_tiles: int
+    segment: Tensor
+    row_offset: Tensor
+
+
+def tile_map(meta: CPMetadata, rows: int, capacity: Optional[int] = None) -> TileMap:
+    """Tiles over every segment of ``meta`` including the pad segment (so kernels write pad
+    rows). ``capacity``: pad the arrays to this many entries (static plans)."""
+    host = meta.host if meta.host is not None else meta
+    s = meta.num_segments + 1
+    seg_len = host.seg_len[:s].long()
+    seg_pos0 = host.seg_pos0[:s].long()
+    seg_stride = host.seg_stride[:s].long()
+    counts = (seg_len + rows - 1) // rows
+    num_tiles = int(counts.sum())
+    segment = torch.repeat_interleave(torch.arange(s), counts, output_size=num_tiles)
+    first = torch.cumsum(counts, 0) - counts
+    row_offset = (torch.arange(num_tiles) - first[segment]) * rows
+    last_row = torch.minimum(row_offset + rows, seg_len[segment]) - 1
+    last_pos = seg_pos0[segment] + seg_stride[segment] * last_row
+    order = torch.argsort(last_pos, descending=True, stable=True)  # heaviest first, pad (-1) last
+    size = num_tiles if capacity is None else capacity
+    if num_tiles > size:
+        raise ValueError(f"{num_tiles} query tiles exceed the plan's capacity of {size}")
+    seg_out = torch.zeros(size, dtype=torch.int32)
+    off_out = torch.zeros(size, dtype=torch.int32)
+    seg_out[:num_tiles] = segment[order].to(torch.int32)
+    off_out[:num_tiles] = row_offset[order].to(torch.int32)
+    return TileMap(rows=rows, num_tiles=num_tiles, segment=seg_out, row_offset=off_out)
+
+
+def max_tiles(meta: CPMetadata, rows: int) -> int:
+    """Most tiles any batch within a static plan's capacity can need (grid size)."""
+    cap = meta.capacity
+    return -(-cap.max_local_tokens // rows) + cap.max_segments + 1
+
+
+def gqa_packing(num_q_heads: int, num_kv_heads: int, block_m: int) -> tuple[int, int]:
+    """(G_PACK, rows): query heads of one KV head packed into a program's M dimension, and the
+    tile height ``block_m // G_PACK`` (a :data:`TILE_ROWS` entry)."""
+    group = num_q_heads // num_kv_heads
+    g_pack = 1
+    while group % (g_pack * 2) == 0 and (block_m // (g_pack * 2)) in TILE_ROWS:
+        g_pack *= 2
+    rows = block_m // g_pack
+    if rows not in TILE_ROWS:
+        raise ValueError(f"block_m={block_m} gives {rows}-row tiles; tiles have {TILE_ROWS} rows")
+    return g_pack, rows
+
+
+def heads_per_l2_section(
+    num_kv_tokens: int, kv_row_bytes: int, head_groups_per_kv_head: int, num_head_groups: int, device: torch.device
+) -> int:
+    """Head groups whose programs run together, so the K/V they stream stays in L2.
+
+    Programs are launched section by section: all tiles (heaviest first) of ``n`` head groups,
+    then the next ``n``. Head groups fastest over the whole grid would have every KV head's
+    stream in flight at once (8 heads x 64 MiB at 128k keys, D128), and tiles that start at
+    different times would re-read it from HBM. ``kv_row_bytes`` is one key's K + V bytes for one
+    KV head, ``num_kv_tokens`` the batch's keys; at least one KV head per section.
+    """
+    budget = L2_KV_BYTES
+    if budget is None:
+        budget = 32 << 20
+        if device.type == "cuda":
+            budget = torch.cuda.get_device_properties(device).L2_cache_size * 2 // 3
+    kv_heads = max(1, budget // max(1, num_kv_tokens * kv_row_bytes))
+    return max(1, min(num_head_groups, kv_heads * head_groups_per_kv_head))

@@ -1,0 +1,254 @@
+"""Dense attention plans: causal attention of a rank's local queries (plan once, run per layer).
+
+:func:`plan_attention` (host, once per forward per layer kind) binds a placement plan to heads,
+head dims, dtype, window, page size, sinks and a backend, decides every plan-level fact
+(backend choice and eligibility, kernel family, tile height, heads per program, L2 sections,
+varlen descriptors) and uploads what the kernels read in ONE host-to-device copy.
+:meth:`AttentionPlan.run` (per layer) checks only what can differ per layer (shapes, dtypes,
+devices of its tensors), then launches: no host sync, no host-to-device copy, O(1) host work.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .._validation import check_int, check_tensor
+from ..kernels import AttentionSpec, select_backend
+from ..metadata import CPMetadata
+
+__all__ = ["AttentionPlan", "check_group_rank", "make_spec", "plan_attention", "window_left"]
+
+
+# ----------------------------------------------------------------------------- spec
+def window_left(window_size) -> int:
+    """The left window of flash-attn's (left, right) causal ``window_size`` (TypeError /
+    ValueError naming the argument)."""
+    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__"):
+        raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
+    window = tuple(window_size)
+    if len(window) != 2 or any(isinstance(w, bool) or not isinstance(w, int) for w in window):
+        raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
+    if window[0] < -1 or window[1] not in (-1, 0):
+        raise ValueError(
+            f"window_size must be (left >= -1, right in (-1, 0)) for causal attention, got {window}"
+        )
+    return window[0]
+
+
+def make_spec(
+    *, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: Optional[int] = None,
+    dtype: torch.dtype, window_size: Sequence[int] = (-1, -1), page_size: Optional[int] = None,
+    has_sinks: bool = False,
+) -> AttentionSpec:
+    """Validate layer-kind facts into an :class:`AttentionSpec` (TypeError / ValueError naming
+    the argument). ``window_size`` is flash-attn's (left, right) with right -1 or 0."""
+    hq = check_int(num_q_heads, "num_q_heads", 1)
+    hkv = check_int(num_kv_heads, "num_kv_heads", 1)
+    if hq % hkv:
+        raise ValueError(f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv}")
+    d = check_int(head_dim, "head_dim", 1)
+    dv = d if head_dim_v is None else check_int(head_dim_v, "head_dim_v", 1)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    if page_size is not None:
+        page_size = check_int(page_size, "page_size", 1)
+        if page_size > 256:
+            raise ValueError(f"page_size must be in [1, 256], got {page_size}")
+    if not isinstance(has_sinks, bool):
+        raise TypeError(f"has_sinks must be a bool, got {type(has_sinks).__name__}")
+    return AttentionSpec(hq, hkv, d, dv, dtype, window_left(window_size), page_size, has_sinks)
+
+
+def check_group_rank(meta: CPMetadata) -> None:
+    """ValueError when ``meta`` was agreed on a group in which this process has another rank."""
+    if meta.group is not None and dist.is_initialized():
+        rank = dist.get_rank(meta.group)
+        if rank != meta.rank:
+            raise ValueError(f"metadata was built for rank {meta.rank} but this process is rank {rank} of its group")
+
+
+# ----------------------------------------------------------------------------- plan
+class AttentionPlan:
+    """Causal attention of a rank's local queries, bound to one placement plan and layer kind.
+
+    ``backend``: the backend that runs ("triton", "fa4" or "torch"); ``spec``: the bound
+    :class:`AttentionSpec`; ``meta``: the placement plan. Build with :func:`plan_attention`
+    (or ``strategy.plan_attention``).
+    """
+
+    def __init__(self, meta: CPMetadata, spec: AttentionSpec, backend: str, run_impl) -> None:
+        self.meta, self.spec, self.backend = meta, spec, backend
+        self._impl = run_impl
+        p = meta.num_physical_tokens
+        self._q_shape = (p, spec.num_q_heads, spec.head_dim)
+        self._out_shape = (p, spec.num_q_heads, spec.head_dim_v)
+        self._lse_shape = (p, spec.num_q_heads)
+        if spec.paged:
+            self._k_tail = (spec.page_size, spec.num_kv_heads, spec.head_dim)
+            self._v_tail = (spec.page_size, spec.num_kv_heads, spec.head_dim_v)
+        else:
+            self._k_shape = (meta.num_kv_rows, spec.num_kv_heads, spec.head_dim)
+            self._v_shape = (meta.num_kv_rows, spec.num_kv_heads, spec.head_dim_v)
+        self._scale = spec.head_dim**-0.5
+        self._lse_head_major = getattr(run_impl, "lse_head_major", False)
+
+    def __repr__(self) -> str:
+        return f"AttentionPlan(backend={self.backend!r}, {self.spec}, P={self.meta.num_physical_tokens})"
+
+    @property
+    def family(self) -> str:
+        """The kernel family that runs (e.g. "sm90" or "portable" for triton; else the backend)."""
+        return getattr(self._impl, "family", self.backend)
+
+    def run(
+        self,
+        q_local: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        page_table: Optional[Tensor] = None,
+        sinks: Optional[Tensor] = None,
+        softmax_scale: Optional[float] = None,
+        out: Optional[Tensor] = None,
+        lse: Optional[Tensor] = None,
+        return_lse: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Attention of the local queries over their whole sequences (per layer, device-only).
+
+        Args:
+            q_local: [P, Hq, D] in the plan's dtype (pad rows ignored).
+            k, v: packed [num_kv_rows, Hkv, D] / [.., Dv] (prefix then extend of each sequence),
+                or paged caches [num_pages, page_size, Hkv, D] / [.., Dv] with ``page_table``
+                [num_seq_rows, max_pages] int32/int64 (key j of sequence b at page
+                ``page_table[b, j // page_size]``, slot ``j % page_size``). Any row strides.
+            sinks: [Hq] float (any float dtype and stride) when the plan has sinks.
+            softmax_scale: default D ** -0.5.
+            out: [P, Hq, Dv] buffer to write (q's dtype); lse: [P, Hq] float32 buffer (any
+                strides). Written in place; pad rows 0 / -inf.
+            return_lse: also return lse (natural log, float32, sinks counted).
+
+        Returns:
+            out [P, Hq, Dv] (pad rows exactly 0), or (out, lse) with return_lse.
+        """
+        spec, meta = self.spec, self.meta
+        device = meta.device
+        check_tensor(q_local, "q_local")
+        if q_local.shape != self._q_shape:
+            raise ValueError(f"q_local must be [P, Hq, D] = {list(self._q_shape)}, got {list(q_local.shape)}")
+        dtype = spec.dtype
+        for name, t in (("q_local", q_local), ("k", k), ("v", v)):
+            check_tensor(t, name)
+            if t.dtype != dtype:
+                raise TypeError(f"{name} dtype {t.dtype} != the plan's dtype {dtype}")
+            if t.device != device:
+                raise ValueError(f"{name} is on {t.device} but the plan is on {device} (use meta.to(device))")
+        if spec.paged:
+            if page_table is None:
+                raise ValueError(f"the plan is paged (page_size={spec.page_size}): pass page_table")
+            if k.dim() != 4 or k.shape[1:] != self._k_tail or v.dim() != 4 or v.shape[1:] != self._v_tail \
+                    or v.shape[0] != k.shape[0]:
+                raise ValueError(
+                    f"paged k/v must be [num_pages, {', '.join(map(str, self._k_tail))}] / "
+                    f"[num_pages, {', '.join(map(str, self._v_tail))}], got {list(k.shape)} / {list(v.shape)}"
+                )
+            self._check_page_table(page_table)
+        else:
+            if page_table is not None:
+                raise ValueError("page_table given but the plan is for packed K/V (plan with page_size=)")
+            if k.shape != self._k_shape or v.shape != self._v_shape:
+                raise ValueError(
+                    f"packed k/v must be {list(self._k_shape)} / {list(self._v_shape)} "
+                    f"(rows = sum(prefix_lens + extend_lens)), got {list(k.shape)} / {list(v.shape)}"
+                )
+        if (sinks is not None) != spec.has_sinks:
+            raise ValueError(f"the plan was built with has_sinks={spec.has_sinks}; got sinks={'a tensor' if sinks is not None else None}")
+        if sinks is not None:
+            check_tensor(sinks, "sinks")
+            if sinks.shape != (spec.num_q_heads,) or not sinks.dtype.is_floating_point or sinks.device != device:
+                raise ValueError(f"sinks must be a float [Hq={spec.num_q_heads}] tensor on {device}, got "
+                                 f"{sinks.dtype} {list(sinks.shape)} on {sinks.device}")
+        if out is None:
+            out = torch.empty(self._out_shape, dtype=dtype, device=device)
+        else:
+            check_tensor(out, "out")
+            if out.shape != self._out_shape or out.dtype != dtype or out.device != device or out.stride(-1) != 1:
+                raise ValueError(f"out must be [P, Hq, Dv] = {list(self._out_shape)} {dtype} on {device} with a "
+                                 f"contiguous last dim, got {list(out.shape)} {out.dtype} on {out.device}")
+        if lse is None:
+            if return_lse:
+                lse = (torch.empty(self._lse_shape[::-1], dtype=torch.float32, device=device).t()
+                       if self._lse_head_major else torch.empty(self._lse_shape, dtype=torch.float32, device=device))
+        else:
+            check_tensor(lse, "lse")
+            if lse.shape != self._lse_shape or lse.dtype != torch.float32 or lse.device != device:
+                raise ValueError(f"lse must be [P, Hq] = {list(self._lse_shape)} float32 on {device}, got "
+                                 f"{list(lse.shape)} {lse.dtype} on {lse.device}")
+        scale = self._scale if softmax_scale is None else float(softmax_scale)
+        self._impl(q_local, k, v, page_table, sinks, scale, out, lse)
+        return (out, lse) if return_lse else out
+
+    def _check_page_table(self, page_table: Tensor) -> None:
+        check_tensor(page_table, "page_table")
+        meta = self.meta
+        if page_table.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"page_table must be int32 or int64, got {page_table.dtype}")
+        if page_table.dim() != 2 or page_table.shape[0] != meta.num_seq_rows:
+            raise ValueError(f"page_table must be [B={meta.num_seq_rows}, max_pages], got {list(page_table.shape)}")
+        if page_table.device != meta.device:
+            raise ValueError(f"page_table is on {page_table.device} but the plan is on {meta.device}")
+        if page_table.shape[1] * self.spec.page_size < meta.max_kv_len:
+            raise ValueError(
+                f"page_table holds {page_table.shape[1]} pages of {self.spec.page_size} = "
+                f"{page_table.shape[1] * self.spec.page_size} keys, fewer than the longest sequence ({meta.max_kv_len})"
+            )
+
+
+def plan_attention(
+    meta: CPMetadata,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    head_dim_v: Optional[int] = None,
+    dtype: torch.dtype,
+    window_size: Sequence[int] = (-1, -1),
+    page_size: Optional[int] = None,
+    has_sinks: bool = False,
+    backend: str = "auto",
+    backend_options: Optional[Mapping] = None,
+) -> AttentionPlan:
+    """Plan one layer kind's attention over ``meta`` (host, once per forward; may copy once).
+
+    Args:
+        meta: the placement plan (on the device the layers run on).
+        num_q_heads, num_kv_heads, head_dim, head_dim_v (default head_dim), dtype: of q / k / v.
+        window_size: (left, right) like flash-attn; a row at position p sees keys at positions in
+            [p - left, p] (left -1: no limit; positions are global, prefix counted). right must
+            be -1 or 0 (causal).
+        page_size: tokens per page of a paged K/V cache (1..256), None for packed K/V.
+        has_sinks: the layer passes attention sinks ([Hq] float logits) to ``run``.
+        backend: "auto" (fa4, then triton, then torch: the first that can run it), or a name
+            (NotImplementedError naming the reason when it cannot).
+        backend_options: backend-specific knobs (see ``cpattn.kernels.triton_backend``).
+
+    Example::
+
+        plan = s.plan_attention(meta, num_q_heads=32, num_kv_heads=8, head_dim=128,
+                                dtype=torch.bfloat16, page_size=64)
+        for layer in layers:
+            o = plan.run(q, k_cache[layer], v_cache[layer], page_table=pt)
+    """
+    if not isinstance(meta, CPMetadata):
+        raise TypeError(f"meta must be a CPMetadata, got {type(meta).__name__}")
+    spec = make_spec(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, head_dim_v=head_dim_v,
+                     dtype=dtype, window_size=window_size, page_size=page_size, has_sinks=has_sinks)
+    options = dict(backend_options or {})
+    check_group_rank(meta)
+    chosen = select_backend(spec, meta, backend)
+    return AttentionPlan(meta, spec, chosen.name, chosen.plan(spec, meta, options))
+
+

@@ -1,0 +1,347 @@
+"""Attention plans (plan once, run per layer) and static plans, on CPU: the torch backend and the
+real Triton kernel under the interpreter. GPU graph capture / replay tests are marked ``gpu``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cpattn
+from cpattn.kernels import AttentionSpec
+from oracle import TOLERANCE, attention_oracle
+
+NAMES = ["zigzag", "interleave", "contiguous"]
+
+
+@st.composite
+def batches(draw, max_seqs: int = 4, max_len: int = 70):
+    cp_size = draw(st.integers(1, 8))
+    n = draw(st.integers(0, max_seqs))
+    small = st.integers(0, 2 * cp_size)
+    extend = draw(st.lists(st.one_of(small, st.integers(0, max_len)), min_size=n, max_size=n))
+    prefix = draw(st.lists(st.integers(0, 30), min_size=n, max_size=n))
+    return cp_size, extend, prefix, draw(st.sampled_from([1, 4, 16]))
+
+
+def _inputs(extend, prefix, hq, hkv, d, dv, dtype, seed=0, sinks=False):
+    g = torch.Generator().manual_seed(seed)
+    t, n_kv = sum(extend), sum(e + p for e, p in zip(extend, prefix))
+    q = torch.randn(t, hq, d, generator=g).to(dtype)
+    k = torch.randn(n_kv, hkv, d, generator=g).to(dtype)
+    v = torch.randn(n_kv, hkv, dv, generator=g).to(dtype)
+    sk = torch.randn(hq, generator=g) if sinks else None
+    return q, k, v, sk
+
+
+def _plan(s, meta, q, k, v, *, window=-1, sinks=False, backend="torch", page_size=None):
+    return s.plan_attention(meta, num_q_heads=q.shape[1], num_kv_heads=k.shape[-2], head_dim=q.shape[-1],
+                            head_dim_v=v.shape[-1], dtype=q.dtype, window_size=(window, 0), page_size=page_size,
+                            has_sinks=sinks, backend=backend)
+
+
+def _check_plan_equals_attention_and_oracle(batch, name, backend, dtype, window, sinks, seed):
+    cp_size, extend, prefix, pad = batch
+    s = cpattn.get_strategy(name, cp_size, pad_multiple=pad)
+    q, k, v, sk = _inputs(extend, prefix, 4, 2, 16, 16, dtype, seed, sinks)
+    ref, ref_lse = attention_oracle(q, k, v, extend, prefix, window_left=window, sinks=sk)
+    tol = TOLERANCE[dtype]
+    for rank in range(cp_size):
+        meta = s.build_metadata(extend, prefix, rank=rank)
+        ql = s.shard(q, meta)
+        plan = _plan(s, meta, ql, k, v, window=window, sinks=sinks, backend=backend)
+        assert plan.backend == backend
+        out, lse = plan.run(ql, k, v, sinks=sk, return_lse=True)
+        out2, lse2 = s.attention(ql, k, v, meta, window_size=(window, 0), sinks=sk, backend=backend, return_lse=True)
+        assert torch.equal(out, out2) and torch.equal(lse, lse2)
+        n = meta.num_local_tokens
+        idx = meta.local_token_indices
+        if n:
+            assert (out[:n].double() - ref[idx]).abs().max() <= tol
+            assert (lse[:n].double() - ref_lse[idx]).abs().max() <= tol
+        assert (out[n:] == 0).all() and torch.isneginf(lse[n:]).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(batches(), st.sampled_from(NAMES), st.sampled_from([-1, 5]), st.booleans(), st.integers(0, 99))
+def test_plan_run_equals_attention_torch(batch, name, window, sinks, seed):
+    _check_plan_equals_attention_and_oracle(batch, name, "torch", torch.float32, window, sinks, seed)
+
+
+@settings(max_examples=12, deadline=None)
+@given(batches(max_seqs=3, max_len=40), st.sampled_from(NAMES), st.sampled_from([-1, 5]), st.booleans(),
+       st.integers(0, 99))
+def test_plan_run_equals_attention_triton(interp, batch, name, window, sinks, seed):
+    _check_plan_equals_attention_and_oracle(batch, name, "triton", torch.float32, window, sinks, seed)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_out_and_lse_written_in_place(request, backend):
+    if backend == "triton":
+        request.getfixturevalue("interp")
+    s = cpattn.ZigzagStrategy(2, pad_multiple=8)
+    ext, pre = [20, 3], [5, 0]
+    q, k, v, _ = _inputs(ext, pre, 4, 2, 16, 16, torch.float32)
+    meta = s.build_metadata(ext, pre, rank=1)
+    ql = s.shard(q, meta)
+    plan = _plan(s, meta, ql, k, v, backend=backend)
+    out = torch.full((meta.num_physical_tokens, 4, 16), float("nan"))
+    lse_buf = torch.full((4, meta.num_physical_tokens), float("nan"))
+    lse = lse_buf.t()  # a strided [P, Hq] view, as engines lay it out
+    got = plan.run(ql, k, v, out=out, lse=lse)
+    assert got is out and not out.isnan().any() and not lse.isnan().any()
+    ref, ref_lse = plan.run(ql, k, v, return_lse=True)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    n = meta.num_local_tokens
+    assert (out[n:] == 0).all() and torch.isneginf(lse[n:]).all()
+
+
+def test_run_rejects_wrong_inputs():
+    s = cpattn.ZigzagStrategy(2)
+    meta = s.build_metadata([6, 4], [2, 0], rank=0)
+    q, k, v, sk = _inputs([6, 4], [2, 0], 4, 2, 8, 8, torch.float32, sinks=True)
+    ql = s.shard(q, meta)
+    plan = _plan(s, meta, ql, k, v, sinks=True)
+    cases = [
+        (dict(q_local=ql[:-1]), ValueError, r"q_local must be \[P, Hq, D\]"),
+        (dict(k=k[:-1], v=v[:-1]), ValueError, "packed k/v must be"),
+        (dict(q_local=ql.half()), TypeError, "q_local dtype"),
+        (dict(sinks=None), ValueError, "has_sinks=True"),
+        (dict(sinks=sk[:3]), ValueError, "sinks must be a float"),
+        (dict(sinks=sk.long()), ValueError, "sinks must be a float"),
+        (dict(out=torch.zeros(meta.num_physical_tokens, 4, 8).double()), ValueError, "out must be"),
+        (dict(lse=torch.zeros(meta.num_physical_tokens, 3)), ValueError, "lse must be"),
+        (dict(page_table=torch.zeros(2, 4, dtype=torch.int32)), ValueError, "packed K/V"),
+    ]
+    for change, exc, match in cases:
+        args = dict(q_local=ql, k=k, v=v, sinks=sk)
+        args.update(change)
+        with pytest.raises(exc, match=match):
+            plan.run(args.pop("q_local"), args.pop("k"), args.pop("v"), **args)
+    paged = s.plan_attention(meta, num_q_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32, page_size=4)
+    with pytest.raises(ValueError, match="pass page_table"):
+        paged.run(ql, torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8))
+    for kwargs, exc, match in [
+        (dict(num_q_heads=4, num_kv_heads=3), ValueError, "multiple of num_kv_heads"),
+        (dict(num_q_heads=4.0, num_kv_heads=2), TypeError, "num_q_heads"),
+        (dict(num_q_heads=4, num_kv_heads=2, window_size=3), TypeError, "window_size"),
+        (dict(num_q_heads=4, num_kv_heads=2, page_size=512), ValueError, "page_size"),
+        (dict(num_q_heads=4, num_kv_heads=2, backend="cudnn"), ValueError, "backend must be one of"),
+        (dict(num_q_heads=4, num_kv_heads=2, backend="torch", backend_options={"x": 1}), ValueError, "backend_options"),
+    ]:
+        with pytest.raises(exc, match=match):
+            s.plan_attention(meta, head_dim=8, dtype=torch.float32, **kwargs)
+
+
+def test_plan_is_cached_per_meta_and_layer_kind():
+    s = cpattn.InterleaveStrategy(2)
+    meta = s.build_metadata([9], rank=1)
+    q, k, v, _ = _inputs([9], [0], 2, 1, 8, 8, torch.float32)
+    ql = s.shard(q, meta)
+    s.attention(ql, k, v, meta, backend="torch")
+    s.attention(ql, k, v, meta, backend="torch")
+    s.attention(ql, k, v, meta, backend="torch", window_size=(3, 0))
+    assert len(meta.plan_cache) == 2
+
+
+def test_fa4_descriptors_follow_segments():
+    """The FA4 plan's varlen arrays (cu_seqlens_q over segment rows, cu_seqlens_k at the
+    sequence starts, seqused_k = last position + 1)."""
+    from cpattn.kernels.fa4 import _FA4Run
+
+    s = cpattn.ZigzagStrategy(2)
+    meta = s.build_metadata([10, 7, 0, 3], [4, 0, 2, 1], rank=0)
+    run = _FA4Run(None, AttentionSpec(4, 2, 8, 8, torch.bfloat16), meta)
+    segs = meta.host_segments
+    cu_kv = [0, 14, 21, 23, 27]
+    assert run.dev["cu_rows"].tolist() == [r0 for _, r0, *_ in segs] + [meta.num_local_tokens]
+    assert run.dev["key_start"].tolist() == [cu_kv[b] for b, *_ in segs] + [cu_kv[-1]]
+    assert run.dev["keys_used"].tolist() == [p0 + (n - 1) * st_ + 1 for _, _, n, p0, st_ in segs]
+
+
+# ----------------------------------------------------------------------------- sinks and NaN
+def _sinks_variants(hq: int):
+    base = torch.randn(2 * hq, generator=torch.Generator().manual_seed(5))
+    return {
+        "strided": base[::2],
+        "expanded": base[:1].expand(hq),
+        "fp32": base[:hq].clone(),
+        "bf16": base[:hq].bfloat16(),
+        "fp64": base[:hq].double(),
+    }
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_strided_and_expanded_sinks(request, backend):
+    """Any strided / expanded float [Hq] sinks give the result of its contiguous fp32 copy (the
+    Triton kernels once read ``Sinks + head`` and ignored strides: max diff 1.9)."""
+    if backend == "triton":
+        request.getfixturevalue("interp")
+    s = cpattn.ZigzagStrategy(2)
+    ext, pre = [30, 9], [4, 0]
+    q, k, v, _ = _inputs(ext, pre, 4, 2, 16, 16, torch.float32, seed=3)
+    for rank in range(2):
+        meta = s.build_metadata(ext, pre, rank=rank)
+        ql = s.shard(q, meta)
+        plan = _plan(s, meta, ql, k, v, sinks=True, backend=backend)
+        for name, sinks in _sinks_variants(4).items():
+            out, lse = plan.run(ql, k, v, sinks=sinks, return_lse=True)
+            dense = sinks.float().contiguous()
+            ref, ref_lse = attention_oracle(q, k, v, ext, pre, sinks=dense)
+            n, idx = meta.num_local_tokens, meta.local_token_indices
+            assert (out[:n].double() - ref[idx]).abs().max() < 2e-5, name
+            assert (lse[:n].double() - ref_lse[idx]).abs().max() < 2e-5, name
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("where", ["q", "k", "v", "sinks"])
+def test_nan_reaches_the_rows_that_see_it(request, backend, where):
+    """A NaN in q / a key / a value / a sink makes exactly the rows that see it NaN in out and
+    lse (not 0, not the pad marker -inf); rows of other sequences stay finite; pad rows 0/-inf."""
+    if backend == "triton":
+        request.getfixturevalue("interp")
+    s = cpattn.ContiguousStrategy(1, pad_multiple=8)
+    ext, pre = [40, 12], [0, 3]
+    q, k, v, sk = _inputs(ext, pre, 2, 1, 16, 16, torch.float32, seed=7, sinks=True)
+    meta = s.build_metadata(ext, pre, rank=0)
+    nan_pos = 10  # key / query position 10 of sequence 0 (a key in the interior of later tiles)
+    head = 1
+    if where == "q":
+        q[nan_pos, head, 3] = float("nan")
+    elif where == "k":
+        k[nan_pos, 0, 5] = float("nan")
+    elif where == "v":
+        v[nan_pos, 0, 2] = float("nan")
+    else:
+        sk[head] = float("nan")
+    ql = s.shard(q, meta)
+    plan = _plan(s, meta, ql, k, v, sinks=True, backend=backend)
+    out, lse = plan.run(ql, k, v, sinks=sk, return_lse=True)
+    n = meta.num_local_tokens
+    seq0 = torch.arange(40)
+    if where == "q":
+        affected = [(nan_pos, head)]
+    elif where == "sinks":
+        affected = [(t, head) for t in range(n)]
+    else:  # rows of sequence 0 at positions >= nan_pos see it, every head (one KV head)
+        affected = [(t, h) for t in seq0[nan_pos:].tolist() for h in range(2)]
+    for t, h in affected:
+        assert out[t, h].isnan().any(), (t, h)
+        assert lse[t, h].isnan() or where == "v", (t, h)
+    if where == "v":
+        assert torch.isfinite(lse[:n]).all()  # V never enters the lse
+    # sequence 1 never sees sequence 0's keys
+    if where != "sinks":
+        assert torch.isfinite(out[40:n]).all() and torch.isfinite(lse[40:n]).all()
+    if backend == "torch" and where in ("k", "v"):  # the reference is exact: earlier rows stay clean
+        assert torch.isfinite(out[:nan_pos]).all() and torch.isfinite(lse[:nan_pos]).all()
+    assert (out[n:] == 0).all() and torch.isneginf(lse[n:]).all()
+
+
+# ----------------------------------------------------------------------------- static plans
+def _data_ptrs(meta) -> dict:
+    from cpattn.metadata import DEVICE_FIELDS
+
+    return {name: getattr(meta, name).data_ptr() for name in DEVICE_FIELDS}
+
+
+STATIC_BATCHES = [([37, 0, 5, 1], [4, 9, 0, 2]), ([64], [0]), ([3, 17, 2, 9, 11], [1, 0, 6, 0, 2])]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_static_planner_same_addresses_same_results(request, name, backend):
+    if backend == "triton":
+        request.getfixturevalue("interp")
+    cp = 3
+    s = cpattn.get_strategy(name, cp, pad_multiple=4)
+    planner = cpattn.StaticPlanner(s, max_tokens=96, max_seqs=6, max_kv_tokens=160, device="cpu")
+    cap = planner.capacity
+    g = torch.Generator().manual_seed(1)
+    k_buf = torch.zeros(cap.max_kv_tokens, 2, 16)
+    v_buf = torch.zeros(cap.max_kv_tokens, 2, 16)
+    ptrs, plan_ptrs = None, None
+    for ext, pre in STATIC_BATCHES:
+        t, n_kv = sum(ext), sum(e + p for e, p in zip(ext, pre))
+        q = torch.randn(t, 4, 16, generator=g)
+        k_buf[:n_kv].normal_(generator=g)
+        v_buf[:n_kv].normal_(generator=g)
+        x = torch.zeros(cap.max_tokens, 4, 16)
+        x[:t] = q
+        for rank in range(cp):
+            meta = planner.plan(ext, pre, rank=rank)
+            assert meta.is_static and meta.num_physical_tokens == cap.max_local_tokens
+            if ptrs is None:
+                ptrs = _data_ptrs(meta)
+            assert _data_ptrs(meta) == ptrs  # every tensor at the same address
+            fresh = s.build_metadata(ext, pre, rank=rank)
+            ql = s.shard(x, meta)
+            assert ql.shape[0] == cap.max_local_tokens
+            n = fresh.num_local_tokens
+            assert torch.equal(ql[:n], s.shard(q, fresh)[:n]) and not ql[n:].any()
+            plan = s.plan_attention(meta, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
+                                    backend=backend)
+            if backend == "triton":
+                tiles = plan._impl.portable_args["tile_segment"].data_ptr()
+                plan_ptrs = plan_ptrs or tiles
+                assert tiles == plan_ptrs
+            out, lse = plan.run(ql, k_buf, v_buf, return_lse=True)
+            ref, ref_lse = s.attention(s.shard(q, fresh), k_buf[:n_kv], v_buf[:n_kv], fresh, backend=backend,
+                                       return_lse=True)
+            assert torch.allclose(out[:n], ref[:n], atol=1e-6) and torch.allclose(lse[:n], ref_lse[:n], atol=1e-6)
+            assert (out[n:] == 0).all() and torch.isneginf(lse[n:]).all()
+            # gather back: the first T rows are the logical rows (emulated all-gather)
+            if cp == 1:
+                continue
+    assert planner.arena.num_buffers >= 1
+
+
+def test_static_planner_gather_emulated():
+    """gather_index of a static plan over [C * P_cap] rows puts logical rows first."""
+    s = cpattn.ZigzagStrategy(2)
+    # one planner per rank (as one per process): a plan's buffers hold it until the next plan()
+    planners = [cpattn.StaticPlanner(s, max_tokens=40, max_seqs=4, max_kv_tokens=60, device="cpu") for _ in range(2)]
+    x = torch.arange(40 * 3).view(40, 3)
+    for ext, pre in (([7, 13], [2, 0]), ([1, 1, 30], [0, 0, 5])):
+        t = sum(ext)
+        metas = [planners[r].plan(ext, pre, rank=r) for r in range(2)]
+        shards = [s.shard(x, m).clone() for m in metas]
+        gathered = torch.cat(shards).index_select(0, metas[0].gather_index)
+        assert gathered.shape[0] == 40 and torch.equal(gathered[:t], x[:t])
+
+
+def test_static_planner_over_capacity_and_bad_args():
+    s = cpattn.InterleaveStrategy(2)
+    planner = cpattn.StaticPlanner(s, max_tokens=16, max_seqs=2, max_kv_tokens=24, device="cpu")
+    with pytest.raises(ValueError, match="tokens .* > 16"):
+        planner.plan([10, 7], rank=0)
+    with pytest.raises(ValueError, match="sequences 3 > 2"):
+        planner.plan([1, 1, 1], rank=0)
+    with pytest.raises(ValueError, match="kv tokens .* > 24"):
+        planner.plan([4], [30], rank=0)
+    with pytest.raises(ValueError, match="max_kv_tokens"):
+        cpattn.StaticPlanner(s, max_tokens=16, max_seqs=2, max_kv_tokens=8, device="cpu")
+    with pytest.raises(TypeError, match="strategy"):
+        cpattn.StaticPlanner("zigzag", max_tokens=16, max_seqs=2, max_kv_tokens=24, device="cpu")
+    meta = planner.plan([5, 3], rank=1)
+    with pytest.raises(ValueError, match="num_tokens T = 16"):
+        s.shard(torch.zeros(8, 4), meta)  # static plans take capacity-sized logical tensors
+    with pytest.raises(ValueError, match="static plans"):
+        cpattn.pack_kv(torch.zeros(16, 1, 2), torch.zeros(16, 1, 2), meta)
+
+
+def test_strategy_bounds_hold():
+    """max_local_tokens / max_segments bound every rank of random batches."""
+    g = torch.Generator().manual_seed(0)
+    for name in NAMES:
+        for cp in (1, 2, 3, 8):
+            s = cpattn.get_strategy(name, cp)
+            for _ in range(20):
+                b = int(torch.randint(1, 7, (1,), generator=g))
+                ext = torch.randint(0, 40, (b,), generator=g).tolist()
+                metas = [s.build_metadata(ext, rank=r) for r in range(cp)]
+                assert max(metas[0].num_local_tokens_per_rank) <= s.max_local_tokens(max(sum(ext), 1), b)
+                assert max(m.num_segments for m in metas) <= s.max_segments(b)
