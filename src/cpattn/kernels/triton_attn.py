@@ -470,14 +470,24 @@ def dot_settings(dtype: torch.dtype) -> dict:
     return dict(DOT_PRECISION="ieee" if dtype == torch.float32 or upcast else "tf32", DOT_UPCAST=upcast)
 
 
+def make_launch(plan_args: dict, config: Optional[tuple[int, int, int]] = None):
+    """A :class:`PlannedLaunch` of the portable kernel with the planned keyword arguments
+    (tile map, tile count, segments, geometry constexprs; see ``triton_backend``). ``config`` =
+    (BLOCK_N, num_warps, num_stages) bypasses the autotuner (the interpreter uses a small one)."""
+    from ._launch import PlannedLaunch
+
+    if INTERPRETED or config is not None:
+        bn, warps, stages = config if config is not None else (16, 4, 1)
+        fixed = dict(plan_args, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        return PlannedLaunch(_cp_attn_fwd, fixed, enabled=not INTERPRETED)
+    return PlannedLaunch(_cp_attn_fwd_tuned, plan_args)
+
+
 def launch(
-    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tensor], sinks: Optional[Tensor],
-    page_table: Optional[Tensor], *, grid: tuple[int], plan_args: dict, softmax_scale: float,
-    config: Optional[tuple[int, int, int]] = None,
+    launcher, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tensor], sinks: Optional[Tensor],
+    page_table: Optional[Tensor], cu_kv_lens: Tensor, *, grid: tuple[int], softmax_scale: float,
 ) -> None:
-    """Launch the portable kernel. ``plan_args`` holds the planned keyword arguments (tile map,
-    tile count, segments, geometry constexprs, see ``triton_backend``); the rest is per layer.
-    ``config`` = (BLOCK_N, num_warps, num_stages) bypasses the autotuner."""
+    """Launch the portable kernel through its planned launcher (:func:`make_launch`)."""
     paged = page_table is not None
     if paged:
         skp, skn, skh = k.stride(0), k.stride(1), k.stride(2)
@@ -486,7 +496,7 @@ def launch(
     else:
         skp, skn, skh = 0, k.stride(0), k.stride(1)
         svp, svn, svh = 0, v.stride(0), v.stride(1)
-        pt, stride_pt = plan_args["cu_kv_lens"], 0
+        pt, stride_pt = cu_kv_lens, 0
     use_tma = not paged and not INTERPRETED and _tma_ok(k, v)
     args = dict(
         Q=q, K=k, V=v, Out=out, Lse=lse if lse is not None else out, Sinks=sinks if sinks is not None else out,
@@ -496,13 +506,9 @@ def launch(
         stride_om=out.stride(0), stride_oh=out.stride(1),
         stride_lm=lse.stride(0) if lse is not None else 0, stride_lh=lse.stride(1) if lse is not None else 0,
         stride_pt=stride_pt, HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None, USE_TMA=use_tma,
-        **plan_args,
     )
-    if INTERPRETED or config is not None:
-        bn, warps, stages = config if config is not None else (16, 4, 1)
-        _cp_attn_fwd[grid](**args, BLOCK_N=bn, num_warps=warps, num_stages=stages)
-    elif use_tma:
+    if use_tma:
         with scratch_allocator():
-            _cp_attn_fwd_tuned[grid](**args)
+            launcher(grid, args)
     else:
-        _cp_attn_fwd_tuned[grid](**args)
+        launcher(grid, args)
