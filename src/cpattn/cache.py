@@ -82,7 +82,8 @@ class SlotPlan:
 
     def __post_init__(self) -> None:
         if not isinstance(self.index, Tensor) or self.index.dtype != torch.int64 or self.index.dim() != 1:
-            got = f"{self.index.dtype} {tuple(self.index.shape)}" if isinstance(self.index, Tensor) else type(self.index).__name__
+            index = self.index
+            got = f"{index.dtype} {tuple(index.shape)}" if isinstance(index, Tensor) else type(index).__name__
             raise TypeError(f"SlotPlan.index must be an int64 1-D tensor, got {got} (build it with plan_slots)")
         check_int(self.num_tokens, "num_tokens", 0)
         check_int(self.num_slots, "num_slots", 0)

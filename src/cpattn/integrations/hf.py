@@ -83,7 +83,9 @@ ATTN_IMPLEMENTATION = "cpattn"
 SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 
 #: Class-name pattern of known token mixers that are not attention (recurrent / SSM / conv blocks).
-_MIXER_CLASS = re.compile(r"Mamba|GatedDeltaNet|DeltaNet|LinearAttention|Lightning|ShortConv|Rwkv|RWKV|RecurrentBlock|Rglru|SSM")
+_MIXER_CLASS = re.compile(
+    r"Mamba|GatedDeltaNet|DeltaNet|LinearAttention|Lightning|ShortConv|Rwkv|RWKV|RecurrentBlock|Rglru|SSM"
+)
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,7 @@ def register(name: str = ATTN_IMPLEMENTATION) -> str:
     return name
 
 
-def _configs(model) -> list:
+def _configs(model: torch.nn.Module) -> list:
     config = model.config
     configs = [config]
     get_text = getattr(config, "get_text_config", None)
@@ -131,7 +133,7 @@ def _configs(model) -> list:
     return configs
 
 
-def check_model(model) -> None:
+def check_model(model: torch.nn.Module) -> None:
     """ValueError unless every token mixer of ``model`` is attention the plug-in runs exactly.
 
     Checks, without changing the model: ``config.layer_types`` (and ``layers_block_type``) hold
@@ -171,7 +173,7 @@ def check_model(model) -> None:
         )
 
 
-def _decoder(model):
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
     get = getattr(model, "get_decoder", None)
     try:
         decoder = get() if callable(get) else None
@@ -180,7 +182,7 @@ def _decoder(model):
     return decoder if isinstance(decoder, torch.nn.Module) else model
 
 
-def enable(model, name: str = ATTN_IMPLEMENTATION):
+def enable(model: torch.nn.Module, name: str = ATTN_IMPLEMENTATION) -> torch.nn.Module:
     """Check ``model`` (:func:`check_model`), register the attention function, switch ``model`` to
     it and install the input checks / cache hook on its decoder; returns ``model``.
 
@@ -207,12 +209,12 @@ def enable(model, name: str = ATTN_IMPLEMENTATION):
     return model
 
 
-def _cache_argument(decoder) -> str:
+def _cache_argument(decoder: torch.nn.Module) -> str:
     params = inspect.signature(decoder.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _check_mask(mask, where: str) -> None:
+def _check_mask(mask: Any, where: str) -> None:
     """A 2-D padding mask is only exact when it is all ones (the plan gives the boundaries)."""
     if isinstance(mask, Tensor) and mask.dim() == 2 and not bool((mask != 0).all()):
         zeros = int((mask == 0).sum())
@@ -223,7 +225,7 @@ def _check_mask(mask, where: str) -> None:
         )
 
 
-def _before_forward(module, args, kwargs, *, name: str):
+def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict, *, name: str) -> Optional[tuple[tuple, dict]]:
     """Decoder pre-hook (installed by enable): under a CP context with the cpattn attention, reject
     a 2-D mask with zeros and, for ``use_cache``, hand the model an empty DynamicCache whose layers
     the attention function fills with the gathered K/V. Runs before any collective."""
@@ -264,7 +266,7 @@ def _before_forward(module, args, kwargs, *, name: str):
     return args, kwargs
 
 
-def _after_forward(module, args, output):
+def _after_forward(module: torch.nn.Module, args: tuple, output: Any) -> None:
     ctx = _CONTEXT.get()
     if ctx is not None:
         ctx._forward.clear()
@@ -279,7 +281,7 @@ def _check_cache_use(meta: CPMetadata) -> None:
         )
 
 
-def _check_cache_object(cache, transformers) -> None:
+def _check_cache_object(cache: Any, transformers: Any) -> None:
     layer_types = (transformers.cache_utils.DynamicLayer, transformers.cache_utils.DynamicSlidingWindowLayer)
     if not isinstance(cache, transformers.DynamicCache) or any(type(x) not in layer_types for x in cache.layers):
         raise ValueError(
@@ -374,7 +376,9 @@ def shard_inputs(
     if attention_mask is not None:
         mask = _as_batch_rows(attention_mask, "attention_mask", meta.num_tokens, "num_tokens T")
         if mask.dim() != 2:
-            raise ValueError(f"attention_mask must be [1, T={meta.num_tokens}], got shape {tuple(attention_mask.shape)}")
+            raise ValueError(
+                f"attention_mask must be [1, T={meta.num_tokens}], got shape {tuple(attention_mask.shape)}"
+            )
         _check_mask(mask, "shard_inputs")
     out: dict[str, Tensor | bool] = {}
     if input_ids is not None:
@@ -397,7 +401,7 @@ def gather_outputs(strategy: CPStrategy, meta: CPMetadata, x_local: Tensor, grou
     return strategy.gather(x_local, meta, group, dim=1)
 
 
-def _layer_index(module) -> int:
+def _layer_index(module: torch.nn.Module) -> int:
     idx = getattr(module, "layer_idx", None)
     if isinstance(idx, bool) or not isinstance(idx, int):
         raise ValueError(f"{type(module).__name__} has no integer layer_idx: cannot write its K/V into the cache")
