@@ -518,3 +518,28 @@ def test_gpu_planned_launch_repeats_and_respecializes(page):
     q_odd.copy_(q)
     third = plan.run(q_odd, k_in, v_in, page_table=table, sinks=sinks[::2].clone())  # sinks stride 1 now
     assert (third[:n].float() - ref[:n]).abs().max().item() < 2e-2
+
+
+def test_static_slot_plan_writes_only_the_batch():
+    """A static plan's slot plan covers the capacity rows at a fixed address; writing the
+    capacity-sized gathered rows stores exactly the batch's rows (pad rows repeat the last one)."""
+    s = cpattn.ContiguousStrategy(1)
+    planner = cpattn.StaticPlanner(s, max_tokens=32, max_seqs=4, max_kv_tokens=64, device="cpu")
+    ptr = None
+    for ext in ([5, 9], [20, 1, 3]):
+        t = sum(ext)
+        meta = planner.plan(ext, rank=0)
+        slots = torch.randperm(100)[:t]
+        plan = cpattn.plan_slots(meta, slots, 100)
+        assert plan.num_tokens == 32 and plan.index.shape == (32,)
+        ptr = ptr or plan.index.data_ptr()
+        assert plan.index.data_ptr() == ptr
+        k = torch.randn(t, 2, 4)
+        k_rows = torch.zeros(32, 2, 4)
+        k_rows[:t] = k
+        k_rows[t:] = k[-1]  # what gather_kv returns past T under a static plan
+        kc, vc = torch.zeros(100, 2, 4), torch.zeros(100, 2, 4)
+        cpattn.write_kv_cache(k_rows, k_rows, kc, vc, plan)
+        ref = torch.zeros(100, 2, 4)
+        ref[slots] = k
+        assert torch.equal(kc, ref) and torch.equal(vc, ref)

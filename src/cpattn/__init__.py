@@ -14,7 +14,15 @@ gather hidden states back before the logits::
 """
 
 from . import padding
-from .cache import kv_bytes_per_token, mla_bytes_per_token, read_mla_cache, write_kv_cache, write_mla_cache
+from .cache import (
+    SlotPlan,
+    kv_bytes_per_token,
+    mla_bytes_per_token,
+    plan_slots,
+    read_mla_cache,
+    write_kv_cache,
+    write_mla_cache,
+)
 from .collectives import PendingGather, PlanDisagreement, gathered_bytes_per_token
 from .kernels import AttentionSpec, available_backends
 from .kv import pack_kv
@@ -44,6 +52,7 @@ __all__ = [
     "PendingGather",
     "PlanDisagreement",
     "STRATEGIES",
+    "SlotPlan",
     "StaticPlanner",
     "ZigzagStrategy",
     "available_backends",
@@ -54,6 +63,7 @@ __all__ = [
     "pack_kv",
     "padding",
     "plan_attention",
+    "plan_slots",
     "read_mla_cache",
     "resolve_backend",
     "start_gather_kv",

@@ -1,6 +1,8 @@
 """Host cost of planning a batch: ``build_metadata`` for 1, 64 and 1024 sequences.
 
-    python -m cpattn.bench metadata [--tokens 131072] [--cp 8] [--out docs/benchmarks/metadata-cpu]
+    python -m cpattn.bench metadata [--tokens 131072] [--cp 8] [--out bench-out/metadata-cpu]
+
+The docs figure is regenerated only on purpose: ``--out docs/benchmarks/metadata-cpu``.
 """
 
 from __future__ import annotations
@@ -11,14 +13,14 @@ import torch
 
 import cpattn
 
-from .common import header, progress, time_host, write_json
+from .common import default_out, header, progress, time_host, write_json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=131072, help="extend tokens in the batch (T)")
     p.add_argument("--cp", type=int, default=8, help="CP size C")
     p.add_argument("--seqs", type=int, nargs="+", default=[1, 64, 1024], help="sequences per batch")
-    p.add_argument("--out", default="docs/benchmarks/metadata-cpu", help="output path without extension")
+    p.add_argument("--out", default=default_out("metadata-cpu"), help="output path without extension (.json, .png)")
 
 
 def _batch(tokens: int, seqs: int) -> tuple[list[int], list[int]]:

@@ -19,6 +19,11 @@ import time
 
 import torch
 
+try:
+    from cpattn.bench.common import default_out
+except ImportError:  # an older cpattn on PYTHONPATH (run by path)
+    def default_out(name: str) -> str:
+        return f"bench-out/{name}"
 from cpattn.bench.common import header, progress, time_cuda, time_cuda_back_to_back, write_json
 
 
@@ -29,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-paged", action="store_true", help="skip the paged (page 64) workloads")
     p.add_argument("--calls", type=int, default=200, help="calls timed on the host")
     p.add_argument("--label", default="new", help="label of this code version in the JSON")
-    p.add_argument("--out", default="bench-out/plan-host", help="output path without extension")
+    p.add_argument("--out", default=default_out("plan-host"), help="output path without extension")
 
 
 def _host_us(fn, calls: int) -> float:
