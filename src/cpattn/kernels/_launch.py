@@ -5,10 +5,12 @@ kernel up on every call: 100-200 µs of host work for the ~45 arguments of the a
 (measured on H200, 2026-12-01). A :class:`PlannedLaunch` is built once per plan with the arguments
 that do not change between layers (``fixed``); its first call goes through the JIT (compile or
 cache lookup, autotuning) and records the compiled kernel together with a cheap signature of the
-per-call arguments (dtype and 16-byte alignment of tensors, the ``== 1`` / ``% 16`` / 32-bit
-properties of ints Triton specializes on, constexpr values). Later calls with the same signature
-hand the argument values straight to the compiled kernel's launcher; any other signature goes
-through the JIT again. Falls back to the plain JIT call where the Triton version's internals are
+per-call arguments, which the caller builds from values it computes anyway: the 16-byte alignment
+(and dtype where it can vary) of every tensor, the exact values of the int arguments (strides,
+row counts) and constexpr flags. A later call with the same key hands the argument values
+straight to the compiled kernel's launcher; any other key goes through the JIT again (which
+specializes on alignment and on ints being 1 or multiples of 16, so an equal key always means
+the same compiled kernel). Falls back to the plain JIT call where the Triton version's internals are
 not the expected ones, and always under the interpreter.
 """
 
@@ -22,19 +24,10 @@ from torch import Tensor
 logger = logging.getLogger("cpattn")
 
 
-def _arg_signature(value):
-    if isinstance(value, Tensor):
-        return (value.dtype, value.data_ptr() % 16 == 0)
-    if isinstance(value, bool) or value is None or isinstance(value, (str, float)):
-        return value if not isinstance(value, float) else float
-    if isinstance(value, int):
-        return (value == 1, value % 16 == 0, -(2**31) <= value < 2**31)
-    return type(value)  # e.g. host TMA descriptors: fixed block shape and layout per plan
-
-
 class PlannedLaunch:
-    """``launch(grid, per_call)`` of ``kernel`` (a JIT function or an autotuner) with the plan's
-    ``fixed`` keyword arguments. ``per_call``: the arguments that may differ between layers."""
+    """``launch(grid, per_call, key)`` of ``kernel`` (a JIT function or an autotuner) with the
+    plan's ``fixed`` keyword arguments. ``per_call``: the arguments that may differ between
+    layers; ``key``: a tuple of ints / dtypes / bools deciding the compiled kernel (see above)."""
 
     def __init__(self, kernel, fixed: dict, enabled: bool = True) -> None:
         self.kernel, self.fixed = kernel, dict(fixed)
@@ -48,15 +41,14 @@ class PlannedLaunch:
             from triton import knobs
 
             self._driver, self._knobs = driver, knobs
-            jit = getattr(kernel, "fn", kernel)  # autotuner -> its JIT function
+            jit = kernel.fn if hasattr(kernel, "configs") else kernel  # autotuner -> its JIT function
             self._arg_names = list(jit.arg_names)
         except Exception:  # another triton: plain JIT calls only
             self._enabled = False
 
-    def __call__(self, grid: tuple, per_call: dict) -> None:
+    def __call__(self, grid: tuple, per_call: dict, key: tuple) -> None:
         if self._compiled is not None:
-            sig = tuple(_arg_signature(per_call[name]) for name in self._sig_names)
-            if sig == self._sig:
+            if key == self._sig:
                 values = list(self._values_template)
                 for i, name in self._per_call_slots:
                     values[i] = per_call[name]
@@ -69,9 +61,9 @@ class PlannedLaunch:
                 return
         compiled = self.kernel[grid](**self.fixed, **per_call)
         if self._enabled and compiled is not None and hasattr(compiled, "run") and hasattr(compiled, "function"):
-            self._record(compiled, per_call)
+            self._record(compiled, per_call, key)
 
-    def _record(self, compiled, per_call: dict) -> None:
+    def _record(self, compiled, per_call: dict, key: tuple) -> None:
         try:
             extra = {}
             best = getattr(self.kernel, "best_config", None)
@@ -80,8 +72,7 @@ class PlannedLaunch:
             merged = {**self.fixed, **extra, **per_call}
             self._values_template = [merged[name] for name in self._arg_names]
             self._per_call_slots = [(i, name) for i, name in enumerate(self._arg_names) if name in per_call]
-            self._sig_names = tuple(per_call)
-            self._sig = tuple(_arg_signature(per_call[name]) for name in self._sig_names)
+            self._sig = key
             self._compiled = compiled
         except Exception as exc:  # pragma: no cover - depends on the triton version
             logger.debug("cpattn: planned launch disabled (%s)", exc)

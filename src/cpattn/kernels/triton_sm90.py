@@ -433,11 +433,16 @@ def launch(launcher, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional
            grid: tuple[int], softmax_scale: float) -> None:
     """Launch the warp-specialized kernel into ``out`` / ``lse`` (packed, TMA-compatible K/V)."""
     k_desc, k2_desc, v_desc = kv_descriptors(k, v, *launcher.layouts)
-    launcher(grid, dict(
-        Q=q, k_desc=k_desc, k2_desc=k2_desc, v_desc=v_desc, Out=out, Lse=lse if lse is not None else out,
-        Sinks=sinks if sinks is not None else out, qk_scale=float(softmax_scale) * LOG2E,
-        stride_qm=q.stride(0), stride_qh=q.stride(1), stride_om=out.stride(0), stride_oh=out.stride(1),
-        stride_lm=lse.stride(0) if lse is not None else 0, stride_lh=lse.stride(1) if lse is not None else 0,
-        stride_sink=sinks.stride(0) if sinks is not None else 0, HAS_SINKS=sinks is not None,
-        RETURN_LSE=lse is not None,
-    ))
+    has_sinks, has_lse = sinks is not None, lse is not None
+    sq, sh, so, soh = q.stride(0), q.stride(1), out.stride(0), out.stride(1)
+    slm, slh = (lse.stride(0), lse.stride(1)) if has_lse else (0, 0)
+    ssink = sinks.stride(0) if has_sinks else 0
+    args = dict(
+        Q=q, k_desc=k_desc, k2_desc=k2_desc, v_desc=v_desc, Out=out, Lse=lse if has_lse else out,
+        Sinks=sinks if has_sinks else out, qk_scale=float(softmax_scale) * LOG2E, stride_qm=sq, stride_qh=sh,
+        stride_om=so, stride_oh=soh, stride_lm=slm, stride_lh=slh, stride_sink=ssink, HAS_SINKS=has_sinks,
+        RETURN_LSE=has_lse,
+    )
+    key = (q.data_ptr() & 15, out.data_ptr() & 15, lse.data_ptr() & 15 if has_lse else -1,
+           (sinks.dtype, sinks.data_ptr() & 15) if has_sinks else None, sq, sh, so, soh, slm, slh, ssink)
+    launcher(grid, args, key)
