@@ -17,6 +17,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _launch import launch, under_torchrun  # noqa: E402
@@ -112,7 +113,8 @@ def run_rank(rank: int, world_size: int, device, models, strategy_name: str, len
     group = None  # the default process group is the CP group here (None also works at C = 1)
     strategy = cpattn.get_strategy(strategy_name, world_size, pad_multiple=8)
     # Plan once per forward (host), then move the plan to the device.
-    meta = strategy.build_metadata(lens, rank=rank).to(device)
+    # group=: the ranks agree on the plan (one tiny all-gather) or all raise (C > 1)
+    meta = strategy.build_metadata(lens, rank=rank, group=dist.group.WORLD if world_size > 1 else None).to(device)
     gen = torch.Generator().manual_seed(seed + 1)
     input_ids = torch.randint(0, 256, (1, sum(lens)), generator=gen).to(device)  # packed batch [1, T]
     diffs = {}

@@ -180,8 +180,9 @@ class MiniEngine:
         prefix_lens = [r.cached for r in reqs]
         # [cpattn] Plan once per forward, on the host, from the logical extend and prefix lengths
         # (prefix-cached tokens are never sharded; they only lengthen the key range). Then one
-        # host-to-device copy; nothing on the per-layer path reads it back.
-        meta = strategy.build_metadata(extend_lens, prefix_lens, rank=rank).to(self.device)
+        # host-to-device copy; nothing on the per-layer path reads it back. With group=, the ranks
+        # check (one tiny all-gather) that they all planned this batch, or all raise.
+        meta = strategy.build_metadata(extend_lens, prefix_lens, rank=rank, group=group).to(self.device)
         for r, n in zip(reqs, extend_lens):
             self._reserve(r, r.cached + n)
         page_table, slots = self._page_table_and_slots(reqs, new)  # slots: [T], logical order, real tokens only

@@ -14,7 +14,7 @@ Adoption, on every rank of the CP group::
     from cpattn.integrations import hf as cphf
 
     s = cpattn.ZigzagStrategy(cp_size)
-    meta = s.build_metadata(extend_lens, rank=rank).to(device)       # plan once per forward
+    meta = s.build_metadata(extend_lens, rank=rank, group=group).to(device)   # plan once per forward
     cphf.enable(model)                                               # attn_implementation="cpattn"
     inputs = cphf.shard_inputs(s, meta, input_ids=ids)               # ids [1, T] -> [1, P]
     with cphf.cp_context(s, meta, group):
