@@ -18,9 +18,23 @@ from .cache import kv_bytes_per_token, mla_bytes_per_token, read_mla_cache, writ
 from .collectives import PendingGather, PlanDisagreement, gathered_bytes_per_token
 from .kernels import AttentionSpec, available_backends
 from .kv import pack_kv
+from .kv_sharding import (
+    DecodeCapacity,
+    DecodeMetadata,
+    ExtendCostModel,
+    KVSharding,
+    ShardWritePlan,
+    StaticDecodePlanner,
+    choose_extend_algorithm,
+    plan_shard_writes,
+    write_sharded_cache,
+    write_sharded_kv,
+)
+from .merge import merge_partials, merge_states
 from .metadata import Capacity, CPMetadata
 from .overlap import GatherHandle, start_gather_kv, start_gather_mla_latent
-from .plans import AttentionPlan, StaticPlanner, plan_attention
+from .plans import AttentionPlan, ShardAttentionPlan, StaticPlanner, plan_attention, plan_shard_attention, shard_attention
+from .plans.sharded_extend import ShardedExtendPlan, plan_sharded_extend
 from .strategies import (
     STRATEGIES,
     ContiguousStrategy,
@@ -39,27 +53,44 @@ __all__ = [
     "CPStrategy",
     "Capacity",
     "ContiguousStrategy",
+    "DecodeCapacity",
+    "DecodeMetadata",
+    "ExtendCostModel",
     "GatherHandle",
     "InterleaveStrategy",
+    "KVSharding",
     "PendingGather",
     "PlanDisagreement",
     "STRATEGIES",
+    "ShardAttentionPlan",
+    "ShardWritePlan",
+    "ShardedExtendPlan",
+    "StaticDecodePlanner",
     "StaticPlanner",
     "ZigzagStrategy",
     "available_backends",
+    "choose_extend_algorithm",
     "gathered_bytes_per_token",
     "get_strategy",
     "kv_bytes_per_token",
+    "merge_partials",
+    "merge_states",
     "mla_bytes_per_token",
     "pack_kv",
     "padding",
     "plan_attention",
+    "plan_shard_attention",
+    "plan_shard_writes",
+    "plan_sharded_extend",
     "read_mla_cache",
     "resolve_backend",
+    "shard_attention",
     "start_gather_kv",
     "start_gather_mla_latent",
     "write_kv_cache",
     "write_mla_cache",
+    "write_sharded_cache",
+    "write_sharded_kv",
 ]
 
 
