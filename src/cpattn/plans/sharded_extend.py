@@ -31,9 +31,11 @@ import torch
 from torch import Tensor
 
 from .._validation import check_int, check_tensor
-from ..collectives import _all_gather_into, all_gather_rows, check_group
+from .. import collectives as _collectives
+from .. import merge as _merge
+from ..collectives import all_gather_rows, check_group
 from ..kv_sharding import EXTEND_ALGORITHMS, ExtendCostModel, choose_extend_algorithm, plan_shard_writes, write_sharded_kv
-from ..merge import _all_to_all_into, _pack, _row_layout, _unpack, merge_states
+from ..merge import _pack, _row_layout, _unpack, merge_states
 from ..metadata import CPMetadata
 from .dense import AttentionPlan, make_spec, plan_attention
 from .shard import ShardAttentionPlan, plan_shard_attention
@@ -129,7 +131,7 @@ class ShardedExtendPlan:
             gathered = send
         else:
             gathered = torch.empty((c * rows, send.shape[1]), dtype=torch.uint8, device=send.device)
-            _all_gather_into(gathered, send, group, False)
+            _collectives._all_gather_into(gathered, send, group, False)  # ONE all-gather
         packed = gathered.index_select(0, x["src_index"])
         k_all, v_all = _unpack(packed, layout, [(k_local.dtype, (hkv, d)), (v_local.dtype, (hkv, dv))])
         write_sharded_kv(k_all, v_all, k_cache, v_cache, x["packed_writes"])
@@ -151,7 +153,7 @@ class ShardedExtendPlan:
             received = send
         else:
             received = torch.empty_like(send)
-            _all_to_all_into(received, send, group)  # ONE all-to-all: partials back to the query owners
+            _merge._all_to_all_into(received, send, group)  # ONE all-to-all: partials back to the query owners
         hq, dv = self.spec.num_q_heads, self.spec.head_dim_v
         outs, lses = _unpack(received.view(c, p, -1), layout, [(out_p.dtype, (hq, dv)), (torch.float32, (hq,))])
         out, lse = merge_states(outs, lses)
