@@ -93,7 +93,7 @@ def _pack(parts: list[Tensor], rows: int) -> tuple[Tensor, list[tuple[int, int]]
     offsets, row_bytes = _row_layout(widths)
     buf = torch.empty((rows, row_bytes), dtype=torch.uint8, device=parts[0].device)
     for p, off, w in zip(parts, offsets, widths):
-        buf[:, off : off + w] = p.reshape(rows, -1).contiguous().view(torch.uint8)
+        buf[:, off : off + w] = p.reshape(rows, w // p.element_size()).contiguous().view(torch.uint8)
     return buf, list(zip(offsets, widths))
 
 

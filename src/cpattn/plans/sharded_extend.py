@@ -125,8 +125,9 @@ class ShardedExtendPlan:
         send = torch.empty((rows, row_bytes), dtype=torch.uint8, device=k_local.device)
         n_pre = k_pre.shape[0]
         for (off, width), local, pre in zip(layout, (k_local, v_local), (k_pre, v_pre)):
-            send[:p, off : off + width] = local.reshape(p, -1).contiguous().view(torch.uint8)
-            send[p : p + n_pre, off : off + width] = pre.reshape(n_pre, -1).view(torch.uint8)
+            cols = width // local.element_size()
+            send[:p, off : off + width] = local.reshape(p, cols).contiguous().view(torch.uint8)
+            send[p : p + n_pre, off : off + width] = pre.reshape(n_pre, cols).view(torch.uint8)
         if c == 1:
             gathered = send
         else:
