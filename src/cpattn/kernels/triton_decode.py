@@ -44,7 +44,9 @@ from torch import Tensor
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+#: The same constants for use inside kernels (Triton reads only constexpr globals).
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
 
 
 # ----------------------------------------------------------------------------- helpers (device)
@@ -209,7 +211,7 @@ def _shard_attn_split(
 
     single = ws < 0
     if HAS_SINKS:  # sinks join the denominator once: here when the tile has one split, else in the combine
-        sink = tl.load(Sinks + head * stride_sink).to(tl.float32) * LOG2E
+        sink = tl.load(Sinks + head * stride_sink).to(tl.float32) * _LOG2E
         m_i = tl.where(single, sink, float("-inf"))
         l_i = tl.where(single, 1.0, 0.0) + tl.zeros([BLOCK_M], dtype=tl.float32)
     else:
@@ -250,7 +252,7 @@ def _shard_attn_split(
     # l_i == 0: no visible key (0 / -inf); NaN (from q, a visible k / v, or a sink) stays NaN
     has_mass = l_i != 0.0
     out = acc * tl.where(has_mass, 1.0 / tl.where(has_mass, l_i, 1.0), 0.0)[:, None]
-    lse = tl.where(has_mass, (m_i + tl.math.log2(tl.where(has_mass, l_i, 1.0))) * LN2, float("-inf"))
+    lse = tl.where(has_mass, (m_i + tl.math.log2(tl.where(has_mass, l_i, 1.0))) * _LN2, float("-inf"))
     if single:
         o_ptrs = Out + qrow[:, None] * stride_om + head[:, None] * stride_oh + offs_dv[None, :]
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=valid[:, None])
