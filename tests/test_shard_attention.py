@@ -90,7 +90,7 @@ def _rank_oracle(q, keys, vals, seq_lens, q_lens, c, i, r, window, sinks, scale)
 
 
 def _check(c, i, seq_lens, q_lens, *, hq=4, hkv=2, d=16, dv=None, dtype=torch.float32, window=-1, sinks=False,
-           page_size=None, backend="torch", options=None, seed=0, mla=False):
+           page_size=None, backend="torch", options=None, seed=0, mla=False, device="cpu"):
     dv = dv or d
     q, keys, vals, sk = _inputs(seq_lens, q_lens, hq, hkv, d, dv, dtype, seed, mla)
     sk = sk if sinks else None
@@ -99,12 +99,19 @@ def _check(c, i, seq_lens, q_lens, *, hq=4, hkv=2, d=16, dv=None, dtype=torch.fl
     sh = cpattn.KVSharding(c, interleave=i)
     outs, lses = [], []
     for r in range(c):
-        dmeta = sh.build_decode_metadata(seq_lens, q_lens, rank=r)
+        dmeta = sh.build_decode_metadata(seq_lens, q_lens, rank=r).to(device)
         kc, vc, table = _local_cache(keys, vals, seq_lens, c, i, r, page_size, mla, g, hkv, d, dv, dtype)
+        if mla:
+            kc = kc.to(device)
+            vc = kc[..., :dv]
+        else:
+            kc, vc = kc.to(device), vc.to(device)
         plan = cpattn.plan_shard_attention(dmeta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
                                            dtype=dtype, window_size=(window, 0), page_size=page_size,
                                            has_sinks=sinks, backend=backend, backend_options=options)
-        out, lse = plan.run(q, kc, vc, page_table=table, sinks=sk)
+        out, lse = plan.run(q.to(device), kc, vc, page_table=None if table is None else table.to(device),
+                            sinks=None if sk is None else sk.to(device))
+        out, lse = out.cpu(), lse.cpu()
         ref, ref_lse = _rank_oracle(q, keys, vals, seq_lens, q_lens, c, i, r, window, sk, scale)
         tol = TOLERANCE[dtype]
         assert (out.double() - ref).abs().max() <= tol if out.numel() else True
@@ -174,6 +181,19 @@ def test_mla_absorbed_v_is_a_view_of_k(request, backend, page_size):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_half_precision(interp, dtype):
     _check(2, 1, [120, 17], [3, 1], dtype=dtype, page_size=16, backend="triton", options=MANY_SPLITS, seed=2)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_many_query_rows_per_sequence(request, backend):
+    """pass-Q extends run shard attention with all new tokens as queries: several query tiles
+    per sequence (tile rows > 0), windows and splits."""
+    options = None
+    if backend == "triton":
+        request.getfixturevalue("interp")
+        options = MANY_SPLITS
+    _check(3, 1, [90, 40, 7, 0], [40, 33, 7, 0], window=11, sinks=True, page_size=4, backend=backend,
+           options=options, seed=5)
+    _check(2, 4, [70, 21], [70, 9], backend=backend, options=options, seed=6)
 
 
 def test_triton_plan_splits_long_sequences(interp):
@@ -267,6 +287,32 @@ def test_shard_plan_rejects_bad_inputs():
 
 
 # ----------------------------------------------------------------------------- GPU (H200)
+GPU_CASES = [
+    # (C, I, seq_lens, q_lens, heads, page, window, sinks)
+    (1, 1, [1000, 1, 77], [1, 1, 4], (32, 8), 64, -1, False),
+    (3, 1, [5000, 2, 0, 129], [4, 2, 0, 1], (32, 8), 16, -1, True),
+    (4, 4, [3000, 700], [2, 3], (32, 8), None, 100, True),
+    (8, 1, [7, 4099, 64], [1, 4, 3], (16, 16), 64, -1, False),
+    (2, 64, [9000, 130], [1, 1], (32, 4), 64, 513, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(len(GPU_CASES)))
+@pytest.mark.parametrize("options", [None, {"min_split": 128}])
+def test_gpu_shard_attention_ragged_batches(case, options):
+    """The triton split-KV kernel on the H200 over ragged batches (bf16; the CPU suite runs it
+    under the interpreter only): per-rank partials against the fp64 per-rank oracle, merge
+    against full attention."""
+    c, i, lens, q_lens, (hq, hkv), page, window, sinks = GPU_CASES[case]
+    _check(c, i, lens, q_lens, hq=hq, hkv=hkv, d=128, dtype=torch.bfloat16, window=window, sinks=sinks,
+           page_size=page, backend="triton", options=options, seed=case, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_mla_absorbed_ragged():
+    _check(2, 1, [3000, 5, 900], [1, 4, 2], hq=128, hkv=1, d=576, dv=512, dtype=torch.bfloat16, page_size=64,
+           backend="triton", seed=9, mla=True, sinks=True, device="cuda")
 def _gpu_full_reference(q, k, v, q_lens, seq_lens, window, sinks, scale):
     """fp64 on the GPU, explicit mask: per sequence [q_len, Hq, L] scores."""
     out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64, device=q.device)
@@ -350,33 +396,46 @@ def _owned_fast(length, c, i, r):
 
 @pytest.mark.gpu
 def test_gpu_cuda_graph_replay_of_decode_steps():
-    """Capture shard attention + merge over a static decode plan once; replay it for steps with
-    different sequence lengths (and a different batch size): equal to eager runs."""
+    """Capture one decode step (sharded cache write of the new tokens + shard attention over a
+    static plan) once; replay it for steps with other sequence lengths, q_lens and batch sizes:
+    equal to eager runs, new keys at their slots, pad rows 0 / -inf."""
     dev = "cuda"
     torch.manual_seed(1)
     hq, hkv, d, ps = 32, 8, 128, 64
     sh = cpattn.KVSharding(2)
     rank = 1
     planner = cpattn.StaticDecodePlanner(sh, max_seqs=8, max_q_len=2, device=dev)
-    num_pages = 2048
+    num_pages = 2049  # page 0 holds the pad slot of the static write plan
     kc = torch.randn(num_pages, ps, hkv, d, device=dev, dtype=torch.bfloat16)
     vc = torch.randn(num_pages, ps, hkv, d, device=dev, dtype=torch.bfloat16)
-    table = torch.randperm(num_pages, device=dev)[: 8 * 256].view(8, 256).int()
+    table_host = (torch.randperm(num_pages - 1)[: 8 * 256] + 1).view(8, 256).int()
+    table = table_host.to(dev)
     q = torch.randn(16, hq, d, device=dev, dtype=torch.bfloat16)
-    steps = [([9000, 17, 5000, 1], [2, 1, 2, 1]), ([9001, 18, 5001, 2, 30000, 7], [1, 2, 1, 2, 2, 1]),
-             ([32000], [2])]
-    dmeta = planner.plan(*steps[0], rank=rank)
-    plan = cpattn.plan_shard_attention(dmeta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16,
-                                       page_size=ps, backend="triton")
-    plan.run(q, kc, vc, page_table=table)  # warm-up (compiles) before capture
+    k_new = torch.randn(16, hkv, d, device=dev, dtype=torch.bfloat16)
+    v_new = torch.randn(16, hkv, d, device=dev, dtype=torch.bfloat16)
+    steps = [([9000, 17, 5000, 1, 3], [2, 1, 2, 1, 1]), ([9001, 18, 5001, 2, 30000, 7], [1, 2, 1, 2, 2, 1]),
+             ([32000], [2]), ([40, 41, 42, 43, 44, 45, 46, 47], [2] * 8)]
+
+    def plan_step(seq, ql):
+        dmeta = planner.plan(seq, ql, rank=rank)
+        writes = cpattn.plan_shard_writes(dmeta, table_host, page_size=ps, num_pages=num_pages, pad_slot=0)
+        plan = cpattn.plan_shard_attention(dmeta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                           dtype=torch.bfloat16, page_size=ps, backend="triton")
+        return dmeta, writes, plan
+
+    dmeta, writes, plan = plan_step(*steps[0])
+
+    def step():
+        cpattn.write_sharded_kv(k_new, v_new, kc, vc, writes)
+        return plan.run(q, kc, vc, page_table=table)
+
+    step()  # warm-up (compiles) before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        g_out, g_lse = plan.run(q, kc, vc, page_table=table)
+        g_out, g_lse = step()
     for seq, ql in steps:
-        dmeta = planner.plan(seq, ql, rank=rank)
-        cpattn.plan_shard_attention(dmeta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16,
-                                    page_size=ps, backend="triton")  # writes the step's tables in place
+        dmeta, _, _ = plan_step(seq, ql)  # writes the step's tables into the captured buffers
         graph.replay()
         fresh = sh.build_decode_metadata(seq, ql, rank=rank).to(dev)
         nq = fresh.num_query_rows
@@ -385,3 +444,7 @@ def test_gpu_cuda_graph_replay_of_decode_steps():
         assert torch.allclose(g_out[:nq].float(), ref.float(), atol=2e-2)
         assert torch.allclose(g_lse[:nq], ref_lse, atol=1e-3)
         assert (g_out[nq:] == 0).all() and torch.isneginf(g_lse[nq:]).all()
+        for row, j in zip(fresh.host.store_rows.tolist(), fresh.host.store_index.tolist()):
+            b = int(fresh.host.row_seq[row])
+            slot = int(table_host[b, j // ps]) * ps + j % ps
+            assert torch.equal(kc.view(-1, hkv, d)[slot], k_new[row]), (seq, row)

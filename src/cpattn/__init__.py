@@ -11,6 +11,10 @@ gather hidden states back before the logits::
     k_ext, v_ext = s.gather_kv(k_local, v_local, meta, group)  # per layer, one collective
     o = plan.run(q_local, k, v)                                # [P, Hq, Dv]
     h_full = s.gather(h, meta, group)                          # [T, hidden]
+
+A sharded KV cache (each rank stores 1/C of the keys: ``KVSharding``) adds decode context
+parallelism (``shard_attention`` + ``merge_partials``, one collective) and extends over a sharded
+prefix (``plan_sharded_extend``: pass-KV or pass-Q); see docs/sharded-kv.md.
 """
 
 from . import padding

@@ -496,8 +496,7 @@ def plan_shard_writes(meta, page_table: Tensor, *, page_size: int, num_pages: in
     if page_table.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"page_table must be int32 or int64, got {page_table.dtype}")
     num_seq_rows = meta.num_seq_rows
-    if page_table.dim() != 2 or page_table.shape[0] < meta.num_seqs or (
-            meta.is_static and page_table.shape[0] != num_seq_rows):
+    if page_table.dim() != 2 or page_table.shape[0] != num_seq_rows:
         raise ValueError(f"page_table must be [B={num_seq_rows}, max_pages], got {list(page_table.shape)}")
     table = page_table.detach().to("cpu", torch.int64)
     need = (local_kv + ps - 1) // ps  # pages each sequence's shard needs after this forward

@@ -185,8 +185,8 @@ def merge_partials(
     hc = hq // size if scatter_heads else hq
     like = [(out_part.dtype, (hc, dv)), (torch.float32, (hc,))]
     if scatter_heads:
-        o = out_part.view(n, size, hc, dv).transpose(0, 1).reshape(size * n, hc, dv)
-        l = lse_part.view(n, size, hc).transpose(0, 1).reshape(size * n, hc)
+        o = out_part.reshape(n, size, hc, dv).transpose(0, 1).reshape(size * n, hc, dv)
+        l = lse_part.reshape(n, size, hc).transpose(0, 1).reshape(size * n, hc)
         packed, layout = _pack([o, l], size * n)
         received = torch.empty_like(packed)
         _all_to_all_into(received, packed, group)

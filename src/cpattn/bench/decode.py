@@ -65,6 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--backend", default="auto", help="shard backend (auto, triton, torch)")
     p.add_argument("--config", default=None, help="BLOCK_N,warps,stages of the split kernel (skip the default)")
+    p.add_argument("--block-m", type=int, default=None, help="split kernel: most query rows x heads per program")
     p.add_argument("--sweep", action="store_true",
                    help="also time a grid of split-kernel configs on a few workloads (tuning aid)")
     p.add_argument("--no-crossover", action="store_true", help="skip the pass-KV / pass-Q crossover")
@@ -170,9 +171,12 @@ def decode_case(pool: Pool, time_fn, *, name: str, shape, c: int, b: int, keys: 
 def run_decode_grid(args, device, dtype, shapes) -> tuple[list[dict], list[str]]:
     pool = Pool(device, dtype)
     time_fn = timer(device)
-    options = None
+    options = {}
     if args.config:
-        options = {"config": tuple(int(x) for x in args.config.split(","))}
+        options["config"] = tuple(int(x) for x in args.config.split(","))
+    if args.block_m:
+        options["block_m"] = args.block_m
+    options = options or None
     rows, skipped = [], []
     item = torch.empty((), dtype=dtype).element_size()
     for name in args.shapes.split(","):
@@ -201,21 +205,26 @@ def sweep_configs(args, device, dtype, shapes) -> list[dict]:
     pool = Pool(device, dtype)
     time_fn = timer(device)
     out = []
-    grid = {"gqa": [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 8, 3), (32, 4, 4)],
-            "mla": [(32, 8, 2), (32, 4, 2), (32, 4, 3), (64, 8, 2), (16, 4, 3)]}
+    grid = {"gqa": [((64, 4, 2), None), ((64, 4, 3), None), ((64, 4, 4), None), ((128, 4, 2), None),
+                    ((128, 4, 3), None), ((128, 8, 3), None), ((32, 4, 4), None), ((64, 4, 3), 16)],
+            "mla": [((32, 8, 2), None), ((32, 4, 2), None), ((32, 4, 3), None), ((16, 4, 3), None),
+                    ((32, 8, 2), 64), ((16, 8, 3), 64)]}
     for name, b, c, q_len in (("gqa", 1, 1, 1), ("gqa", 64, 8, 1), ("gqa", 8, 1, 4), ("mla", 1, 1, 1),
                               ("mla", 64, 8, 1)):
         if name not in args.shapes.split(","):
             continue
-        for cfg in grid[name]:
+        for cfg, block_m in grid[name]:
+            opts = {"config": cfg, **({"block_m": block_m} if block_m else {})}
             try:
                 r = decode_case(pool, time_fn, name=name, shape=shapes[name], c=c, b=b, keys=128 * 1024, q_len=q_len,
-                                ps=args.page_size, backend="triton", options={"config": cfg}, iters=args.iters)
+                                ps=args.page_size, backend="triton", options=opts, iters=args.iters)
             except Exception as exc:  # a config that does not compile or fit
                 progress(f"sweep {name} B={b} C={c} q={q_len} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
                 continue
+            r["block_m"] = block_m
             out.append(r)
-            progress(f"sweep {name} B={b} C={c} q={q_len} config {cfg}: {r['attn_ms']:.4f} ms {r['hbm_gbps']:.0f} GB/s")
+            progress(f"sweep {name} B={b} C={c} q={q_len} config {cfg} block_m {block_m}: {r['attn_ms']:.4f} ms "
+                     f"{r['hbm_gbps']:.0f} GB/s {r['tflops']} TF/s")
     pool.buf = None
     return out
 
@@ -436,4 +445,7 @@ def main(args: argparse.Namespace) -> int:
         print(line)
     if crossover:
         print(f"model constants implied by the measured kernels: {crossover['fitted_constants']}")
+    for r in sweep:
+        print(f"sweep {r['shape']} B={r['batch']} C={r['cp']} q={r['q_len']} config {r['config']} block_m "
+              f"{r['block_m']}: {r['attn_ms']:.4f} ms {r['hbm_gbps']:.0f} GB/s")
     return 0

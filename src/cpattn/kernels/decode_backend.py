@@ -10,7 +10,8 @@ than one split): O(1) host work. For static decode plans every table is capacity
 buffers and the split size is chosen so the item count stays within the grid:
 ``items <= target + tiles`` because ``split >= total keys / target``.
 
-``backend_options``: ``config`` ((BLOCK_N, num_warps, num_stages)), ``min_split`` (fewest keys
+``backend_options``: ``config`` ((BLOCK_N, num_warps, num_stages)), ``block_m`` (most query rows x
+heads per program: 16, 32, 64 or 128; default 64, 32 for head dims > 256), ``min_split`` (fewest keys
 per split, a multiple of the key alignment), ``programs_per_sm`` (split target), ``num_sms``
 (override the device's SM count; e.g. to force splits in tests).
 """
@@ -26,15 +27,16 @@ from . import AttentionSpec, module_available
 from .. import _buffers
 
 _KERNEL_MODULE = "cpattn.kernels.triton_decode"
-_OPTION_NAMES = {"config", "min_split", "programs_per_sm", "num_sms"}
+_OPTION_NAMES = {"config", "block_m", "min_split", "programs_per_sm", "num_sms"}
 
 #: Split starts are multiples of this many keys (every BLOCK_N divides it); on the GPU also the
 #: granularity of split sizes.
 KEY_ALIGN = 128
 KEY_ALIGN_INTERPRETED = 16
-#: Programs the split target aims for, per SM (about four waves: enough for HBM streaming, few
-#: partials to combine).
-PROGRAMS_PER_SM = 4
+#: Programs the split target aims for, per SM: 12 splits the batch into equal programs whose
+#: count fills whole waves for 1, 2, 3, 4 or 6 resident programs per SM (the tail wave of a
+#: 1.3-wave grid would idle two thirds of the GPU); the partials stay a few MB.
+PROGRAMS_PER_SM = 12
 #: Fewest keys per split (smaller splits cost more combine traffic than they save).
 MIN_SPLIT = 256
 
@@ -49,10 +51,13 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def tile_geometry(num_q_heads: int, num_kv_heads: int, head_dim: int, q_len: int, interpreted: bool):
-    """(ROWS, G_PACK, BLOCK_M): query rows per tile, query heads packed per program, M size."""
+def tile_geometry(num_q_heads: int, num_kv_heads: int, head_dim: int, q_len: int, interpreted: bool,
+                  block_m: Optional[int] = None):
+    """(ROWS, G_PACK, BLOCK_M): query rows per tile, query heads packed per program, M size.
+    ``block_m``: the most M rows per program (default 64; 32 for head dims > 256, where a
+    [64, Dv] accumulator would not fit the registers next to the Q tile)."""
     group = num_q_heads // num_kv_heads
-    m_max = 32 if head_dim > 256 else 64
+    m_max = block_m or (32 if head_dim > 256 else 64)
     g_pack = 1
     while group % (g_pack * 2) == 0 and g_pack * 2 <= m_max:
         g_pack *= 2
@@ -168,7 +173,10 @@ class _TritonShardRun:
         interpreted = triton_decode.INTERPRETED
         host = dmeta.host if dmeta.host is not None else dmeta
         hq, hkv, d, dv = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim_v
-        rows, g_pack, block_m = tile_geometry(hq, hkv, d, dmeta.tile_q_len, interpreted)
+        block_m_opt = options.get("block_m")
+        if block_m_opt is not None and block_m_opt not in (16, 32, 64, 128):
+            raise ValueError(f"backend_options block_m must be 16, 32, 64 or 128, got {block_m_opt!r}")
+        rows, g_pack, block_m = tile_geometry(hq, hkv, d, dmeta.tile_q_len, interpreted, block_m_opt)
         self.config = tuple(options.get("config") or default_config(d, dv, interpreted))
         if len(self.config) != 3 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in self.config):
             raise ValueError(f"backend_options config must be (BLOCK_N, num_warps, num_stages) ints, got {self.config}")
@@ -198,7 +206,8 @@ class _TritonShardRun:
         self.static = dmeta.is_static
         self.run_combine = self.static or self.num_ws > 0
         self.ws_shape = (work["ws_cap"], rows, hq, dv)
-        self.combine_grid = (dmeta.num_query_token_rows, -(-hq // min(64, _next_pow2(hq))))
+        block_h = min(_next_pow2(hq), max(1, 8192 // dv))  # [BLOCK_H, Dv] fp32 accumulator of the combine
+        self.combine_grid = (dmeta.num_query_token_rows, -(-hq // block_h))
         apply_sinks = spec.has_sinks and dmeta.rank == 0  # counted once: on rank 0 only
         d1, d2 = triton_attn.split_head_dim(d)
         self.d1 = d1
@@ -212,7 +221,7 @@ class _TritonShardRun:
             **triton_attn.dot_settings(spec.dtype),
         )
         self.combine_args = dict(row_ws0=dev["row_ws0"], row_nsplit=dev["row_nsplit"], row_ti=dev["row_ti"],
-                                 HEAD_DIM_V=dv, BLOCK_H=min(64, _next_pow2(hq)), HAS_SINKS=apply_sinks)
+                                 HEAD_DIM_V=dv, BLOCK_H=block_h, HAS_SINKS=apply_sinks)
         self.sinks_used = apply_sinks
         self._split, self._combine = triton_decode.launch_split, triton_decode.launch_combine
         self.family = "split-kv"

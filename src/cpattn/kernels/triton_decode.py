@@ -67,20 +67,27 @@ def _global_pos(j, rank, CP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr):
 
 
 @triton.jit
-def _kv_offsets(start, kv_row_base, pt_row, key_end, stride_kp, stride_kn, stride_vp, stride_vn, offs_n,
-                MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _page_of(pt_row, start, hi, offs_n, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Page(s) of local keys [start, start + BLOCK_N) (0 where the key is >= hi): one table entry
+    when a page holds whole blocks (blocks are BLOCK_N-aligned), else one per key."""
+    if PAGE_SIZE % BLOCK_N == 0:
+        page = tl.load(pt_row + start // PAGE_SIZE, mask=start < hi, other=0).to(tl.int64)
+    else:
+        j = start + offs_n
+        page = tl.load(pt_row + j // PAGE_SIZE, mask=j < hi, other=0).to(tl.int64)
+    return page
+
+
+@triton.jit
+def _kv_offsets(start, kv_row_base, page, key_end, stride_kp, stride_kn, stride_vp, stride_vn, offs_n,
+                PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Element offsets of local keys [start, start + BLOCK_N) in K and V, and the in-range mask."""
     j = start + offs_n
     in_range = j < key_end
     if PAGED:
-        if PAGE_SIZE % BLOCK_N == 0:  # the whole block sits in one page (blocks are BLOCK_N-aligned)
-            page = tl.load(pt_row + start // PAGE_SIZE).to(tl.int64)
+        if PAGE_SIZE % BLOCK_N == 0:
             slot = (start % PAGE_SIZE + offs_n).to(tl.int64)
         else:
-            if MASKED:
-                page = tl.load(pt_row + j // PAGE_SIZE, mask=in_range, other=0).to(tl.int64)
-            else:
-                page = tl.load(pt_row + j // PAGE_SIZE).to(tl.int64)
             slot = (j % PAGE_SIZE).to(tl.int64)
         k_off = page * stride_kp + slot * stride_kn
         v_off = page * stride_vp + slot * stride_vn
@@ -112,10 +119,19 @@ def _key_range(
     V_FROM_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Online softmax (base 2) over local key blocks [lo, hi); MASKED masks by global position
-    and bounds loads at key_end."""
+    and bounds loads at key_end. Paged: the next block's page is loaded one iteration ahead (a
+    loop-carried value, not a load the block's K/V addresses wait for in the same iteration), so
+    the pipeliner keeps num_stages - 1 K/V blocks in flight as it does for packed K/V."""
+    if PAGED:
+        page_next = _page_of(pt_row, lo, hi, offs_n, PAGE_SIZE, BLOCK_N)
+    else:
+        page_next = 0
     for start in range(lo, hi, BLOCK_N):
-        k_off, v_off, in_range = _kv_offsets(start, kv_row_base, pt_row, key_end, stride_kp, stride_kn,
-                                             stride_vp, stride_vn, offs_n, MASKED, PAGED, PAGE_SIZE, BLOCK_N)
+        page = page_next
+        if PAGED:
+            page_next = _page_of(pt_row, start + BLOCK_N, hi, offs_n, PAGE_SIZE, BLOCK_N)
+        k_off, v_off, in_range = _kv_offsets(start, kv_row_base, page, key_end, stride_kp, stride_kn,
+                                             stride_vp, stride_vn, offs_n, PAGED, PAGE_SIZE, BLOCK_N)
         k1 = _load_block(k_base, k_off, in_range, offs_d1, MASKED, DOT_UPCAST)
         s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
         if BLOCK_D2 > 0:
