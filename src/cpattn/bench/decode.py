@@ -81,9 +81,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # ----------------------------------------------------------------------------- timing / data
 def timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
-    """Median ms of ``fn``: CUDA events back to back on the GPU, the host clock on the CPU."""
+    """Median ms of ``fn``: CUDA events back to back on the GPU (``iters`` calls, fewer when one
+    call is long: about 100 ms per repeat), the host clock on the CPU."""
     if device.type == "cuda":
-        return lambda fn, iters: time_cuda_back_to_back(fn, warmup=2, iters=iters)
+        def cuda(fn, iters):
+            fn()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            n = max(2, min(iters, int(100.0 / max(a.elapsed_time(b), 1e-3))))
+            return time_cuda_back_to_back(fn, warmup=1, iters=n)
+
+        return cuda
 
     def host(fn, iters):
         fn()

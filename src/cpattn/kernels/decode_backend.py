@@ -205,7 +205,7 @@ class _TritonShardRun:
         self.grid = (work["grid_items"] * num_head_groups,)
         self.static = dmeta.is_static
         self.run_combine = self.static or self.num_ws > 0
-        self.ws_shape = (work["ws_cap"], rows, hq, dv)
+        self.ws_shape = (max(1, work["ws_cap"]), rows, hq, dv)  # never a null pointer
         block_h = min(_next_pow2(hq), max(1, 8192 // dv))  # [BLOCK_H, Dv] fp32 accumulator of the combine
         self.combine_grid = (dmeta.num_query_token_rows, -(-hq // block_h))
         apply_sinks = spec.has_sinks and dmeta.rank == 0  # counted once: on rank 0 only
