@@ -206,10 +206,9 @@ def test_sharded_cache_over_gloo(world):
         assert "decode/I=1/scatter_err" in res
 
 
-def _single_rank_extend(device, dtype, tol):
+def _single_rank_extend(device, dtype, tol, ext, pre, d, ps):
     g = torch.Generator().manual_seed(3)
-    ext, pre = [21, 0, 5, 300], [13, 6, 40, 1000]
-    hq, hkv, d, ps = 4, 2, 64, 16
+    hq, hkv = 4, 2
     kv_lens = [e + p for e, p in zip(ext, pre)]
     keys = torch.randn(sum(kv_lens), hkv, d, generator=g).to(dtype)
     vals = torch.randn(sum(kv_lens), hkv, d, generator=g).to(dtype)
@@ -223,7 +222,7 @@ def _single_rank_extend(device, dtype, tol):
     for algo in ("pass_kv", "pass_q"):
         kc, vc, table = _paged_shard(pre_k, pre_v, pre, 1, 1, 0, ps, g, room=kv_lens)
         kc, vc = kc.to(device), vc.to(device)
-        options = {"num_sms": 64, "min_split": 16} if device == "cpu" else {"min_split": 128}
+        options = {"num_sms": 64, "min_split": 16} if device == "cpu" else None
         plan = cpattn.plan_sharded_extend(meta, page_table=table, page_size=ps, num_pages=kc.shape[0], num_q_heads=hq,
                                           num_kv_heads=hkv, head_dim=d, dtype=dtype, window_size=(90, 0),
                                           algorithm=algo, backend="triton", shard_backend="triton",
@@ -239,9 +238,9 @@ def _single_rank_extend(device, dtype, tol):
 def test_sharded_extend_triton_single_rank(interp):
     """C = 1 (no collective): both algorithms with the Triton kernels (interpreter) equal the
     fp64 oracle; pass-Q runs the split-KV kernel with many query rows per sequence."""
-    _single_rank_extend("cpu", torch.float32, 2e-5)
+    _single_rank_extend("cpu", torch.float32, 2e-5, [21, 0, 5], [13, 6, 40], 16, 4)
 
 
 @pytest.mark.gpu
 def test_gpu_sharded_extend_single_rank():
-    _single_rank_extend("cuda", torch.bfloat16, 3e-2)
+    _single_rank_extend("cuda", torch.bfloat16, 3e-2, [21, 0, 5, 3000], [13, 6, 40, 20000], 128, 64)
