@@ -243,4 +243,4 @@ def test_sharded_extend_triton_single_rank(interp):
 
 @pytest.mark.gpu
 def test_gpu_sharded_extend_single_rank():
-    _single_rank_extend("cuda", torch.bfloat16, 3e-2, [21, 0, 5, 3000], [13, 6, 40, 20000], 128, 64)
+    _single_rank_extend("cuda", torch.bfloat16, 3e-2, [21, 0, 5, 1000], [13, 6, 40, 9000], 128, 64)
