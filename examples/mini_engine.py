@@ -306,7 +306,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--spawn", type=int, default=1, metavar="C", help="spawn C local ranks (no torchrun)")
     p.add_argument("--decode-steps", type=int, default=4)
     p.add_argument("--cpu", action="store_true", help="use CPU/gloo even if CUDA is available")
+    p.add_argument("--kv", default="replicated", choices=("replicated", "sharded"),
+                   help="KV cache replicated on every rank, or sharded over the CP ranks (examples/_sharded_engine.py)")
+    p.add_argument("--extend", default="auto", choices=("auto", "pass_kv", "pass_q"),
+                   help="with --kv sharded: the algorithm of an extend over a sharded prefix")
     args = p.parse_args(argv)
+    if args.kv == "sharded":
+        import _sharded_engine
+
+        return _sharded_engine.main(args)
     use_cuda = torch.cuda.is_available() and not args.cpu
     results = launch(run_rank, args.spawn, [args.strategy], args.decode_steps, use_cuda=use_cuda)
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.spawn

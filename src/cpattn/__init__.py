@@ -11,6 +11,10 @@ gather hidden states back before the logits::
     k_ext, v_ext = s.gather_kv(k_local, v_local, meta, group)  # per layer, one collective
     o = plan.run(q_local, k, v)                                # [P, Hq, Dv]
     h_full = s.gather(h, meta, group)                          # [T, hidden]
+
+A sharded KV cache (each rank stores 1/C of the keys: ``KVSharding``) adds decode context
+parallelism (``shard_attention`` + ``merge_partials``, one collective) and extends over a sharded
+prefix (``plan_sharded_extend``: pass-KV or pass-Q); see docs/sharded-kv.md.
 """
 
 from . import padding
@@ -26,9 +30,23 @@ from .cache import (
 from .collectives import PendingGather, PlanDisagreement, gathered_bytes_per_token
 from .kernels import AttentionSpec, available_backends
 from .kv import pack_kv
+from .kv_sharding import (
+    DecodeCapacity,
+    DecodeMetadata,
+    ExtendCostModel,
+    KVSharding,
+    ShardWritePlan,
+    StaticDecodePlanner,
+    choose_extend_algorithm,
+    plan_shard_writes,
+    write_sharded_cache,
+    write_sharded_kv,
+)
+from .merge import merge_partials, merge_states
 from .metadata import Capacity, CPMetadata
 from .overlap import GatherHandle, start_gather_kv, start_gather_mla_latent
-from .plans import AttentionPlan, StaticPlanner, plan_attention
+from .plans import AttentionPlan, ShardAttentionPlan, StaticPlanner, plan_attention, plan_shard_attention, shard_attention
+from .plans.sharded_extend import ShardedExtendPlan, plan_sharded_extend
 from .strategies import (
     STRATEGIES,
     ContiguousStrategy,
@@ -47,29 +65,46 @@ __all__ = [
     "CPStrategy",
     "Capacity",
     "ContiguousStrategy",
+    "DecodeCapacity",
+    "DecodeMetadata",
+    "ExtendCostModel",
     "GatherHandle",
     "InterleaveStrategy",
+    "KVSharding",
     "PendingGather",
     "PlanDisagreement",
     "STRATEGIES",
     "SlotPlan",
+    "ShardAttentionPlan",
+    "ShardWritePlan",
+    "ShardedExtendPlan",
+    "StaticDecodePlanner",
     "StaticPlanner",
     "ZigzagStrategy",
     "available_backends",
+    "choose_extend_algorithm",
     "gathered_bytes_per_token",
     "get_strategy",
     "kv_bytes_per_token",
+    "merge_partials",
+    "merge_states",
     "mla_bytes_per_token",
     "pack_kv",
     "padding",
     "plan_attention",
     "plan_slots",
+    "plan_shard_attention",
+    "plan_shard_writes",
+    "plan_sharded_extend",
     "read_mla_cache",
     "resolve_backend",
+    "shard_attention",
     "start_gather_kv",
     "start_gather_mla_latent",
     "write_kv_cache",
     "write_mla_cache",
+    "write_sharded_cache",
+    "write_sharded_kv",
 ]
 
 

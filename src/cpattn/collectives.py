@@ -93,7 +93,8 @@ def agree_on_plan(fingerprint: Optional[tuple[int, ...]], group, cp_size: int) -
     for name_i, name in enumerate(_FINGERPRINT_FIELDS[:-1]):
         values = [f[name_i] for f in fields]
         if len(set(values)) > 1:
-            what = {"lengths": "extend_lens / prefix_lens", "capacity": "StaticPlanner capacity"}.get(name, name)
+            what = {"lengths": "extend_lens / prefix_lens", "capacity": "static planner capacity",
+                    "strategy": "strategy or KV sharding"}.get(name, name)
             raise PlanDisagreement(f"CP plan: the ranks planned different batches: {what} differ "
                                    f"(per group rank: {values})")
     if sorted(claimed) != list(range(size)):

@@ -67,6 +67,8 @@ DEVICE_FIELDS = (
     "local_token_indices", "local_positions", "local_seq_ids", "shard_index", "row_valid",
     "gather_index", "kv_extend_index",
     "seg_seq", "seg_row0", "seg_len", "seg_pos0", "seg_stride", "counts",
+    # sharded KV cache (``build_metadata(kv_sharding=)``; empty without it)
+    "store_rows", "store_index", "local_prefix_lens", "local_kv_lens",
 )
 
 
@@ -103,6 +105,15 @@ class CPMetadata:
         group: the process group the plan was checked against (``build_metadata(group=)``).
         capacity: None, or the :class:`Capacity` of a static plan.
         host: the CPU copy this one was moved from (itself when on the CPU); planners read it.
+
+    Sharded KV cache (``strategy.build_metadata(..., kv_sharding=)``; the tensors are empty and
+    the host values 0 / () without it, when every rank stores every extend token):
+        kv_sharding: the :class:`cpattn.KVSharding`, or None.
+        store_rows: [n_store] logical extend rows whose K/V this rank stores (increasing);
+            store_index: [n_store] their local cache index. num_stored_tokens: n_store.
+        local_prefix_lens, local_kv_lens: [B] prefix keys / prefix + extend keys this rank
+            holds. num_local_prefix_tokens_per_rank: sum(local prefix keys) of every rank
+            (C host ints: what a pass-KV gather of the prefix shards moves).
     """
 
     strategy: str
@@ -139,7 +150,14 @@ class CPMetadata:
     seg_pos0: Tensor
     seg_stride: Tensor
     counts: Tensor
+    store_rows: Tensor
+    store_index: Tensor
+    local_prefix_lens: Tensor
+    local_kv_lens: Tensor
     fingerprint: tuple[int, ...]
+    kv_sharding: Any = None
+    num_stored_tokens: int = 0
+    num_local_prefix_tokens_per_rank: tuple[int, ...] = ()
     group: Any = None
     capacity: Optional[Capacity] = None
     host: Optional["CPMetadata"] = field(default=None, repr=False)
@@ -260,18 +278,20 @@ def _lengths_hash(ext: Tensor, pre: Tensor, mult: int, salt: int) -> int:
 
 def plan_fingerprint(
     strategy: str, cp_size: int, rank: int, pad_multiple: int, ext: Tensor, pre: Tensor,
-    capacity: Optional[Capacity] = None,
+    capacity: Optional[Capacity] = None, kv_sharding=None,
 ) -> tuple[int, ...]:
     """Host ints that identify a plan: equal on all ranks of one batch except ``rank``.
 
     (strategy code, cp_size, pad_multiple, B, T, num_kv_tokens, two length hashes, rank,
-    capacity...). Strategies and :class:`cpattn.StaticPlanner` exchange it over the group.
+    capacity...). Strategies and :class:`cpattn.StaticPlanner` exchange it over the group. A
+    KV sharding joins the strategy code (ranks must shard the cache the same way).
     """
     import zlib
 
     cap = dataclasses.astuple(capacity) if capacity is not None else (0, 0, 0, 0, 0)
+    code = strategy if kv_sharding is None else f"{strategy}/kv{kv_sharding.cp_size}x{kv_sharding.interleave}"
     return (
-        zlib.crc32(strategy.encode()) & 0x7FFFFFFF, cp_size, pad_multiple, ext.numel(), int(ext.sum()),
+        zlib.crc32(code.encode()) & 0x7FFFFFFF, cp_size, pad_multiple, ext.numel(), int(ext.sum()),
         int(ext.sum() + pre.sum()), _lengths_hash(ext, pre, 1103515245, 12345),
         _lengths_hash(ext, pre, 69069, 1013904223), *cap, rank,
     )
@@ -288,12 +308,15 @@ def build_metadata(
     extend_lens: LengthsLike,
     prefix_lens: LengthsLike | None,
     physical_rows: Optional[int] = None,
+    kv_sharding=None,
 ) -> CPMetadata:
     """Plan one batch for one rank on the host (O(T + B), vectorized). Strategies call this.
 
     ``owner_fn`` decides placement; everything else (padding, gather order, segments) is derived
     here the same way for every strategy. ``physical_rows``: a fixed P (static plans; ValueError
     when a rank owns more rows), else ``padding.physical_rows`` of the per-rank counts.
+    ``kv_sharding``: a :class:`cpattn.KVSharding` with ``cp_size`` ranks: also plan which extend
+    rows this rank stores in its sharded cache (O(T)) and its local key counts (O(B C)).
     """
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise TypeError(f"rank must be an int, got {type(rank).__name__}")
@@ -363,6 +386,8 @@ def build_metadata(
     seg_pos0 = torch.cat([seg_pos0, torch.tensor([-1])])
     seg_stride = torch.cat([seg_stride, torch.zeros(1, dtype=torch.int64)])
 
+    sharded = _sharded_cache_fields(kv_sharding, cp_size, rank, positions, pre, kv_lens)
+
     shard_index = torch.zeros(physical, dtype=torch.int64)
     shard_index[:n] = mine
     row_valid = torch.zeros(physical, dtype=torch.bool)
@@ -403,5 +428,29 @@ def build_metadata(
         seg_pos0=seg_pos0.to(i32),
         seg_stride=seg_stride.to(i32),
         counts=torch.tensor([num_tokens, n, int(cu_kv[-1]), num_segments], dtype=i32),
-        fingerprint=plan_fingerprint(strategy, cp_size, rank, pad_multiple, ext, pre),
+        fingerprint=plan_fingerprint(strategy, cp_size, rank, pad_multiple, ext, pre, kv_sharding=kv_sharding),
+        **sharded,
+    )
+
+
+def _sharded_cache_fields(kv_sharding, cp_size: int, rank: int, positions: Tensor, pre: Tensor,
+                          kv_lens: Tensor) -> dict:
+    """The sharded-cache write plan of a batch (store rows and local indices, O(T)) and the
+    rank's local key counts (O(B C)); empty fields without a sharding."""
+    empty = torch.zeros(0, dtype=torch.int64)
+    if kv_sharding is None:
+        return dict(store_rows=empty, store_index=empty, local_prefix_lens=empty, local_kv_lens=empty)
+    if kv_sharding.cp_size != cp_size:
+        raise ValueError(f"kv_sharding has cp_size={kv_sharding.cp_size} but the strategy has cp_size={cp_size}")
+    pos = positions.long()
+    store_rows = torch.nonzero(kv_sharding.owner(pos) == rank).flatten()
+    return dict(
+        store_rows=store_rows,
+        store_index=kv_sharding.local_index(pos[store_rows]),
+        local_prefix_lens=kv_sharding.local_lengths(pre, rank),
+        local_kv_lens=kv_sharding.local_lengths(kv_lens, rank),
+        kv_sharding=kv_sharding,
+        num_stored_tokens=store_rows.numel(),
+        num_local_prefix_tokens_per_rank=tuple(
+            int(kv_sharding.local_lengths(pre, r).sum()) for r in range(cp_size)),
     )

@@ -1,4 +1,4 @@
-"""``python -m cpattn.bench {metadata,kernel,mla,cp,scaling} [options]``.
+"""``python -m cpattn.bench {metadata,kernel,mla,cp,scaling,decode} [options]``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``main(args)``;
 modules are imported only when their subcommand runs.
@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "cp": ("cp", "end-to-end CP prefill of an attention stack vs peers (torchrun, GPUs)"),
     "plan": ("plan", "host work per attention call: plan.run vs strategy.attention (GPU)"),
     "scaling": ("scaling", "arithmetic model of CP prefill time for C = 1..64 across nodes (CPU)"),
+    "decode": ("decode", "decode over a sharded KV cache (split-KV + merge) and the pass-KV / pass-Q crossover (GPU)"),
 }
 
 

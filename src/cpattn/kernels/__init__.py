@@ -88,8 +88,9 @@ class AttentionBackend(Protocol):
         """Bind everything the launches need (host work, may allocate and copy once)."""
 
 
-#: Plan kinds: "dense" (causal attention of local queries, :func:`cpattn.plan_attention`); the
-#: sparse (DSA) and sharded-KV / decode plans register their own kinds beside it.
+#: Plan kinds: "dense" (causal attention of local queries, :func:`cpattn.plan_attention`),
+#: "shard" (attention over one rank's key shard of a sharded KV cache,
+#: :func:`cpattn.plan_shard_attention`); the sparse (DSA) plans register their own kind beside them.
 _REGISTRY: dict[tuple[str, str], Callable[[], AttentionBackend]] = {}
 _INSTANCES: dict[tuple[str, str], AttentionBackend] = {}
 
@@ -180,3 +181,6 @@ def _lazy(module: str, attr: str) -> Callable[[], AttentionBackend]:
 register_backend("fa4", _lazy(".fa4", "FA4Backend"))
 register_backend("triton", _lazy(".triton_backend", "TritonBackend"))
 register_backend("torch", _lazy(".reference", "TorchReferenceBackend"))
+# shard plans (attention over one rank's key shard of a sharded KV cache: cpattn.plans.shard)
+register_backend("triton", _lazy(".decode_backend", "TritonShardBackend"), kind="shard")
+register_backend("torch", _lazy(".reference", "TorchShardBackend"), kind="shard")

@@ -116,3 +116,59 @@ class TorchReferenceBackend:
         if options:
             raise ValueError(f"backend 'torch' takes no backend_options, got {sorted(options)}")
         return _TorchRun(spec, meta)
+
+
+# =============================================================================================
+# Shard attention (plan kind "shard"): queries over ONE rank's key shard of a sharded KV cache.
+# Self-contained section: the torch reference of cpattn.plans.shard (decode / pass-Q extend).
+# =============================================================================================
+class _TorchShardRun:
+    """Exact attention of each sequence's query rows over this rank's local keys, whose global
+    positions follow the sharding rule; sinks counted on rank 0 only (so a merge over the ranks
+    counts them once). One sequence at a time from the plan's host copy (eager use only)."""
+
+    def __init__(self, spec: AttentionSpec, dmeta) -> None:
+        host = dmeta.host if dmeta.host is not None else dmeta
+        self.seq_lens = host.seq_lens.tolist()
+        self.q_lens = host.q_lens.tolist()
+        self.cu_q = host.cu_q_lens.tolist()
+        self.local = host.local_kv_lens.tolist()
+        self.cu_local = host.cu_local_kv_lens.tolist()
+        self.num_rows = dmeta.num_query_rows
+        self.rank = dmeta.rank
+        self.sharding = dmeta.sharding
+        self.window_left = spec.window_left
+        self.sinks_used = spec.has_sinks and dmeta.rank == 0
+        self.family = "torch"
+
+    def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse) -> None:
+        out[self.num_rows :].zero_()
+        lse[self.num_rows :].fill_(float("-inf"))
+        sinks = sinks if self.sinks_used else None
+        for b, (sl, ql) in enumerate(zip(self.seq_lens, self.q_lens)):
+            if ql == 0:
+                continue
+            n_local = self.local[b]
+            keys, values = _keys_of(k, v, page_table, self.cu_local[b], b, 0, n_local)
+            key_pos = self.sharding.global_position(torch.arange(n_local, device=q.device), self.rank)
+            pos = torch.arange(sl - ql, sl, device=q.device)
+            r0 = self.cu_q[b]
+            o, l = segment_attention(q[r0 : r0 + ql], pos, keys, values, key_pos, softmax_scale, self.window_left,
+                                     sinks)
+            out[r0 : r0 + ql] = o.to(out.dtype)
+            lse[r0 : r0 + ql] = l.to(torch.float32)
+
+
+class TorchShardBackend:
+    name = "torch"
+
+    def available(self) -> Optional[str]:
+        return None
+
+    def unsupported_reason(self, spec: AttentionSpec, dmeta) -> Optional[str]:
+        return None
+
+    def plan(self, spec: AttentionSpec, dmeta, options: Mapping) -> _TorchShardRun:
+        if options:
+            raise ValueError(f"backend 'torch' takes no backend_options, got {sorted(options)}")
+        return _TorchShardRun(spec, dmeta)

@@ -143,4 +143,9 @@ def _expand(host: CPMetadata, cap: Capacity) -> dict[str, Tensor]:
         "kv_extend_index": _pad_to(host.kv_extend_index, cap.max_tokens, int(last_kv)),
         **segs,
         "counts": host.counts,
+        # sharded-cache fields: empty without a KV sharding; else sized for the capacity
+        # (entries past the batch's are unspecified: writes go through a ShardWritePlan)
+        **{name: getattr(host, name) if host.kv_sharding is None else _pad_to(getattr(host, name), size, 0)
+           for name, size in (("store_rows", cap.max_tokens), ("store_index", cap.max_tokens),
+                              ("local_prefix_lens", cap.max_seqs), ("local_kv_lens", cap.max_seqs))},
     }

@@ -96,6 +96,7 @@ class CPStrategy(ABC):
         *,
         rank: int,
         group=None,
+        kv_sharding=None,
     ) -> CPMetadata:
         """Plan a batch for ``rank`` (host, O(T + B); call once per forward, then ``.to(device)``).
 
@@ -109,14 +110,28 @@ class CPStrategy(ABC):
                 (:class:`cpattn.collectives.PlanDisagreement`) when any rank planned a different
                 batch, strategy or alignment, claims another rank's rank, or failed to plan. The
                 plan remembers the group; later calls check this process's rank against it.
+            kv_sharding: a :class:`cpattn.KVSharding` (same cp_size) for a sharded KV cache: the
+                plan then also says which extend rows this rank stores and their local cache
+                indices (``meta.store_rows`` / ``meta.store_index``, for
+                :func:`cpattn.plan_shard_writes`) and how many prefix keys each rank holds
+                (for :func:`cpattn.plan_sharded_extend`). Part of the agreed fingerprint.
 
         Example::
 
             meta = cpattn.ZigzagStrategy(2).build_metadata([5, 9], [0, 3], rank=1).to("cuda")
         """
-        return self._agreed(lambda: self._build(extend_lens, prefix_lens, rank), group)
+        if kv_sharding is not None:
+            from ..kv_sharding import KVSharding
 
-    def _build(self, extend_lens, prefix_lens, rank, physical_rows: Optional[int] = None) -> CPMetadata:
+            if not isinstance(kv_sharding, KVSharding):
+                raise TypeError(f"kv_sharding must be a cpattn.KVSharding, got {type(kv_sharding).__name__}")
+            if kv_sharding.cp_size != self.cp_size:
+                raise ValueError(f"kv_sharding has cp_size={kv_sharding.cp_size} but the strategy has "
+                                 f"cp_size={self.cp_size}")
+        return self._agreed(lambda: self._build(extend_lens, prefix_lens, rank, kv_sharding=kv_sharding), group)
+
+    def _build(self, extend_lens, prefix_lens, rank, physical_rows: Optional[int] = None,
+               kv_sharding=None) -> CPMetadata:
         return build_metadata(
             self.name,
             self._token_owner,
@@ -127,6 +142,7 @@ class CPStrategy(ABC):
             extend_lens,
             prefix_lens,
             physical_rows,
+            kv_sharding,
         )
 
     def _agreed(self, build, group) -> CPMetadata:

@@ -1,0 +1,292 @@
+"""``backend="triton"`` for shard plans: split-KV work items, split sizes and launch configs.
+
+Planned once per step (host, O(B + query rows), one upload): the query tiles of every sequence
+(``ROWS`` rows each), each tile's local key range (window and causal bound by global position),
+a split size that spreads the batch's keys over about ``programs_per_sm x SMs`` programs (so one
+128k-key sequence runs on hundreds of programs, not on 8), the work items (tile, split), the
+workspace slot of every multi-split item, and per query row where the combine finds its splits.
+The per-layer call launches the split kernel (and the combine kernel when some tile has more
+than one split): O(1) host work. For static decode plans every table is capacity-sized in fixed
+buffers and the split size is chosen so the item count stays within the grid:
+``items <= target + tiles`` because ``split >= total keys / target``.
+
+``backend_options``: ``config`` ((BLOCK_N, num_warps, num_stages)), ``block_m`` (most query rows x
+heads per program: 16, 32, 64 or 128; default 64, 32 for head dims > 256), ``min_split`` (fewest keys
+per split, a multiple of the key alignment), ``programs_per_sm`` (split target), ``num_sms``
+(override the device's SM count; e.g. to force splits in tests).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Mapping, Optional
+
+import torch
+
+from . import AttentionSpec, module_available
+from .. import _buffers
+
+_KERNEL_MODULE = "cpattn.kernels.triton_decode"
+_OPTION_NAMES = {"config", "block_m", "min_split", "programs_per_sm", "num_sms"}
+
+#: Split starts are multiples of this many keys (every BLOCK_N divides it); on the GPU also the
+#: granularity of split sizes.
+KEY_ALIGN = 128
+KEY_ALIGN_INTERPRETED = 16
+#: Programs the split target aims for, per SM: 12 splits the batch into equal programs whose
+#: count fills whole waves for 1, 2, 3, 4 or 6 resident programs per SM (the tail wave of a
+#: 1.3-wave grid would idle two thirds of the GPU); the partials stay a few MB.
+PROGRAMS_PER_SM = 12
+#: Fewest keys per split (smaller splits cost more combine traffic than they save).
+MIN_SPLIT = 256
+
+
+def _interpret_env() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def tile_geometry(num_q_heads: int, num_kv_heads: int, head_dim: int, q_len: int, interpreted: bool,
+                  block_m: Optional[int] = None):
+    """(ROWS, G_PACK, BLOCK_M): query rows per tile, query heads packed per program, M size.
+    ``block_m``: the most M rows per program (default 64; 32 for head dims > 256, where a
+    [64, Dv] accumulator would not fit the registers next to the Q tile)."""
+    group = num_q_heads // num_kv_heads
+    m_max = block_m or (32 if head_dim > 256 else 64)
+    g_pack = 1
+    while group % (g_pack * 2) == 0 and g_pack * 2 <= m_max:
+        g_pack *= 2
+    rows = min(_next_pow2(max(1, q_len)), max(1, m_max // g_pack))
+    return rows, g_pack, max(16, rows * g_pack)
+
+
+def default_config(head_dim: int, head_dim_v: int, interpreted: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) without an explicit config."""
+    if interpreted:
+        return 16, 4, 1
+    width = max(head_dim, head_dim_v)
+    if width <= 128:
+        return 64, 4, 3
+    if width <= 256:
+        return 64, 8, 2
+    return 32, 8, 2
+
+
+def plan_work(host, spec: AttentionSpec, *, rows: int, num_head_groups: int, align: int, num_sms: int,
+              programs_per_sm: int, min_split: int, capacity=None) -> dict:
+    """Work items, workspace slots and combine tables of a decode plan (host tensors + ints).
+
+    ``capacity``: a DecodeCapacity: tables sized for it (static plans). Returns a dict with the
+    int32 tensors ``item_seq, item_r0, item_k0, item_k1, item_ws, num_items, row_ws0,
+    row_nsplit, row_ti`` and host ints ``num_items_host``, ``num_ws``, ``grid_items``,
+    ``split``.
+    """
+    sh, rank = host.sharding, host.rank
+    c, inter = sh.cp_size, sh.interleave
+    period = c * inter
+    ql, sl = host.q_lens, host.seq_lens
+    b = ql.numel()
+
+    def local_len(x):
+        return (x // period) * inter + (x % period - rank * inter).clamp(0, inter)
+
+    n_tiles = (ql + rows - 1) // rows
+    num_tiles = int(n_tiles.sum())
+    tile_seq = torch.repeat_interleave(torch.arange(b), n_tiles, output_size=num_tiles)
+    first_tile = torch.cumsum(n_tiles, 0) - n_tiles
+    tile_r0 = (torch.arange(num_tiles) - first_tile[tile_seq]) * rows
+    pos0 = (sl - ql)[tile_seq] + tile_r0
+    pos_last = pos0 + torch.minimum(ql[tile_seq] - tile_r0, torch.tensor(rows)) - 1
+    key_hi = local_len(pos_last + 1)
+    if spec.window_left >= 0:
+        key_lo = local_len((pos0 - spec.window_left).clamp(min=0))
+    else:
+        key_lo = torch.zeros_like(key_hi)
+    lo_al = (key_lo // align) * align
+    span = (key_hi - lo_al).clamp(min=0)
+
+    target = max(1, num_sms * programs_per_sm // max(1, num_head_groups))
+    total = int(span.sum())
+    split = max(min_split, -(-total // target))
+    split = -(-split // align) * align
+    n_split = torch.clamp((span + split - 1) // split, min=1)
+    num_items = int(n_split.sum())
+    item_tile = torch.repeat_interleave(torch.arange(num_tiles), n_split, output_size=num_items)
+    first_item = torch.cumsum(n_split, 0) - n_split
+    s = torch.arange(num_items) - first_item[item_tile]
+    k0 = lo_al[item_tile] + s * split
+    k1 = torch.minimum(k0 + split, key_hi[item_tile])
+    multi_tile = n_split > 1
+    multi_item = multi_tile[item_tile]
+    ws_of = torch.cumsum(multi_item.long(), 0) - 1
+    item_ws = torch.where(multi_item, ws_of, torch.full_like(ws_of, -1))
+    num_ws = int(multi_item.sum())
+
+    # per query row: its tile, row in the tile, and where its splits are
+    nq = host.num_query_rows
+    row_seq = host.row_seq.long()
+    row_in_seq = torch.arange(nq) - host.cu_q_lens[row_seq] if nq else torch.zeros(0, dtype=torch.int64)
+    row_tile = first_tile[row_seq] + row_in_seq // rows if nq else row_in_seq
+    row_ti = row_in_seq % rows
+    tile_ws0 = torch.where(multi_tile, item_ws[first_item], torch.zeros_like(first_item)) if num_tiles else first_item
+    row_ws0 = tile_ws0[row_tile] if nq else row_in_seq
+    row_nsplit = n_split[row_tile] if nq else row_in_seq
+
+    if capacity is not None:
+        cap_tiles = capacity.max_seqs * -(-capacity.max_q_len // rows)
+        grid_items = target + cap_tiles
+        if num_items > grid_items:  # cannot happen: split >= total / target
+            raise AssertionError(f"{num_items} work items > the planned grid of {grid_items}")
+        ws_cap = grid_items
+        rows_cap = capacity.max_query_rows
+    else:
+        grid_items, ws_cap, rows_cap = num_items, num_ws, nq
+
+    def pad(x, size, fill):
+        out = torch.full((size,), fill, dtype=torch.int32)
+        out[: x.numel()] = x.to(torch.int32)
+        return out
+
+    return dict(
+        item_seq=pad(tile_seq[item_tile], grid_items, 0), item_r0=pad(tile_r0[item_tile], grid_items, 0),
+        item_k0=pad(k0, grid_items, 0), item_k1=pad(k1, grid_items, 0), item_ws=pad(item_ws, grid_items, -1),
+        num_items=torch.tensor([num_items], dtype=torch.int32),
+        row_ws0=pad(row_ws0, rows_cap, 0), row_nsplit=pad(row_nsplit, rows_cap, 0), row_ti=pad(row_ti, rows_cap, 0),
+        num_items_host=num_items, num_ws=num_ws, ws_cap=ws_cap, grid_items=grid_items, split=split,
+    )
+
+
+class _TritonShardRun:
+    """A planned split-KV launch over one rank's key shard (see the module docstring)."""
+
+    def __init__(self, spec: AttentionSpec, dmeta, options: Mapping) -> None:
+        from . import triton_attn, triton_decode
+
+        unknown = set(options) - _OPTION_NAMES
+        if unknown:
+            raise ValueError(f"unknown triton shard backend_options {sorted(unknown)} (known: {sorted(_OPTION_NAMES)})")
+        interpreted = triton_decode.INTERPRETED
+        host = dmeta.host if dmeta.host is not None else dmeta
+        hq, hkv, d, dv = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim_v
+        block_m_opt = options.get("block_m")
+        if block_m_opt is not None and block_m_opt not in (16, 32, 64, 128):
+            raise ValueError(f"backend_options block_m must be 16, 32, 64 or 128, got {block_m_opt!r}")
+        rows, g_pack, block_m = tile_geometry(hq, hkv, d, dmeta.tile_q_len, interpreted, block_m_opt)
+        self.config = tuple(options.get("config") or default_config(d, dv, interpreted))
+        if len(self.config) != 3 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in self.config):
+            raise ValueError(f"backend_options config must be (BLOCK_N, num_warps, num_stages) ints, got {self.config}")
+        align = KEY_ALIGN_INTERPRETED if interpreted else KEY_ALIGN
+        if align % self.config[0]:
+            raise ValueError(f"config BLOCK_N={self.config[0]} must divide the key alignment {align}")
+        min_split = options.get("min_split", align if interpreted else MIN_SPLIT)
+        if isinstance(min_split, bool) or not isinstance(min_split, int) or min_split < 1 or min_split % align:
+            raise ValueError(f"backend_options min_split must be a positive multiple of {align}, got {min_split!r}")
+        num_sms = options.get("num_sms")
+        if num_sms is None:
+            num_sms = (torch.cuda.get_device_properties(dmeta.device).multi_processor_count
+                       if dmeta.device.type == "cuda" else 4)
+        programs_per_sm = options.get("programs_per_sm", PROGRAMS_PER_SM)
+        for name, value in (("num_sms", num_sms), ("programs_per_sm", programs_per_sm)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"backend_options {name} must be an int >= 1, got {value!r}")
+        num_head_groups = hq // g_pack
+        work = plan_work(host, spec, rows=rows, num_head_groups=num_head_groups, align=align, num_sms=num_sms,
+                         programs_per_sm=programs_per_sm, min_split=min_split, capacity=dmeta.capacity)
+        self.split, self.num_items, self.num_ws = work["split"], work["num_items_host"], work["num_ws"]
+        key = ("shard-work", rows, g_pack, num_head_groups, spec.window_left, num_sms, programs_per_sm, min_split,
+               align)
+        dev = _buffers.upload(dmeta, key, {name: work[name] for name in (
+            "item_seq", "item_r0", "item_k0", "item_k1", "item_ws", "num_items", "row_ws0", "row_nsplit", "row_ti")})
+        self.grid = (work["grid_items"] * num_head_groups,)
+        self.static = dmeta.is_static
+        self.run_combine = self.static or self.num_ws > 0
+        self.ws_shape = (max(1, work["ws_cap"]), rows, hq, dv)  # never a null pointer
+        block_h = min(_next_pow2(hq), max(1, 8192 // dv))  # [BLOCK_H, Dv] fp32 accumulator of the combine
+        self.combine_grid = (dmeta.num_query_token_rows, -(-hq // block_h))
+        apply_sinks = spec.has_sinks and dmeta.rank == 0  # counted once: on rank 0 only
+        d1, d2 = triton_attn.split_head_dim(d)
+        self.d1 = d1
+        self.plan_args = dict(
+            item_seq=dev["item_seq"], item_r0=dev["item_r0"], item_k0=dev["item_k0"], item_k1=dev["item_k1"],
+            item_ws=dev["item_ws"], NumItems=dev["num_items"], q_lens=dmeta.q_lens, seq_lens=dmeta.seq_lens,
+            cu_q_lens=dmeta.cu_q_lens, cu_local_kv=dmeta.cu_local_kv_lens, window=spec.window_left, rank=dmeta.rank,
+            num_head_groups=num_head_groups, group_size=hq // hkv, HEAD_DIM_V=dv, BLOCK_D1=d1, BLOCK_D2=d2,
+            ROWS=rows, G_PACK=g_pack, BLOCK_M=block_m, CP_SIZE=dmeta.cp_size, INTERLEAVE=dmeta.sharding.interleave,
+            PAGE_SIZE=spec.page_size or 1, HAS_WINDOW=spec.window_left >= 0, HAS_SINKS=apply_sinks,
+            **triton_attn.dot_settings(spec.dtype),
+        )
+        self.combine_args = dict(row_ws0=dev["row_ws0"], row_nsplit=dev["row_nsplit"], row_ti=dev["row_ti"],
+                                 HEAD_DIM_V=dv, BLOCK_H=block_h, HAS_SINKS=apply_sinks)
+        self.sinks_used = apply_sinks
+        self._split, self._combine = triton_decode.launch_split, triton_decode.launch_combine
+        self.family = "split-kv"
+
+    def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse) -> None:
+        if not softmax_scale > 0:
+            raise ValueError(f"softmax_scale must be > 0 for the triton kernels, got {softmax_scale}")
+        if self.grid[0] == 0 and not self.run_combine:
+            return
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if page_table is not None and page_table.stride(-1) != 1:
+            page_table = page_table.contiguous()
+        v_from_k = (v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.shape[-1] == self.d1
+                    and v.dtype == k.dtype)
+        if k.stride(-1) != 1:
+            k = k.contiguous()
+        if not v_from_k and v.stride(-1) != 1:
+            v = v.contiguous()
+        sinks = sinks if self.sinks_used else None
+        if q.is_cuda and q.device.index != torch.cuda.current_device():
+            with torch.cuda.device(q.device):  # tensors on a non-current GPU
+                self._launch(q, k, v, page_table, sinks, softmax_scale, out, lse, v_from_k)
+        else:
+            self._launch(q, k, v, page_table, sinks, softmax_scale, out, lse, v_from_k)
+
+    def _launch(self, q, k, v, page_table, sinks, softmax_scale, out, lse, v_from_k) -> None:
+        ws_o = torch.empty(self.ws_shape, dtype=torch.float32, device=q.device)
+        ws_lse = torch.empty(self.ws_shape[:3], dtype=torch.float32, device=q.device)
+        if self.grid[0]:
+            self._split(q, k, v, out, lse, sinks, page_table, ws_o, ws_lse, grid=self.grid, plan_args=self.plan_args,
+                        softmax_scale=softmax_scale, v_from_k=v_from_k, config=self.config)
+        if self.run_combine and self.combine_grid[0]:
+            self._combine(out, lse, sinks, ws_o, ws_lse, grid=self.combine_grid, combine_args=self.combine_args)
+
+
+class TritonShardBackend:
+    name = "triton"
+
+    def available(self) -> Optional[str]:
+        if not module_available("triton"):
+            return "triton is not installed (pip install cpattn[triton])"
+        if not torch.cuda.is_available() and not _interpret_env():
+            return "no CUDA device (CPU tensors need TRITON_INTERPRET=1, the Triton interpreter)"
+        return None
+
+    def unsupported_reason(self, spec: AttentionSpec, dmeta) -> Optional[str]:
+        loaded = sys.modules.get(_KERNEL_MODULE)
+        device = dmeta.device
+        if device.type == "cuda":
+            if loaded is not None and loaded.INTERPRETED:
+                return "the triton kernel was built for the CPU interpreter in this process"
+        elif device.type == "cpu":
+            if not _interpret_env():
+                return "CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter)"
+            if loaded is not None and not loaded.INTERPRETED:
+                return "the triton kernel was built for the GPU in this process (TRITON_INTERPRET set too late)"
+        else:
+            return f"device {device} not supported"
+        from .triton_attn import shape_unsupported_reason
+
+        reason = shape_unsupported_reason(spec.head_dim, spec.head_dim_v, spec.dtype)
+        if reason is None and spec.dtype == torch.float32 and device.type == "cuda":
+            reason = "fp32 runs only under the interpreter (use bf16/fp16 on the GPU)"
+        return reason
+
+    def plan(self, spec: AttentionSpec, dmeta, options: Mapping) -> _TritonShardRun:
+        return _TritonShardRun(spec, dmeta, options)

@@ -1,0 +1,367 @@
+"""Split-KV attention over a key shard (flash-decoding with an LSE combine), few query rows.
+
+A *work item* is one query tile of one sequence (``ROWS`` consecutive query rows, e.g. the 1..4
+tokens of a decode or speculative-verification step) and one key *split* (a range of the
+rank's local keys of that sequence). A program handles one work item for ``G_PACK`` query heads
+that share a KV head: the M dimension packs ``ROWS x G_PACK`` (row-major, heads fastest), so
+each K/V block is loaded once for the whole head group (GQA 32/8: 4 heads; MLA absorbed: 32 of
+the 128 heads of the single latent "KV head").
+
+Positions are GLOBAL: query row ``i`` of a tile sits at ``seq_len - q_len + r0 + i``; local key
+``j`` of rank ``r`` sits at ``(j // I) * C * I + r * I + j % I`` (C = CP_SIZE, I = INTERLEAVE;
+C = 1 is an unsharded cache, ``p = j``). A key is visible when its position is ``<=`` the row's
+(and ``>= pos - window``). Key blocks are walked in three ranges: masked blocks before the
+interior, interior blocks every row sees entirely (no mask arithmetic, no load masks) and masked
+blocks at the end; masked loads stop at the split's end, so cache slots past a sequence's keys
+(which may hold anything, NaN included) are never read.
+
+K/V: packed (local key ``j`` of sequence ``b`` at row ``cu_local_kv[b] + j``) or paged (page
+``page_table[b, j // PAGE_SIZE]``, slot ``j % PAGE_SIZE``), any row strides, last dim
+contiguous. ``V_FROM_K``: V is a view of K's first ``HEAD_DIM_V`` columns (MLA's absorbed form,
+``v = k[..., :512]``); the kernel reuses the K block instead of loading V. Softmax in base 2,
+fp32 accumulation, natural-log LSE.
+
+A work item whose tile has one split writes the final ``out`` / ``lse`` (sinks included);
+otherwise it writes its normalized partial and LSE (fp32) into a workspace, and the combine
+kernel merges a tile's splits (sinks included once) into ``out`` / ``lse``. Counts come from
+device memory (programs past them exit), so grids sized for a static plan's capacity replay in a
+CUDA graph. The host side (work items, split sizes, configs) is planned by
+:mod:`.decode_backend`; this module holds the kernels and their launchers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+#: True when this module's kernels were built for the CPU interpreter (TRITON_INTERPRET=1 at
+#: import): Triton decides at decoration time, so one process runs one kind.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+LOG2E = 1.4426950408889634
+#: The same constants for use inside kernels (Triton reads only constexpr globals).
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+
+
+# ----------------------------------------------------------------------------- helpers (device)
+@triton.jit
+def _local_len(x, rank, CP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """Local keys of ``rank`` at positions < x (x >= 0)."""
+    PERIOD: tl.constexpr = CP_SIZE * INTERLEAVE
+    part = tl.minimum(tl.maximum(x % PERIOD - rank * INTERLEAVE, 0), INTERLEAVE)
+    return (x // PERIOD) * INTERLEAVE + part
+
+
+@triton.jit
+def _global_pos(j, rank, CP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """Global position of local key j of ``rank``."""
+    if CP_SIZE == 1:
+        return j
+    return (j // INTERLEAVE) * (CP_SIZE * INTERLEAVE) + rank * INTERLEAVE + j % INTERLEAVE
+
+
+@triton.jit
+def _page_of(pt_row, start, hi, offs_n, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Page(s) of local keys [start, start + BLOCK_N) (0 where the key is >= hi): one table entry
+    when a page holds whole blocks (blocks are BLOCK_N-aligned), else one per key."""
+    if PAGE_SIZE % BLOCK_N == 0:
+        page = tl.load(pt_row + start // PAGE_SIZE, mask=start < hi, other=0).to(tl.int64)
+    else:
+        j = start + offs_n
+        page = tl.load(pt_row + j // PAGE_SIZE, mask=j < hi, other=0).to(tl.int64)
+    return page
+
+
+@triton.jit
+def _kv_offsets(start, kv_row_base, page, key_end, stride_kp, stride_kn, stride_vp, stride_vn, offs_n,
+                PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Element offsets of local keys [start, start + BLOCK_N) in K and V, and the in-range mask."""
+    j = start + offs_n
+    in_range = j < key_end
+    if PAGED:
+        if PAGE_SIZE % BLOCK_N == 0:
+            slot = (start % PAGE_SIZE + offs_n).to(tl.int64)
+        else:
+            slot = (j % PAGE_SIZE).to(tl.int64)
+        k_off = page * stride_kp + slot * stride_kn
+        v_off = page * stride_vp + slot * stride_vn
+    else:
+        row = (kv_row_base + j).to(tl.int64)
+        k_off = row * stride_kn
+        v_off = row * stride_vn
+    return k_off, v_off, in_range
+
+
+@triton.jit
+def _load_block(base, off, in_range, offs_d, MASKED: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    if MASKED:
+        x = tl.load(base + off[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
+    else:
+        x = tl.load(base + off[:, None] + offs_d[None, :])
+    if DOT_UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _key_range(
+    acc, l_i, m_i, q1, q2, pos, rank,
+    k_base, v_base, kv_row_base, pt_row, lo, hi, key_end, window, qk_scale,
+    stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2, offs_dv,
+    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    CP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
+    V_FROM_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Online softmax (base 2) over local key blocks [lo, hi); MASKED masks by global position
+    and bounds loads at key_end. Paged: the next block's page is loaded one iteration ahead (a
+    loop-carried value, not a load the block's K/V addresses wait for in the same iteration), so
+    the pipeliner keeps num_stages - 1 K/V blocks in flight as it does for packed K/V."""
+    if PAGED:
+        page_next = _page_of(pt_row, lo, hi, offs_n, PAGE_SIZE, BLOCK_N)
+    else:
+        page_next = 0
+    for start in range(lo, hi, BLOCK_N):
+        page = page_next
+        if PAGED:
+            page_next = _page_of(pt_row, start + BLOCK_N, hi, offs_n, PAGE_SIZE, BLOCK_N)
+        k_off, v_off, in_range = _kv_offsets(start, kv_row_base, page, key_end, stride_kp, stride_kn,
+                                             stride_vp, stride_vn, offs_n, PAGED, PAGE_SIZE, BLOCK_N)
+        k1 = _load_block(k_base, k_off, in_range, offs_d1, MASKED, DOT_UPCAST)
+        s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
+        if BLOCK_D2 > 0:
+            k2 = _load_block(k_base + BLOCK_D1, k_off, in_range, offs_d2, MASKED, DOT_UPCAST)
+            s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
+        if V_FROM_K:
+            v = k1
+        else:
+            v = _load_block(v_base, v_off, in_range, offs_dv, MASKED, DOT_UPCAST)
+        if MASKED:
+            kpos = _global_pos(start + offs_n, rank, CP_SIZE, INTERLEAVE)
+            visible = in_range[None, :] & (kpos[None, :] <= pos[:, None])
+            if HAS_WINDOW:
+                visible = visible & (kpos[None, :] >= pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_use = m_new
+        p = tl.math.exp2(s * qk_scale - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        p = p.to(v.dtype)
+        acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+# ----------------------------------------------------------------------------- split kernel
+@triton.jit
+def _shard_attn_split(
+    Q, K, V, Out, Lse, Sinks, PageTable, WsO, WsLse,
+    item_seq, item_r0, item_k0, item_k1, item_ws, NumItems,
+    q_lens, seq_lens, cu_q_lens, cu_local_kv,
+    qk_scale, window, rank, num_head_groups, group_size,
+    stride_qm, stride_qh, stride_sink,
+    stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh,
+    stride_om, stride_oh, stride_lm, stride_lh, stride_pt,
+    stride_wi, stride_wr, stride_wh, stride_li, stride_lr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
+    ROWS: tl.constexpr, G_PACK: tl.constexpr, BLOCK_M: tl.constexpr,
+    CP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, V_FROM_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    item = pid // num_head_groups
+    hg = pid - item * num_head_groups
+    if item >= tl.load(NumItems):  # from device memory: a capacity-sized grid replays for any step
+        return
+    seq = tl.load(item_seq + item)
+    r0 = tl.load(item_r0 + item)
+    k0 = tl.load(item_k0 + item)
+    k1_end = tl.load(item_k1 + item)
+    ws = tl.load(item_ws + item)
+    q_len = tl.load(q_lens + seq)
+    pos0 = tl.load(seq_lens + seq) - q_len + r0
+    n_rows = tl.minimum(q_len - r0, ROWS)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    i = offs_m // G_PACK
+    head = hg * G_PACK + offs_m % G_PACK
+    valid = (offs_m < ROWS * G_PACK) & (i < n_rows)
+    pos = pos0 + i
+    qrow = (tl.load(cu_q_lens + seq) + r0 + i).to(tl.int64)
+    kvh = (hg * G_PACK) // group_size
+
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d1 = tl.arange(0, BLOCK_D1)
+    offs_d2 = tl.arange(0, BLOCK_D2 if BLOCK_D2 > 0 else 16)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+
+    q_ptrs = Q + qrow[:, None] * stride_qm + head[:, None] * stride_qh
+    q1 = tl.load(q_ptrs + offs_d1[None, :], mask=valid[:, None], other=0.0)
+    if BLOCK_D2 > 0:
+        q2 = tl.load(q_ptrs + BLOCK_D1 + offs_d2[None, :], mask=valid[:, None], other=0.0)
+    else:
+        q2 = q1
+    if DOT_UPCAST:
+        q1 = q1.to(tl.float32)
+        q2 = q2.to(tl.float32)
+
+    k_base = K + kvh.to(tl.int64) * stride_kh
+    v_base = V + kvh.to(tl.int64) * stride_vh
+    if PAGED:
+        pt_row = PageTable + seq.to(tl.int64) * stride_pt
+        kv_row_base = 0
+    else:
+        pt_row = PageTable
+        kv_row_base = tl.load(cu_local_kv + seq)
+
+    single = ws < 0
+    if HAS_SINKS:  # sinks join the denominator once: here when the tile has one split, else in the combine
+        sink = tl.load(Sinks + head * stride_sink).to(tl.float32) * _LOG2E
+        m_i = tl.where(single, sink, float("-inf"))
+        l_i = tl.where(single, 1.0, 0.0) + tl.zeros([BLOCK_M], dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
+
+    # interior: local keys every row of the tile sees (position <= the first row's, and inside
+    # the last row's window), in whole blocks of this split
+    pos_last = pos0 + n_rows - 1
+    vis_hi = _local_len(pos0 + 1, rank, CP_SIZE, INTERLEAVE)
+    if HAS_WINDOW:
+        vis_lo = _local_len(tl.maximum(pos_last - window, 0), rank, CP_SIZE, INTERLEAVE)
+    else:
+        vis_lo = 0
+    a_lo = tl.maximum(k0, tl.cdiv(vis_lo, BLOCK_N) * BLOCK_N)
+    a_hi = (tl.minimum(k1_end, vis_hi) // BLOCK_N) * BLOCK_N
+    empty = a_hi <= a_lo
+    a_lo = tl.where(empty, k0, a_lo)
+    a_hi = tl.where(empty, k0, a_hi)
+
+    acc, l_i, m_i = _key_range(
+        acc, l_i, m_i, q1, q2, pos, rank, k_base, v_base, kv_row_base, pt_row, k0, a_lo, k1_end, window,
+        qk_scale, stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2, offs_dv,
+        True, HAS_WINDOW, PAGED, PAGE_SIZE, CP_SIZE, INTERLEAVE, BLOCK_D1, BLOCK_D2, V_FROM_K, DOT_PRECISION,
+        DOT_UPCAST, BLOCK_N)
+    acc, l_i, m_i = _key_range(
+        acc, l_i, m_i, q1, q2, pos, rank, k_base, v_base, kv_row_base, pt_row, a_lo, a_hi, k1_end, window,
+        qk_scale, stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2, offs_dv,
+        False, HAS_WINDOW, PAGED, PAGE_SIZE, CP_SIZE, INTERLEAVE, BLOCK_D1, BLOCK_D2, V_FROM_K, DOT_PRECISION,
+        DOT_UPCAST, BLOCK_N)
+    acc, l_i, m_i = _key_range(
+        acc, l_i, m_i, q1, q2, pos, rank, k_base, v_base, kv_row_base, pt_row, a_hi, k1_end, k1_end, window,
+        qk_scale, stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2, offs_dv,
+        True, HAS_WINDOW, PAGED, PAGE_SIZE, CP_SIZE, INTERLEAVE, BLOCK_D1, BLOCK_D2, V_FROM_K, DOT_PRECISION,
+        DOT_UPCAST, BLOCK_N)
+
+    # l_i == 0: no visible key (0 / -inf); NaN (from q, a visible k / v, or a sink) stays NaN
+    has_mass = l_i != 0.0
+    out = acc * tl.where(has_mass, 1.0 / tl.where(has_mass, l_i, 1.0), 0.0)[:, None]
+    lse = tl.where(has_mass, (m_i + tl.math.log2(tl.where(has_mass, l_i, 1.0))) * _LN2, float("-inf"))
+    if single:
+        o_ptrs = Out + qrow[:, None] * stride_om + head[:, None] * stride_oh + offs_dv[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=valid[:, None])
+        tl.store(Lse + qrow * stride_lm + head * stride_lh, lse, mask=valid)
+    else:
+        w_ptrs = WsO + ws.to(tl.int64) * stride_wi + i[:, None] * stride_wr + head[:, None] * stride_wh
+        tl.store(w_ptrs + offs_dv[None, :], out, mask=valid[:, None])
+        tl.store(WsLse + ws.to(tl.int64) * stride_li + i * stride_lr + head, lse, mask=valid)
+
+
+# ----------------------------------------------------------------------------- combine kernel
+@triton.jit
+def _shard_attn_combine(
+    Out, Lse, Sinks, WsO, WsLse, row_ws0, row_nsplit, row_ti,
+    num_heads, stride_om, stride_oh, stride_lm, stride_lh, stride_sink,
+    stride_wi, stride_wr, stride_wh, stride_li, stride_lr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SINKS: tl.constexpr,
+):
+    """Merge the splits of one query row (BLOCK_H heads) exactly; rows of one-split tiles were
+    written by the split kernel; pad rows (no split) get 0 / -inf."""
+    row = tl.program_id(0)
+    hb = tl.program_id(1)
+    ns = tl.load(row_nsplit + row)
+    if ns == 1:
+        return
+    ws0 = tl.load(row_ws0 + row).to(tl.int64)
+    ti = tl.load(row_ti + row)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < num_heads
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    if HAS_SINKS:
+        use = ns > 1
+        m = tl.where(use, tl.load(Sinks + heads * stride_sink, mask=hmask, other=0.0).to(tl.float32), float("-inf"))
+        l = tl.where(use, 1.0, 0.0) + tl.zeros([BLOCK_H], dtype=tl.float32)
+    else:
+        m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM_V], dtype=tl.float32)
+    for s in range(ns):
+        w = ws0 + s
+        lse_s = tl.load(WsLse + w * stride_li + ti * stride_lr + heads, mask=hmask, other=float("-inf"))
+        o_s = tl.load(WsO + w * stride_wi + ti * stride_wr + heads[:, None] * stride_wh + offs_dv[None, :],
+                      mask=hmask[:, None], other=0.0)
+        m_new = tl.maximum(m, lse_s)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp(m - shift)
+        b = tl.exp(lse_s - shift)
+        acc = acc * a[:, None] + o_s * b[:, None]
+        l = l * a + b
+        m = m_new
+    has_mass = l != 0.0
+    out = acc * tl.where(has_mass, 1.0 / tl.where(has_mass, l, 1.0), 0.0)[:, None]
+    lse = tl.where(has_mass, m + tl.log(tl.where(has_mass, l, 1.0)), float("-inf"))
+    o_ptrs = Out + row.to(tl.int64) * stride_om + heads[:, None] * stride_oh + offs_dv[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=hmask[:, None])
+    tl.store(Lse + row.to(tl.int64) * stride_lm + heads * stride_lh, lse, mask=hmask)
+
+
+# ----------------------------------------------------------------------------- host launchers
+def launch_split(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sinks: Optional[Tensor],
+                 page_table: Optional[Tensor], ws_o: Tensor, ws_lse: Tensor, *, grid: tuple[int],
+                 plan_args: dict, softmax_scale: float, v_from_k: bool, config: tuple[int, int, int]) -> None:
+    """Launch the split kernel; ``plan_args`` holds the planned keyword arguments (work items,
+    counts, per-sequence arrays, geometry constexprs), the rest is per layer."""
+    paged = page_table is not None
+    if paged:
+        skp, skn, skh = k.stride(0), k.stride(1), k.stride(2)
+        svp, svn, svh = v.stride(0), v.stride(1), v.stride(2)
+        pt, stride_pt = page_table, page_table.stride(0)
+    else:
+        skp, skn, skh = 0, k.stride(0), k.stride(1)
+        svp, svn, svh = 0, v.stride(0), v.stride(1)
+        pt, stride_pt = plan_args["cu_local_kv"], 0
+    block_n, warps, stages = config
+    _shard_attn_split[grid](
+        Q=q, K=k, V=v, Out=out, Lse=lse, Sinks=sinks if sinks is not None else out, PageTable=pt,
+        WsO=ws_o, WsLse=ws_lse, qk_scale=float(softmax_scale) * LOG2E,
+        stride_qm=q.stride(0), stride_qh=q.stride(1), stride_sink=sinks.stride(0) if sinks is not None else 0,
+        stride_kp=skp, stride_kn=skn, stride_kh=skh, stride_vp=svp, stride_vn=svn, stride_vh=svh,
+        stride_om=out.stride(0), stride_oh=out.stride(1), stride_lm=lse.stride(0), stride_lh=lse.stride(1),
+        stride_pt=stride_pt, stride_wi=ws_o.stride(0), stride_wr=ws_o.stride(1), stride_wh=ws_o.stride(2),
+        stride_li=ws_lse.stride(0), stride_lr=ws_lse.stride(1), PAGED=paged, V_FROM_K=v_from_k,
+        BLOCK_N=block_n, num_warps=warps, num_stages=stages, **plan_args,
+    )
+
+
+def launch_combine(out: Tensor, lse: Tensor, sinks: Optional[Tensor], ws_o: Tensor, ws_lse: Tensor, *,
+                   grid: tuple[int, int], combine_args: dict) -> None:
+    """Launch the combine kernel over ``grid`` = (query rows, head blocks)."""
+    _shard_attn_combine[grid](
+        Out=out, Lse=lse, Sinks=sinks if sinks is not None else out, WsO=ws_o, WsLse=ws_lse,
+        num_heads=out.shape[1], stride_om=out.stride(0), stride_oh=out.stride(1), stride_lm=lse.stride(0),
+        stride_lh=lse.stride(1), stride_sink=sinks.stride(0) if sinks is not None else 0,
+        stride_wi=ws_o.stride(0), stride_wr=ws_o.stride(1), stride_wh=ws_o.stride(2),
+        stride_li=ws_lse.stride(0), stride_lr=ws_lse.stride(1), num_warps=4, **combine_args,
+    )

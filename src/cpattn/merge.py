@@ -1,0 +1,199 @@
+"""Exact merge of partial attention results (out, lse) over disjoint key sets, locally and over a
+CP group in ONE collective.
+
+Attention over a key set split into disjoint parts is recovered exactly from each part's
+normalized output ``o_c`` and natural-log LSE ``l_c``: with ``m = max_c l_c``,
+``w_c = exp(l_c - m)``, ``o = sum_c w_c o_c / sum_c w_c`` and ``l = m + log(sum_c w_c)``. A part
+with no visible key contributes ``(0, -inf)`` (weight 0; its ``o`` is never read, so even a
+NaN there cannot leak); all parts empty give ``(0, -inf)``; finite LSEs of any size (1e30 or
+-1e30) merge without overflow; a NaN LSE or a NaN in a part with weight > 0 makes the row NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ._validation import check_tensor
+from . import collectives as _collectives
+from .collectives import PART_ALIGN_BYTES
+
+__all__ = ["merge_partials", "merge_states"]
+
+
+def _all_to_all_into(output: Tensor, input: Tensor, group) -> None:
+    """The single all-to-all call of ``merge_partials(scatter_heads=True)`` (tests count it)."""
+    dist.all_to_all_single(output, input, group=group)
+
+
+def merge_states(out_parts: Tensor, lse_parts: Tensor, *, dim: int = 0) -> tuple[Tensor, Tensor]:
+    """Merge partial attention results over disjoint key sets (pure, local, exact).
+
+    Args:
+        out_parts: [..., C, ...] normalized partial outputs (any float dtype), the C parts
+            along ``dim``; e.g. [C, N, H, Dv].
+        lse_parts: the matching natural-log LSEs, ``out_parts`` without its last dim
+            (e.g. [C, N, H]), any float dtype.
+        dim: the parts dimension (of lse_parts; the same index in out_parts).
+
+    Returns:
+        (out, lse): out in out_parts' dtype without the parts dim ([N, H, Dv]); lse float32
+        (float64 if an input is float64) [N, H]. Math in float32 (float64 for float64 inputs).
+
+    Example::
+
+        out, lse = cpattn.merge_states(torch.stack([o0, o1]), torch.stack([l0, l1]))
+    """
+    check_tensor(out_parts, "out_parts")
+    check_tensor(lse_parts, "lse_parts")
+    if not out_parts.dtype.is_floating_point or not lse_parts.dtype.is_floating_point:
+        raise TypeError(f"out_parts and lse_parts must be floating, got {out_parts.dtype} and {lse_parts.dtype}")
+    if out_parts.dim() < 2 or tuple(out_parts.shape[:-1]) != tuple(lse_parts.shape):
+        raise ValueError(f"lse_parts must be out_parts without its last dim: out_parts {list(out_parts.shape)}, "
+                         f"lse_parts {list(lse_parts.shape)}")
+    if out_parts.device != lse_parts.device:
+        raise ValueError(f"out_parts is on {out_parts.device} but lse_parts on {lse_parts.device}")
+    if not -lse_parts.dim() <= dim < lse_parts.dim():
+        raise ValueError(f"dim {dim} out of range for lse_parts of shape {list(lse_parts.shape)}")
+    dim %= lse_parts.dim()
+    work = torch.float64 if torch.float64 in (out_parts.dtype, lse_parts.dtype) else torch.float32
+    lse = lse_parts.to(work)
+    if lse.shape[dim] == 0:
+        shape = list(out_parts.shape)
+        del shape[dim]
+        return out_parts.new_zeros(shape), torch.full(shape[:-1], float("-inf"), dtype=work, device=lse.device)
+    m = lse.amax(dim, keepdim=True)  # NaN propagates
+    shift = torch.where(m == float("-inf"), torch.zeros((), dtype=work, device=m.device), m)
+    # lse == shift: weight 1 exactly (also +inf == +inf, which inf - inf would turn into NaN)
+    w = torch.exp(torch.where(lse == shift, torch.zeros((), dtype=work, device=m.device), lse - shift))
+    total = w.sum(dim)
+    wo = w.unsqueeze(-1)
+    contrib = torch.where(wo == 0, torch.zeros((), dtype=work, device=m.device), wo * out_parts.to(work))
+    empty = total == 0
+    out = contrib.sum(dim) / torch.where(empty, torch.ones((), dtype=work, device=m.device), total).unsqueeze(-1)
+    lse_out = torch.where(empty, torch.full((), float("-inf"), dtype=work, device=m.device),
+                          shift.squeeze(dim) + torch.log(total))
+    return out.to(out_parts.dtype), lse_out
+
+
+def _row_layout(widths: list[int]) -> tuple[list[int], int]:
+    offsets, off = [], 0
+    for w in widths:
+        offsets.append(off)
+        off += -(-w // PART_ALIGN_BYTES) * PART_ALIGN_BYTES
+    return offsets, max(off, PART_ALIGN_BYTES)
+
+
+def _pack(parts: list[Tensor], rows: int) -> tuple[Tensor, list[tuple[int, int]]]:
+    """``[rows, ...]`` tensors -> one ``[rows, row_bytes]`` uint8 buffer (16-byte aligned parts)."""
+    widths = [p.element_size() * _prod(p.shape[1:]) for p in parts]
+    offsets, row_bytes = _row_layout(widths)
+    buf = torch.empty((rows, row_bytes), dtype=torch.uint8, device=parts[0].device)
+    for p, off, w in zip(parts, offsets, widths):
+        buf[:, off : off + w] = p.reshape(rows, w // p.element_size()).contiguous().view(torch.uint8)
+    return buf, list(zip(offsets, widths))
+
+
+def _prod(shape) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
+def _unpack(buf: Tensor, layout, like: list[tuple[torch.dtype, tuple[int, ...]]]) -> list[Tensor]:
+    lead = buf.shape[:-1]
+    out = []
+    for (off, w), (dtype, trailing) in zip(layout, like):
+        view = buf[..., off : off + w]  # rows strided, last dim contiguous: views, no copy
+        if dtype != torch.uint8:
+            view = view.view(dtype)
+        out.append(view.view(*lead, *trailing))
+    return out
+
+
+def _group_size_and_rank(group) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("merge_partials over a group needs an initialized torch.distributed process group")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def merge_partials(
+    out_part: Tensor, lse_part: Tensor, group=None, *, scatter_heads: bool = False, meta=None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Merge every CP rank's partial attention (over its key shard) exactly, in ONE collective.
+
+    Args:
+        out_part: [N, Hq, Dv] this rank's normalized partial output (e.g. from
+            :func:`cpattn.shard_attention`), any float dtype; the same shape on every rank.
+        lse_part: [N, Hq] its natural-log LSE (float32; -inf where the rank holds no visible key).
+        group: the CP process group (None: the default group). One rank and no group: no
+            collective.
+        scatter_heads: False: ONE all-gather of the packed (out, lse) bytes, every rank returns
+            all heads [N, Hq, Dv]. True: ONE all-to-all, rank r returns heads
+            ``[r Hq / C, (r + 1) Hq / C)`` only, [N, Hq / C, Dv] (for an o_proj sharded by heads);
+            Hq must be a multiple of C.
+        meta: the plan the partials came from (a :class:`cpattn.DecodeMetadata`): given, the
+            group must have ``meta.cp_size`` ranks with this process at ``meta.rank``, and N must
+            be ``meta.num_query_token_rows`` (so every rank of an agreed plan passes one shape).
+        return_lse: also return the merged lse (float32) [N, Hq] (or [N, Hq / C]).
+
+    All checks run before the collective (ValueError naming the argument). Bytes moved per
+    rank: (C - 1) N Hq (Dv itemsize + 4) received, or 1/C of that with scatter_heads.
+
+    Example::
+
+        out_p, lse_p = cpattn.shard_attention(q, k_cache, v_cache, dmeta, page_table=pt)
+        out = cpattn.merge_partials(out_p, lse_p, group, meta=dmeta)   # [N, Hq, Dv]
+    """
+    check_tensor(out_part, "out_part")
+    check_tensor(lse_part, "lse_part")
+    if out_part.dim() != 3 or not out_part.dtype.is_floating_point:
+        raise ValueError(f"out_part must be a float [N, Hq, Dv] tensor, got {out_part.dtype} {list(out_part.shape)}")
+    if lse_part.dim() != 2 or tuple(lse_part.shape) != tuple(out_part.shape[:2]) or lse_part.dtype != torch.float32:
+        raise ValueError(f"lse_part must be float32 [N, Hq] = {list(out_part.shape[:2])} matching out_part, got "
+                         f"{lse_part.dtype} {list(lse_part.shape)}")
+    if lse_part.device != out_part.device:
+        raise ValueError(f"out_part is on {out_part.device} but lse_part on {lse_part.device}")
+    if not isinstance(scatter_heads, bool):
+        raise TypeError(f"scatter_heads must be a bool, got {type(scatter_heads).__name__}")
+    n, hq, dv = out_part.shape
+    if meta is not None:
+        rows = getattr(meta, "num_query_token_rows", None)
+        if rows is not None and n != rows:
+            raise ValueError(f"out_part has {n} rows but the plan has {rows} query rows")
+    if meta is not None and meta.cp_size == 1 and group is None:
+        size, rank = 1, 0
+    elif group is None and not (dist.is_available() and dist.is_initialized()):
+        size, rank = 1, 0
+    else:
+        size, rank = _group_size_and_rank(group)
+    if meta is not None:
+        if size != meta.cp_size:
+            raise ValueError(f"merge group size {size} != cp_size {meta.cp_size} of the plan")
+        if rank != meta.rank:
+            raise ValueError(f"the plan was built for rank {meta.rank} but this process is rank {rank} of the group")
+    if scatter_heads and hq % size:
+        raise ValueError(f"scatter_heads needs Hq={hq} to be a multiple of the group size {size}")
+    if size == 1:
+        out, lse = out_part, lse_part
+        return (out, lse) if return_lse else out
+    hc = hq // size if scatter_heads else hq
+    like = [(out_part.dtype, (hc, dv)), (torch.float32, (hc,))]
+    if scatter_heads:
+        o = out_part.reshape(n, size, hc, dv).transpose(0, 1).reshape(size * n, hc, dv)
+        l = lse_part.reshape(n, size, hc).transpose(0, 1).reshape(size * n, hc)
+        packed, layout = _pack([o, l], size * n)
+        received = torch.empty_like(packed)
+        _all_to_all_into(received, packed, group)
+    else:
+        packed, layout = _pack([out_part, lse_part], n)
+        received = torch.empty((size * n, packed.shape[1]), dtype=torch.uint8, device=packed.device)
+        _collectives._all_gather_into(received, packed, group, False)  # the one collective (counted in tests)
+    outs, lses = _unpack(received.view(size, n, -1), layout, like)
+    out, lse = merge_states(outs, lses)
+    return (out, lse.float()) if return_lse else out

@@ -1,0 +1,22 @@
+"""``python -m cpattn.bench decode --tiny``: the decode / crossover benchmark runs on the CPU
+(CI smoke test: tiny shapes, torch reference); its JSON has every config and the summary."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from cpattn.bench.__main__ import main
+
+
+def test_decode_bench_tiny(tmp_path):
+    out = os.path.join(tmp_path, "decode")
+    assert main(["decode", "--tiny", "--shapes", "gqa,mla", "--q-lens", "1,4", "--out", out]) == 0
+    payload = json.load(open(out + ".json"))
+    rows = payload["rows"]
+    assert len(rows) == 2 * 2 * 2 * 2 * 2  # shapes x L x B x C x q_len
+    assert all(r["kv_bytes_ok"] for r in rows) and all(r["attn_ms"] > 0 for r in rows)
+    assert {r["cp"] for r in rows} == {1, 2} and {r["shape"] for r in rows} == {"gqa", "mla"}
+    cross = payload["crossover"]
+    assert len(cross["rows"]) == 3 and all(r["bytes_pass_kv"] >= 0 for r in cross["rows"])
+    assert any("crossover" in line for line in payload["summary"])

@@ -1,0 +1,96 @@
+"""Compile the split-KV decode kernels (kernels/triton_decode.py) for sm_90 without a GPU and
+report what ptxas makes of each variant (registers, spills, shared memory).
+
+Run from the repository root with the triton that matches the GPU machine:
+    PYTHONPATH=src /tmp/t36/bin/python tools/decode_offline_check.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import cpattn.kernels.triton_decode as td
+from cpattn.kernels.decode_backend import default_config, tile_geometry
+
+_here = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.util.spec_from_file_location("sm90_offline_check", os.path.join(_here, "sm90_offline_check.py"))
+
+#: (name, Hq, Hkv, D, Dv, q_len, C, I, paged, page, window, sinks, v_from_k, dtype)
+VARIANTS = [
+    ("gqa-d128-q1-paged64", 32, 8, 128, 128, 1, 1, 1, True, 64, False, False, False, "bf16"),
+    ("gqa-d128-q1-packed-c8", 32, 8, 128, 128, 1, 8, 1, False, 1, False, False, False, "bf16"),
+    ("gqa-d128-q4-paged64-c4-win-sink", 32, 8, 128, 128, 4, 4, 1, True, 64, True, True, False, "bf16"),
+    ("gqa-d128-q2-paged16-c2-i4", 32, 8, 128, 128, 2, 2, 4, True, 16, False, False, False, "fp16"),
+    ("mha-d64-q1-paged32", 16, 16, 64, 64, 1, 2, 1, True, 32, False, False, False, "bf16"),
+    ("d256-q1-paged64", 16, 4, 256, 256, 1, 1, 1, True, 64, False, False, False, "bf16"),
+    ("mla-576-512-q1-paged64", 128, 1, 576, 512, 1, 1, 1, True, 64, False, False, True, "bf16"),
+    ("mla-576-512-q4-paged64-c8", 128, 1, 576, 512, 4, 8, 1, True, 64, False, False, True, "bf16"),
+    ("extend-gqa-d128-q64-paged64-c4", 32, 8, 128, 128, 64, 4, 1, True, 64, False, True, False, "bf16"),
+]
+
+
+def _split_sig(name, hq, hkv, d, dv, q_len, c, i, paged, page, window, sinks, v_from_k, dtype):
+    from cpattn.kernels.triton_attn import split_head_dim  # noqa: F401 (host helper only)
+
+    fn = td._shard_attn_split
+    rows, g_pack, block_m = tile_geometry(hq, hkv, d, q_len, False)
+    block_n, warps, stages = default_config(d, dv, False)
+    d1 = 1 << (d.bit_length() - 1)
+    d2 = d - d1
+    elem = f"*{dtype}"
+    sig = {n: "i32" for n in fn.arg_names}
+    sig.update(Q=elem, K=elem, V=elem, Out=elem, Lse="*fp32", Sinks="*fp32", WsO="*fp32", WsLse="*fp32",
+               PageTable="*i32" if paged else "*i64", qk_scale="fp32", q_lens="*i64", seq_lens="*i64",
+               cu_q_lens="*i64", cu_local_kv="*i64")
+    for n in ("item_seq", "item_r0", "item_k0", "item_k1", "item_ws", "NumItems"):
+        sig[n] = "*i32"
+    consts = dict(HEAD_DIM_V=dv, BLOCK_D1=d1, BLOCK_D2=d2, ROWS=rows, G_PACK=g_pack, BLOCK_M=block_m, CP_SIZE=c,
+                  INTERLEAVE=i, PAGED=paged, PAGE_SIZE=page, HAS_WINDOW=window, HAS_SINKS=sinks, V_FROM_K=v_from_k,
+                  DOT_PRECISION="tf32", DOT_UPCAST=False, BLOCK_N=block_n)
+    sig.update({n: "constexpr" for n in consts})
+    return fn, sig, consts, dict(num_warps=warps, num_stages=stages), (rows, g_pack, block_m, block_n, warps, stages)
+
+
+def _combine_sig(dv, sinks, dtype):
+    fn = td._shard_attn_combine
+    sig = {n: "i32" for n in fn.arg_names}
+    sig.update(Out=f"*{dtype}", Lse="*fp32", Sinks="*fp32", WsO="*fp32", WsLse="*fp32", row_ws0="*i32",
+               row_nsplit="*i32", row_ti="*i32")
+    consts = dict(HEAD_DIM_V=dv, BLOCK_H=64 if dv <= 128 else 16, HAS_SINKS=sinks)
+    sig.update({n: "constexpr" for n in consts})
+    return fn, sig, consts
+
+
+def _attrs(fn, sig) -> dict:
+    """What the JIT specializes at a real launch: 16-byte aligned pointers and strides that are
+    multiples of 16 (without these hints the pipeliner cannot use cp.async and nothing is
+    multi-buffered)."""
+    return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+            if t.startswith("*") or (n.startswith("stride_") and n not in ("stride_sink", "stride_lh"))}
+
+
+def main() -> None:
+    check = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(check)
+    target = GPUTarget("cuda", 90, 32)
+    for v in VARIANTS:
+        fn, sig, consts, opts, geo = _split_sig(*v)
+        k = triton.compile(ASTSource(fn, sig, consts, _attrs(fn, sig)), target=target, options=opts)
+        rows, g_pack, block_m, block_n, warps, stages = geo
+        ttgir = k.asm["ttgir"]
+        print(f"split {v[0]}: ROWS={rows} G_PACK={g_pack} BLOCK_M={block_m} BLOCK_N={block_n} warps={warps} "
+              f"stages={stages}: smem {k.metadata.shared} B, {ttgir.count('async_copy_global_to_local')} async "
+              f"copies, {ttgir.count('warp_group_dot ')} wgmma; {check.ptxas_report(k.asm['ptx'])}", flush=True)
+    for dv, sinks in ((128, False), (512, True)):
+        fn, sig, consts = _combine_sig(dv, sinks, "bf16")
+        k = triton.compile(ASTSource(fn, sig, consts, _attrs(fn, sig)), target=target, options=dict(num_warps=4))
+        print(f"combine Dv={dv} sinks={sinks}: smem {k.metadata.shared} B; {check.ptxas_report(k.asm['ptx'])}")
+
+
+if __name__ == "__main__":
+    main()
