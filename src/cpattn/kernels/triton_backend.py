@@ -1,18 +1,22 @@
 """``backend="triton"``: plans the launch and picks the kernel family.
 
-Families: the warp-specialized Hopper kernel (:mod:`.triton_sm90`, Gluon) where it applies, else
-the portable kernel (:mod:`.triton_attn`, any CUDA GPU, and CPU tensors under the Triton
-interpreter: ``TRITON_INTERPRET=1`` set before triton is first imported). Both read the same
-plan: a tile map of the placement plan's segments (pad segment included, so the kernels write
-the pad rows), GQA head packing and L2 head sections, uploaded once per forward. The per-layer
-call checks the K/V layout (TMA-compatible rows for the sm90 kernel), gathers strides and
-launches: O(1) host work. Triton is imported lazily: ``import cpattn`` works without it.
+Families: on sm_90 the warp-specialized Hopper kernels (Gluon) where they apply: the
+absorbed-MLA kernel (:mod:`.triton_mla`: one latent KV head, D = 576, Dv = 512, ``v`` a view of
+``k[..., :512]``) and the dense kernel (:mod:`.triton_sm90`: (D, Dv) in (64, 64), (128, 128),
+(192, 128)), packed or paged; else the portable kernel (:mod:`.triton_attn`, any CUDA GPU, and
+CPU tensors under the Triton interpreter: ``TRITON_INTERPRET=1`` set before triton is first
+imported). All read the same plan: a tile map of the placement plan's segments (pad segment
+included, so the kernels write the pad rows), GQA head packing and L2 head sections, uploaded
+once per forward. The family is chosen at plan time; the per-layer call only checks the K/V
+layout (TMA-compatible rows, ``v`` aliasing ``k`` for MLA: O(1)), falling back to the portable
+kernel for that call when it does not hold, gathers strides and launches: O(1) host work.
+Triton is imported lazily: ``import cpattn`` works without it.
 
-``backend_options``: ``family`` ("auto", "portable", "sm90": "sm90" raises ValueError where it
+``backend_options``: ``family`` (:data:`FAMILIES`; "sm90" / "mla" raise ValueError where they
 cannot run), ``block_m`` (query rows x packed heads per program), ``config`` ((BLOCK_N,
 num_warps, num_stages) of the portable kernel, bypassing the autotuner), ``sm90`` (a dict of
-:data:`SM90_OPTIONS` overrides). ``CPATTN_TRITON_SM90=0`` in the environment (read at plan time)
-makes "auto" use the portable kernel.
+:data:`SM90_OPTIONS` overrides for the dense Hopper kernel). ``CPATTN_TRITON_SM90=0`` in the
+environment (read at plan time) makes "auto" use the portable kernel.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ _KERNEL_MODULE = "cpattn.kernels.triton_attn"
 SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": 0, "pingpong": False}
 
 _OPTION_NAMES = {"family", "block_m", "config", "sm90"}
+#: Kernel families ("auto": mla, then sm90, then portable, the first that can run the plan).
+FAMILIES = ("auto", "portable", "sm90", "mla")
 
 
 def _interpret_env() -> bool:
@@ -47,30 +53,39 @@ class _TritonRun:
     """A planned Triton launch (see the module docstring); called once per layer."""
 
     def __init__(self, spec: AttentionSpec, meta: CPMetadata, options: Mapping) -> None:
-        from . import triton_attn, triton_sm90
+        from . import triton_attn, triton_mla, triton_sm90
 
         unknown = set(options) - _OPTION_NAMES
         if unknown:
             raise ValueError(f"unknown triton backend_options {sorted(unknown)} (known: {sorted(_OPTION_NAMES)})")
         d, dv, hq, hkv = spec.head_dim, spec.head_dim_v, spec.num_q_heads, spec.num_kv_heads
         family = options.get("family", "auto")
-        if family not in ("auto", "portable", "sm90"):
-            raise ValueError(f"backend_options family must be 'auto', 'portable' or 'sm90', got {family!r}")
+        if family not in FAMILIES:
+            raise ValueError(f"backend_options family must be one of {FAMILIES}, got {family!r}")
         block_m = options.get("block_m") or triton_attn.default_block_m(d, dv)
         self.config = options.get("config")
-        sm90_block = triton_sm90.NUM_CONSUMERS * triton_sm90.CONSUMER_ROWS
-        reason = None if not triton_attn.INTERPRETED else "the CPU interpreter"
-        reason = reason or triton_sm90.unsupported_reason(d, dv, spec.dtype, spec.paged, meta.device)
-        if reason is None and block_m != sm90_block:
-            reason = f"block_m={block_m} (the sm_90 kernel covers {sm90_block})"
-        if reason is None and self.config is not None:
-            reason = "a portable-kernel config was given"
-        if family == "sm90" and reason is not None:
-            raise ValueError(f"the sm_90 kernel cannot run this plan: {reason}")
-        env_off = family == "auto" and os.environ.get("CPATTN_TRITON_SM90", "1") == "0"
-        self.use_sm90 = family != "portable" and reason is None and not env_off
+        self.reasons = {"portable": None}
+        for name, fam_reason, fam_block in (
+            ("sm90", triton_sm90.unsupported_reason(d, dv, spec.dtype, spec.page_size, meta.device),
+             triton_sm90.NUM_CONSUMERS * triton_sm90.CONSUMER_ROWS),
+            ("mla", triton_mla.unsupported_reason(d, dv, hkv, spec.dtype, spec.page_size, meta.device),
+             triton_mla.BLOCK_M),
+        ):
+            reason = "the CPU interpreter" if triton_attn.INTERPRETED else fam_reason
+            if reason is None and block_m != fam_block:
+                reason = f"block_m={block_m} (the {name} kernel covers {fam_block})"
+            if reason is None and self.config is not None:
+                reason = "a portable-kernel config was given"
+            self.reasons[name] = reason
+        if family not in ("auto", "portable") and self.reasons[family] is not None:
+            raise ValueError(f"the {family} kernel cannot run this plan: {self.reasons[family]}")
+        if family == "auto":
+            env_off = os.environ.get("CPATTN_TRITON_SM90", "1") == "0"
+            family = next((f for f in ("mla", "sm90") if self.reasons[f] is None and not env_off), "portable")
+        #: the kernel family that runs (a Hopper family falls back to the portable kernel per call
+        #: when the K/V layout is not TMA-compatible, see ``__call__``)
+        self.family = family
         self.sm90_options = {**SM90_OPTIONS, **dict(options.get("sm90", {}))}
-        self.sm90_reason = reason
 
         g_pack, rows = gqa_packing(hq, hkv, block_m)
         tiles = tile_map(meta, rows, capacity=max_tiles(meta, rows) if meta.is_static else None)
@@ -97,9 +112,16 @@ class _TritonRun:
             common, HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D1=d1, BLOCK_D2=d2, BLOCK_M=block_m,
             PAGED=spec.paged, PAGE_SIZE=spec.page_size or 1, **triton_attn.dot_settings(spec.dtype),
         )
-        self._portable, self._sm90 = triton_attn.launch, triton_sm90.launch
-        self._contiguous, self._layout_ok = triton_attn.last_dim_contiguous, triton_sm90.kv_layout_ok
-        self.family = "sm90" if self.use_sm90 else "portable"
+        self._portable = triton_attn.launch
+        self._contiguous = triton_attn.last_dim_contiguous
+        if family == "sm90":
+            self._fast, self._layout_ok = triton_sm90.launch, triton_sm90.kv_layout_ok
+            self._fast_options = self.sm90_options
+        elif family == "mla":
+            self._fast, self._layout_ok = triton_mla.launch, triton_mla.kv_layout_ok
+            self._fast_options = {}
+        else:
+            self._fast = self._layout_ok = None
 
     def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse) -> None:
         if not softmax_scale > 0:
@@ -115,9 +137,9 @@ class _TritonRun:
             self._launch(q, k, v, page_table, sinks, softmax_scale, out, lse)
 
     def _launch(self, q, k, v, page_table, sinks, softmax_scale, out, lse) -> None:
-        if self.use_sm90 and self._layout_ok(k, v):
-            self._sm90(q, k, v, out, lse, sinks, grid=self.grid, plan_args=self.sm90_args,
-                       softmax_scale=softmax_scale, **self.sm90_options)
+        if self._fast is not None and self._layout_ok(k, v):
+            self._fast(q, k, v, out, lse, sinks, page_table, grid=self.grid, plan_args=self.sm90_args,
+                       softmax_scale=softmax_scale, **self._fast_options)
         else:
             self._portable(q, k, v, out, lse, sinks, page_table, grid=self.grid, plan_args=self.portable_args,
                            softmax_scale=softmax_scale, config=self.config)

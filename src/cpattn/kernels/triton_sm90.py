@@ -16,10 +16,15 @@ one segment x ``G_PACK`` heads of one KV group), organised the way FA3 runs on H
 
 Programs walk the tile map by L2 head sections (see ``triton_attn.heads_per_l2_section``).
 
-Used for packed K/V with ``(D, Dv)`` in (64, 64), (128, 128), (192, 128) (``Q K^T`` of D192 is
-two wgmmas over 128 + 64 columns, with 2 K/V stages), bf16/fp16, on sm_90 with Gluon available;
-everything else (paged K/V, other head dims, other GPUs, the CPU interpreter) runs the portable
-kernel. Masking, windows, sinks and LSE follow the portable kernel exactly.
+Used for ``(D, Dv)`` in (64, 64), (128, 128), (192, 128) (``Q K^T`` of D192 is two wgmmas over
+128 + 64 columns, with 2 K/V stages), bf16/fp16, on sm_90 with Gluon available, K/V packed or
+paged. Paged caches are read with TMA copies of ``gcd(page_size, BLOCK_N)`` rows (>= 8: one page
+table read per copy; page sizes with a smaller gcd run the portable kernel), one copy per
+64-column chunk into its sub-tile of the stage; rows past the tile's last key in the last block
+are clamped to that key's page (no table entry past the sequence is read) and zeroed in V before
+``P V`` (unused cache slots may hold NaN). Everything else (other head dims, other GPUs, the CPU
+interpreter) runs the portable kernel. Masking, windows, sinks and LSE follow the portable
+kernel exactly.
 """
 
 from __future__ import annotations
@@ -29,7 +34,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-try:  # Gluon ships with triton >= 3.5; older versions use the portable kernel only
+from ._sm90_common import (HAVE_GLUON, TMA_CHUNK, packed_layout_ok, paged_copy_rows, paged_layout_ok,
+                           smem_layout as _smem_layout)
+from ._tiles import LOG2E, SM90_SMEM_PER_BLOCK
+
+if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -40,17 +49,20 @@ try:  # Gluon ships with triton >= 3.5; older versions use the portable kernel o
         warpgroup_mma_wait,
     )
 
-    HAVE_GLUON = True
-except (ImportError, AssertionError):  # triton < 3.5, or triton loaded for the CPU interpreter
-    HAVE_GLUON = False
-
-from ._tiles import LOG2E, SM90_SMEM_PER_BLOCK
+    from ._sm90_common import page_of, page_row, softmax_block as _ws_softmax, zero_rows_from
 
 #: (consumer warpgroups) x (rows per consumer): the tile a program covers.
 NUM_CONSUMERS = 2
 CONSUMER_ROWS = 64
 #: (D, Dv) pairs the kernel takes; D = 192 (MLA prefill) splits ``Q K^T`` into 128 + 64 columns.
 SUPPORTED_HEAD_DIMS = {(64, 64), (128, 128), (192, 128)}
+
+
+#: setmaxnreg budgets (consumer warpgroups, loader warp; 2 x 128 x consumers + 128 x loader <= the
+#: 64512 registers of a 384-thread launch at 168): the paged loader computes a page-table row per
+#: TMA copy and spills at 24.
+PACKED_REGS = dict(CONSUMER_REGS=240, LOADER_REGS=24)
+PAGED_REGS = dict(CONSUMER_REGS=232, LOADER_REGS=40)
 
 
 def split_qk_dim(d: int) -> tuple[int, int]:
@@ -65,11 +77,13 @@ def max_stages(d: int, dv: int, block_n: int, elem_bytes: int = 2) -> int:
     return max(1, min(3, (SM90_SMEM_PER_BLOCK - q_bytes - 1024) // stage_bytes))
 
 
-def unsupported_reason(d: int, dv: int, dtype: torch.dtype, paged: bool, device: torch.device) -> Optional[str]:
+def unsupported_reason(d: int, dv: int, dtype: torch.dtype, page_size: Optional[int], device: torch.device,
+                       block_n: int = 128) -> Optional[str]:
     """Why the sm_90 kernel cannot take this plan (None if it can; the K/V layout is checked
-    per layer by :func:`kv_layout_ok`)."""
-    if paged:
-        return "paged K/V"
+    per layer by :func:`kv_layout_ok`). ``page_size`` None: packed K/V."""
+    if page_size is not None and not paged_copy_rows(page_size, block_n):
+        return (f"paged K/V with page_size={page_size} (TMA copies need gcd(page_size, {block_n}) >= 8; "
+                "the portable kernel gathers any page size)")
     if (d, dv) not in SUPPORTED_HEAD_DIMS:
         return f"head dims D={d}, Dv={dv} (needs (D, Dv) in {sorted(SUPPORTED_HEAD_DIMS)})"
     if dtype not in (torch.bfloat16, torch.float16):
@@ -82,57 +96,80 @@ def unsupported_reason(d: int, dv: int, dtype: torch.dtype, paged: bool, device:
 
 
 def kv_layout_ok(k: Tensor, v: Tensor) -> bool:
-    """K/V seen as 2-D TMA matrices ``[rows, Hkv * D]``: heads adjacent, 16-byte rows and base."""
-    for x in (k, v):
-        if (x.stride(-1) != 1 or x.stride(-2) != x.shape[-1] or (x.stride(0) * x.element_size()) % 16
-                or x.data_ptr() % 16):
-            return False
-    return True
+    """K/V seen as 2-D TMA matrices ``[rows, Hkv * D]``: heads adjacent (or one KV head), 16-byte
+    rows and base; paged caches ``[pages, page_size, Hkv, D]`` with pages ``page_size`` rows apart."""
+    ok = paged_layout_ok if k.dim() == 4 else packed_layout_ok
+    return ok(k) and ok(v)
 
 
 if HAVE_GLUON:
 
     @gluon.jit
+    def _ws_load_paged(k_desc, v_desc, k_slot, k2_slot, v_slot, k_ready, v_ready, pt_row, start, last_key, k_col,
+                       v_col, HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr):
+        """TMA one key block of a paged cache: per group of COPY_ROWS keys (inside one page: one
+        page-table read) one copy per 64-column chunk of K (and K's second split) and V into its
+        sub-tile, the stage seen as [chunks * groups, COPY_ROWS, 64] (the chunk-major order of a
+        128-byte-swizzled tile)."""
+        BLOCK_N: gl.constexpr = k_slot.type.shape[0]
+        CK: gl.constexpr = k_slot.type.shape[1] // 64
+        CK2: gl.constexpr = HEAD_DIM2 // 64
+        CV: gl.constexpr = v_slot.type.shape[1] // 64
+        NG: gl.constexpr = BLOCK_N // COPY_ROWS
+        k_pieces = k_slot._reinterpret(k_desc.dtype, [CK * NG, COPY_ROWS, 64], k_desc.layout)
+        k2_pieces = k2_slot._reinterpret(k_desc.dtype, [max(CK2, 1) * NG, COPY_ROWS, 64], k_desc.layout)
+        v_pieces = v_slot._reinterpret(v_desc.dtype, [CV * NG, COPY_ROWS, 64], v_desc.layout)
+        # page-table reads run two groups ahead of the copies (one warp issues everything)
+        page_a, slot_a = page_of(pt_row, start, last_key, PAGE_SIZE, COPY_ROWS)
+        page_b, slot_b = page_of(pt_row, start + COPY_ROWS, last_key, PAGE_SIZE, COPY_ROWS)
+        for g in gl.static_range(NG):
+            row = page_row(page_a, slot_a, PAGE_SIZE)
+            page_a, slot_a = page_b, slot_b
+            if g + 2 < NG:
+                page_b, slot_b = page_of(pt_row, start + (g + 2) * COPY_ROWS, last_key, PAGE_SIZE, COPY_ROWS)
+            for c in gl.static_range(CK):
+                tma.async_copy_global_to_shared(k_desc, [row, k_col + c * 64], k_ready, k_pieces.index(c * NG + g))
+            for c in gl.static_range(CK2):
+                tma.async_copy_global_to_shared(k_desc, [row, k_col + (CK + c) * 64], k_ready,
+                                                k2_pieces.index(c * NG + g))
+            for c in gl.static_range(CV):
+                tma.async_copy_global_to_shared(v_desc, [row, v_col + c * 64], v_ready, v_pieces.index(c * NG + g))
+
+    @gluon.jit
     def _ws_loader(smem, kv, rows, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, RETURN_LSE: gl.constexpr,
-                   G_PACK: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, HEAD_DIM2: gl.constexpr):
-        """1 warp: TMA K/V blocks ``n_lo + j * BLOCK_N`` (j < num_blocks) into the stage ring."""
+                   G_PACK: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, HEAD_DIM2: gl.constexpr,
+                   PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr):
+        """1 warp: TMA K/V blocks ``n_lo + j * BLOCK_N`` (j < num_blocks) into the stage ring
+        (PAGE_SIZE > 0: from a paged cache, COPY_ROWS keys per copy)."""
         q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, k_ready, v_ready, kv_empty, turn = smem
-        k_desc, k2_desc, v_desc, k_col, v_col, kv_row_base, n_lo, num_blocks = kv
+        k_desc, k2_desc, v_desc, k_col, v_col, kv_row_base, n_lo, num_blocks, key_end, pt_row = kv
         STAGES: gl.constexpr = k_bufs.type.shape[0]
         BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
         HEAD_DIM1: gl.constexpr = k_bufs.type.shape[2]
+        HEAD_DIM_V: gl.constexpr = v_bufs.type.shape[2]
         for j in range(num_blocks):
             slot = j % STAGES
             phase = (j // STAGES) & 1
             mbarrier.wait(kv_empty.index(slot), phase ^ 1)
-            row = (kv_row_base + n_lo + j * BLOCK_N).to(gl.int32)
-            if HEAD_DIM2 > 0:
-                mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes + k2_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [row, k_col], k_ready.index(slot), k_bufs.index(slot))
-                tma.async_copy_global_to_shared(k2_desc, [row, k_col + HEAD_DIM1], k_ready.index(slot),
-                                                k2_bufs.index(slot))
+            if PAGE_SIZE > 0:
+                copy_bytes: gl.constexpr = k_desc.block_type.nbytes * (BLOCK_N // COPY_ROWS)
+                mbarrier.expect(k_ready.index(slot), copy_bytes * ((HEAD_DIM1 + HEAD_DIM2) // 64))
+                mbarrier.expect(v_ready.index(slot), copy_bytes * (HEAD_DIM_V // 64))
+                _ws_load_paged(k_desc, v_desc, k_bufs.index(slot), k2_bufs.index(slot), v_bufs.index(slot),
+                               k_ready.index(slot), v_ready.index(slot), pt_row, n_lo + j * BLOCK_N, key_end - 1,
+                               k_col, v_col, HEAD_DIM2, PAGE_SIZE, COPY_ROWS)
             else:
-                mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [row, k_col], k_ready.index(slot), k_bufs.index(slot))
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [row, v_col], v_ready.index(slot), v_bufs.index(slot))
-
-    @gluon.jit
-    def _ws_softmax(s, m_i, l_i, start, pos, f_lo, f_hi, window, qk_scale, offs_n, HAS_WINDOW: gl.constexpr):
-        """Online softmax of one score block (base 2): returns (p fp32, alpha, m_i, l_i). Blocks
-        outside [f_lo, f_hi) get the causal / window mask by position."""
-        if (start < f_lo) | (start >= f_hi):
-            kpos = start + offs_n
-            visible = gl.expand_dims(kpos, 0) <= gl.expand_dims(pos, 1)
-            if HAS_WINDOW:
-                visible = visible & (gl.expand_dims(kpos, 0) >= gl.expand_dims(pos - window, 1))
-            s = gl.where(visible, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
-        alpha = gl.exp2(m_i - m_use)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        return p, alpha, m_new, l_i
+                row = (kv_row_base + n_lo + j * BLOCK_N).to(gl.int32)
+                if HEAD_DIM2 > 0:
+                    mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes + k2_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(k_desc, [row, k_col], k_ready.index(slot), k_bufs.index(slot))
+                    tma.async_copy_global_to_shared(k2_desc, [row, k_col + HEAD_DIM1], k_ready.index(slot),
+                                                    k2_bufs.index(slot))
+                else:
+                    mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(k_desc, [row, k_col], k_ready.index(slot), k_bufs.index(slot))
+                mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [row, v_col], v_ready.index(slot), v_bufs.index(slot))
 
     @gluon.jit
     def _ws_qk(q_lo, q_hi, k_lo, k_hi, s_zero, HEAD_DIM2: gl.constexpr):
@@ -143,12 +180,23 @@ if HAVE_GLUON:
         return s
 
     @gluon.jit
+    def _ws_fix_last_v(v_buf, j, num_blocks, n_lo, key_end, PAGE_SIZE: gl.constexpr):
+        """Paged: zero the V rows of the last key block past the tile's last key (unused cache
+        slots, or rows clamped to the last page, may hold NaN; P is 0 there but 0 * NaN is not)."""
+        if PAGE_SIZE > 0:
+            BLOCK_N: gl.constexpr = v_buf.type.shape[0]
+            valid = key_end - (n_lo + j * BLOCK_N)
+            if (j == num_blocks - 1) & (valid < BLOCK_N):
+                zero_rows_from(v_buf, valid, 4)
+
+    @gluon.jit
     def _ws_consumer(smem, kv, rows, HALF: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
                      RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, OVERLAP: gl.constexpr,
-                     PINGPONG: gl.constexpr, HEAD_DIM2: gl.constexpr):
+                     PINGPONG: gl.constexpr, HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                     COPY_ROWS: gl.constexpr):
         """4 warps: rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of the tile."""
         q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, k_ready, v_ready, kv_empty, turn = smem
-        k_desc, k2_desc, v_desc, k_col, v_col, kv_row_base, n_lo, num_blocks = kv
+        k_desc, k2_desc, v_desc, k_col, v_col, kv_row_base, n_lo, num_blocks, key_end, pt_row = kv
         (Q, Out, Lse, Sinks, stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
          roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, qk_scale, window, stride_sink) = rows
         STAGES: gl.constexpr = k_bufs.type.shape[0]
@@ -237,6 +285,7 @@ if HAVE_GLUON:
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
             last = (num_blocks - 1) % STAGES
             mbarrier.wait(v_ready.index(last), ((num_blocks - 1) // STAGES) & 1)
+            _ws_fix_last_v(v_bufs.index(last), num_blocks - 1, num_blocks, n_lo, key_end, PAGE_SIZE)
             if PINGPONG:
                 mbarrier.wait(turn.index(HALF), (num_blocks & 1) ^ HALF ^ 1)
             acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
@@ -256,6 +305,7 @@ if HAVE_GLUON:
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 mbarrier.wait(v_ready.index(slot), phase)
+                _ws_fix_last_v(v_bufs.index(slot), j, num_blocks, n_lo, key_end, PAGE_SIZE)
                 acc = warpgroup_mma(p_op, v_bufs.index(slot), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
                 mbarrier.arrive(kv_empty.index(slot), count=1)
@@ -279,32 +329,35 @@ if HAVE_GLUON:
             head_s = hg * G_PACK + m_s % G_PACK
             gl.store(Lse + (row0 + r_s).to(gl.int64) * stride_lm + head_s * stride_lh, lse, mask=r_s < slen)
 
+
     @gluon.jit
     def _ws_consumer0(smem, kv, rows, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
                       RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-                      HEAD_DIM2: gl.constexpr):
-        _ws_consumer(smem, kv, rows, 0, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG, HEAD_DIM2)
+                      HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr):
+        _ws_consumer(smem, kv, rows, 0, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG, HEAD_DIM2,
+                     PAGE_SIZE, COPY_ROWS)
 
     @gluon.jit
     def _ws_consumer1(smem, kv, rows, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
                       RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-                      HEAD_DIM2: gl.constexpr):
-        _ws_consumer(smem, kv, rows, 1, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG, HEAD_DIM2)
+                      HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr):
+        _ws_consumer(smem, kv, rows, 1, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG, HEAD_DIM2,
+                     PAGE_SIZE, COPY_ROWS)
 
     @gluon.jit
     def _cp_attn_fwd_sm90(
-        Q, k_desc, k2_desc, v_desc, Out, Lse, Sinks,
+        Q, k_desc, k2_desc, v_desc, Out, Lse, Sinks, PageTable,
         tile_segment, tile_row_offset, NumTiles,
         seg_seq, seg_row0, seg_len, seg_pos0, seg_stride, cu_kv_lens,
         qk_scale, window, num_head_groups, heads_per_section, group_size,
-        stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh, stride_sink,
-        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, G_PACK: gl.constexpr,
+        stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh, stride_sink, stride_pt,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr,
+        HEAD_DIM_V: gl.constexpr, STAGES: gl.constexpr, G_PACK: gl.constexpr,
         HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, RETURN_LSE: gl.constexpr, OVERLAP: gl.constexpr,
-        PINGPONG: gl.constexpr, Q_SMEM: gl.constexpr, HEAD_DIM2: gl.constexpr, Q2_SMEM: gl.constexpr,
+        PINGPONG: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr,
+        Q_SMEM: gl.constexpr, Q2_SMEM: gl.constexpr, K_SMEM: gl.constexpr, K2_SMEM: gl.constexpr,
+        V_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
     ):
-        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-        HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
-        HEAD_DIM_V: gl.constexpr = v_desc.block_type.shape[1]
         ROWS: gl.constexpr = 2 * BLOCK_M // G_PACK
         # program -> (tile, head group) by L2 sections, as triton_attn._tile_and_head_group (not
         # imported from there: that import would fix triton_attn's interpreter/GPU mode early)
@@ -331,7 +384,12 @@ if HAVE_GLUON:
         pos_min = pos0 + roff * pstride
         pos_max = pos0 + last_r * pstride
         kvh = (hg * G_PACK) // group_size
-        kv_row_base = gl.load(cu_kv_lens + seq).to(gl.int32)  # TMA coordinates are 32-bit
+        if PAGE_SIZE > 0:
+            kv_row_base = seq * 0
+            pt_row = PageTable + seq.to(gl.int64) * stride_pt
+        else:
+            kv_row_base = gl.load(cu_kv_lens + seq).to(gl.int32)  # TMA coordinates are 32-bit
+            pt_row = PageTable
 
         key_end = pos_max + 1
         if HAS_WINDOW:
@@ -344,14 +402,14 @@ if HAVE_GLUON:
         num_blocks = gl.where(live, gl.cdiv(key_end - n_lo, BLOCK_N), 0)
 
         q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, BLOCK_M, HEAD_DIM], Q_SMEM)
-        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        k_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DIM], K_SMEM)
         if HEAD_DIM2 > 0:
             q2_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, BLOCK_M, HEAD_DIM2], Q2_SMEM)
-            k2_bufs = gl.allocate_shared_memory(k2_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM2], k2_desc.layout)
+            k2_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DIM2], K2_SMEM)
         else:  # placeholders, never read
             q2_smem = q_smem
             k2_bufs = k_bufs
-        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM_V], v_desc.layout)
+        v_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DIM_V], V_SMEM)
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -365,34 +423,39 @@ if HAVE_GLUON:
 
         # partition arguments (scalars and shared-memory handles only): buffers, K/V stream, rows
         smem = (q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, k_ready, v_ready, kv_empty, turn)
-        kv = (k_desc, k2_desc, v_desc, kvh * (HEAD_DIM + HEAD_DIM2), kvh * HEAD_DIM_V, kv_row_base, n_lo, num_blocks)
+        kv = (k_desc, k2_desc, v_desc, kvh * (HEAD_DIM + HEAD_DIM2), kvh * HEAD_DIM_V, kv_row_base, n_lo, num_blocks,
+              key_end, pt_row)
         rows = (Q, Out, Lse, Sinks, stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
                 roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, qk_scale, window, stride_sink)
         # the flags go in tuple literals: assigning a tuple to a name would turn its constexprs into
         # runtime values
         gl.warp_specialize([
             (_ws_consumer0, (smem, kv, rows, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG,
-                              HEAD_DIM2)),
+                              HEAD_DIM2, PAGE_SIZE, COPY_ROWS)),
             (_ws_consumer1, (smem, kv, rows, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG,
-                              HEAD_DIM2)),
+                              HEAD_DIM2, PAGE_SIZE, COPY_ROWS)),
             (_ws_loader, (smem, kv, rows, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG,
-                              HEAD_DIM2)),
-        ], [4, 1], [240, 24])
-
-
-def _smem_layout(block: int, cols: int, dtype: torch.dtype):
-    """NVMMA (wgmma / TMA) shared-memory layout of a ``[block, cols]`` bf16/fp16 tile."""
-    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return gl.NVMMASharedLayout.get_default_for([block, cols], gdt)
+                          HEAD_DIM2, PAGE_SIZE, COPY_ROWS)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 def kv_descriptors(k: Tensor, v: Tensor, block_n: int):
-    """Host TMA descriptors over packed K/V seen as ``[rows, Hkv * D]`` matrices: K in column
-    splits ``D1`` and ``D2`` (:func:`split_qk_dim`; KV head ``h`` starts at column ``h * D``, the
-    second split at ``h * D + D1``), V in blocks ``[block_n, Dv]``. With ``D2 = 0`` the second K
-    descriptor is the first (never read)."""
+    """Host TMA descriptors over K/V seen as ``[rows, Hkv * D]`` matrices (KV head ``h`` starts at
+    column ``h * D``). Packed ``[rows, Hkv, D]``: K in column splits ``D1`` and ``D2``
+    (:func:`split_qk_dim`; the second at ``h * D + D1``), V in blocks ``[block_n, Dv]`` (with
+    ``D2 = 0`` the second K descriptor is the first, never read). Paged ``[pages, page_size, Hkv,
+    D]`` (rows = pages x page_size): copies of ``[paged_copy_rows(page_size, block_n), 64]`` for
+    both K and V, one descriptor each (the second K descriptor is the first)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    if k.dim() == 4:
+        pages, page, hkv, d = k.shape
+        dv = v.shape[-1]
+        g = paged_copy_rows(page, block_n)
+        layout = _smem_layout(g, TMA_CHUNK, k.dtype)
+        k_desc = TensorDescriptor(k, [pages * page, hkv * d], [k.stride(1), 1], [g, TMA_CHUNK], layout)
+        v_desc = TensorDescriptor(v, [pages * page, hkv * dv], [v.stride(1), 1], [g, TMA_CHUNK], layout)
+        return k_desc, k_desc, v_desc
     n, hkv, d = k.shape
     dv = v.shape[-1]
     d1, d2 = split_qk_dim(d)
@@ -404,30 +467,47 @@ def kv_descriptors(k: Tensor, v: Tensor, block_n: int):
     return k_desc, k2_desc, v_desc
 
 
-def launch(
-    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tensor], sinks: Optional[Tensor], *,
-    grid: tuple[int], plan_args: dict, softmax_scale: float, block_n: int = 128, stages: int = 3,
-    overlap: int = 0, pingpong: bool = False,
-) -> None:
-    """Launch the warp-specialized kernel into ``out`` / ``lse`` (packed K/V). ``plan_args``:
-    the planned keyword arguments (tile map with its device tile count, segments, G_PACK, L2
-    section; see ``triton_backend``), whose tiles are ``NUM_CONSUMERS * CONSUMER_ROWS`` rows x
-    heads. ``overlap`` 1 issues ``P_{j-1} V_{j-1}`` and ``Q K_j^T`` back to back, 2 also runs
-    softmax_j under the first; ``pingpong`` (with ``overlap``) makes the two consumers take
-    turns issuing their GEMMs. ``stages`` is capped by shared memory (D192/128 fits 2)."""
-    d, dv = q.shape[2], v.shape[-1]
+def kernel_constexprs(d: int, dv: int, dtype: torch.dtype, page_size: Optional[int], block_n: int = 128,
+                      stages: int = 3, overlap: int = 0, pingpong: bool = False) -> dict:
+    """The kernel's geometry constexprs (tiles, stages, paging, shared-memory layouts)."""
     d1, d2 = split_qk_dim(d)
-    block_m = CONSUMER_ROWS
-    stages = min(stages, max_stages(d, dv, block_n, q.element_size()))
+    elem = torch.empty((), dtype=dtype).element_size()
+    return dict(
+        BLOCK_M=CONSUMER_ROWS, BLOCK_N=block_n, HEAD_DIM=d1, HEAD_DIM2=d2, HEAD_DIM_V=dv,
+        STAGES=min(stages, max_stages(d, dv, block_n, elem)), OVERLAP=int(overlap),
+        PINGPONG=bool(pingpong and overlap), PAGE_SIZE=page_size or 0,
+        COPY_ROWS=paged_copy_rows(page_size, block_n) if page_size else 0,
+        Q_SMEM=_smem_layout(CONSUMER_ROWS, d1, dtype), Q2_SMEM=_smem_layout(CONSUMER_ROWS, max(d2, 16), dtype),
+        K_SMEM=_smem_layout(block_n, d1, dtype), K2_SMEM=_smem_layout(block_n, max(d2, 16), dtype),
+        V_SMEM=_smem_layout(block_n, dv, dtype), **PAGED_REGS if page_size else PACKED_REGS,
+    )
+
+
+def launch(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tensor], sinks: Optional[Tensor],
+    page_table: Optional[Tensor], *, grid: tuple[int], plan_args: dict, softmax_scale: float, block_n: int = 128,
+    stages: int = 3, overlap: int = 0, pingpong: bool = False,
+) -> None:
+    """Launch the warp-specialized kernel into ``out`` / ``lse``: packed K/V ``[rows, Hkv, D]``,
+    or paged caches ``[pages, page_size, Hkv, D]`` with ``page_table`` [B, max_pages] (int32 or
+    int64). ``plan_args``: the planned keyword arguments (tile map with its device tile count,
+    segments, G_PACK, L2 section; see ``triton_backend``), whose tiles are ``NUM_CONSUMERS *
+    CONSUMER_ROWS`` rows x heads. ``overlap`` 1 issues ``P_{j-1} V_{j-1}`` and ``Q K_j^T`` back
+    to back, 2 also runs softmax_j under the first; ``pingpong`` (with ``overlap``) makes the two
+    consumers take turns issuing their GEMMs. ``stages`` is capped by shared memory (D192/128
+    fits 2)."""
+    d, dv = q.shape[2], v.shape[-1]
+    page_size = k.shape[1] if page_table is not None else None
     k_desc, k2_desc, v_desc = kv_descriptors(k, v, block_n)
     _cp_attn_fwd_sm90[grid](
         Q=q, k_desc=k_desc, k2_desc=k2_desc, v_desc=v_desc, Out=out, Lse=lse if lse is not None else out,
-        Sinks=sinks if sinks is not None else out, qk_scale=float(softmax_scale) * LOG2E,
+        Sinks=sinks if sinks is not None else out, PageTable=page_table if page_table is not None else q,
+        qk_scale=float(softmax_scale) * LOG2E,
         stride_qm=q.stride(0), stride_qh=q.stride(1), stride_om=out.stride(0), stride_oh=out.stride(1),
         stride_lm=lse.stride(0) if lse is not None else 0, stride_lh=lse.stride(1) if lse is not None else 0,
         stride_sink=sinks.stride(0) if sinks is not None else 0,
-        BLOCK_M=block_m, STAGES=stages, HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None,
-        OVERLAP=int(overlap), PINGPONG=bool(pingpong and overlap), Q_SMEM=_smem_layout(block_m, d1, q.dtype),
-        HEAD_DIM2=d2, Q2_SMEM=_smem_layout(block_m, max(d2, 16), q.dtype), num_warps=4, maxnreg=168,
-        **plan_args,
+        stride_pt=page_table.stride(0) if page_table is not None else 0,
+        HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None,
+        **kernel_constexprs(d, dv, q.dtype, page_size, block_n, stages, overlap, pingpong),
+        num_warps=4, maxnreg=168, **plan_args,
     )
