@@ -83,3 +83,8 @@ def test_targets_summary(capsys):
     assert "mla576 S=16k zigzag C=1: triton 510 TF/s" in out
     assert "mla576 decode B=8 L=32k q1: triton 2600 GB/s" in out
     assert "d128 1024x128: triton 300 TF/s = 0.75x fa4 varlen" in out
+
+
+def test_sm90_options_parse():
+    assert bench.parse_options("block_n=64,stages=4,pingpong=1,overlap=2") == dict(
+        block_n=64, stages=4, pingpong=True, overlap=2)

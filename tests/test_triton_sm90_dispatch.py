@@ -87,6 +87,7 @@ def test_qk_split_and_stage_budget():
     assert sm90.split_qk_dim(192) == (128, 64)
     assert sm90.max_stages(128, 128, 128) == 3  # 32 KiB Q + 3 x 64 KiB K/V
     assert sm90.max_stages(192, 128, 128) == 2  # 48 KiB Q + 2 x 80 KiB K/V
+    assert sm90.max_stages(192, 128, 64) == 4  # 48 KiB Q + 4 x 40 KiB K/V (the ring's cap)
 
 
 @pytest.mark.parametrize(

@@ -48,6 +48,12 @@ VARIANTS = [
     (192, 128, 1, 2, 0, False, False, False, True, 16),
     (192, 128, 4, 2, 0, False, True, True, False, 256),
 ]
+#: (variant, block_n): variants compiled with a key block other than 128.
+BLOCK_N_VARIANTS = [
+    ((192, 128, 1, 4, 0, False, False, False, True, None), 64),
+    ((192, 128, 4, 4, 0, False, True, True, True, 16), 64),
+    ((128, 128, 4, 4, 0, False, False, False, True, None), 64),
+]
 
 
 def _ptr_sig(fn, elem: str, descs: dict) -> dict:
@@ -142,6 +148,11 @@ def main() -> None:
                f"{'_win' if window else ''}{'_sink' if sinks else ''}{'' if lse else '_nolse'}" \
                f"{f'_page{page}' if page else ''}"
         jobs.append((name, compile_variant, v))
+    for v, block_n in BLOCK_N_VARIANTS:
+        d, dv, g_pack, stages, overlap, pingpong, window, sinks, lse, page = v
+        name = f"d{d}-{dv}_g{g_pack}_bn{block_n}_st{stages}{'_win' if window else ''}{'_sink' if sinks else ''}" \
+               f"{f'_page{page}' if page else ''}"
+        jobs.append((name, lambda *a, bn=block_n: compile_variant(*a, block_n=bn), v))
     for v in MLA_VARIANTS:
         g_pack, window, sinks, lse, page = v
         name = f"mla576-512_g{g_pack}{'_win' if window else ''}{'_sink' if sinks else ''}" \

@@ -81,6 +81,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--list", action="store_true", help="print the selected workload names and exit")
     p.add_argument("--out", default="bench-out/kernel", help="output path without extension")
     p.add_argument("--triton-config", default=None, help="BLOCK_M,BLOCK_N,warps,stages: skip autotuning")
+    p.add_argument("--sm90-options", default=None,
+                   help="key=value list passed to the dense sm90 kernel of the 'triton' backend "
+                        "(backend_options sm90), e.g. block_n=64,stages=4 or overlap=2,pingpong=1")
+
+
+def parse_options(text: str) -> dict:
+    """``"block_n=64,stages=4,pingpong=1"`` -> ``{"block_n": 64, "stages": 4, "pingpong": True}``."""
+    out = {}
+    for item in [t for t in text.split(",") if t]:
+        key, _, value = item.partition("=")
+        if not value:
+            raise SystemExit(f"--sm90-options items are key=value, got {item!r}")
+        out[key.strip()] = bool(int(value)) if key.strip() == "pingpong" else int(value)
+    return out
 
 
 def _ints(text: str) -> list[int]:
@@ -282,6 +296,8 @@ def main(args: argparse.Namespace) -> int:
     if args.triton_config:
         bm, bn, w, s = (int(x) for x in args.triton_config.split(","))
         triton_kw = dict(block_m=bm, config=(bn, w, s), family="portable")
+    if args.sm90_options:
+        triton_kw["sm90"] = parse_options(args.sm90_options)
     info = header("python -m cpattn.bench kernel " + " ".join(_argv_summary(args)))
     progress(f"{info['machine']}; backends {backends}; {len(workloads)} workloads")
     dev = DEVICE
@@ -356,7 +372,8 @@ def _make_fn(backend, s, q, k, v, meta, table, group, w: Workload, triton_kw):
     if backend == "triton":
         return _plan_fn(s, q, k, v, meta, table, "triton", triton_kw)
     if backend == "triton-portable":
-        return _plan_fn(s, q, k, v, meta, table, "triton", {**triton_kw, "family": "portable"})
+        portable = {k_: v_ for k_, v_ in triton_kw.items() if k_ != "sm90"}
+        return _plan_fn(s, q, k, v, meta, table, "triton", {**portable, "family": "portable"})
     if backend.startswith("fa4") and (w.strategy == "interleave" or d > 256):
         return None
     if backend == "fa4":
@@ -371,7 +388,7 @@ def _make_fn(backend, s, q, k, v, meta, table, group, w: Workload, triton_kw):
 
 
 def _argv_summary(args) -> list[str]:
-    out = [f"--workloads '{args.workloads}'", f"--shapes {args.shapes}", f"--seqs {args.seqs}", f"--cps {args.cps}",
+    out = [f"--workloads '{args.workloads}'", f"--sm90-options {args.sm90_options}", f"--shapes {args.shapes}", f"--seqs {args.seqs}", f"--cps {args.cps}",
            f"--pages {args.pages}", f"--mla-seqs {args.mla_seqs}", f"--mla-cps {args.mla_cps}",
            f"--decode-batches {args.decode_batches}", f"--decode-lens {args.decode_lens}",
            f"--decode-qlens {args.decode_qlens}", f"--short {args.short}"]

@@ -64,9 +64,14 @@ class _TritonRun:
             raise ValueError(f"backend_options family must be one of {FAMILIES}, got {family!r}")
         block_m = options.get("block_m") or triton_attn.default_block_m(d, dv)
         self.config = options.get("config")
+        bad = set(options.get("sm90", {})) - set(SM90_OPTIONS)
+        if bad:
+            raise ValueError(f"unknown backend_options sm90 keys {sorted(bad)} (known: {sorted(SM90_OPTIONS)})")
+        self.sm90_options = {**SM90_OPTIONS, **dict(options.get("sm90", {}))}
         self.reasons = {"portable": None}
         for name, fam_reason, fam_block in (
-            ("sm90", triton_sm90.unsupported_reason(d, dv, spec.dtype, spec.page_size, meta.device),
+            ("sm90", triton_sm90.unsupported_reason(d, dv, spec.dtype, spec.page_size, meta.device,
+                                                    self.sm90_options["block_n"]),
              triton_sm90.NUM_CONSUMERS * triton_sm90.CONSUMER_ROWS),
             ("mla", triton_mla.unsupported_reason(d, dv, hkv, spec.dtype, spec.page_size, meta.device),
              triton_mla.BLOCK_M),
@@ -85,7 +90,6 @@ class _TritonRun:
         #: the kernel family that runs (a Hopper family falls back to the portable kernel per call
         #: when the K/V layout is not TMA-compatible, see ``__call__``)
         self.family = family
-        self.sm90_options = {**SM90_OPTIONS, **dict(options.get("sm90", {}))}
 
         g_pack, rows = gqa_packing(hq, hkv, block_m)
         tiles = tile_map(meta, rows, capacity=max_tiles(meta, rows) if meta.is_static else None)

@@ -71,10 +71,11 @@ def split_qk_dim(d: int) -> tuple[int, int]:
 
 
 def max_stages(d: int, dv: int, block_n: int, elem_bytes: int = 2) -> int:
-    """K/V ring depth that fits in shared memory next to the 128-row Q tile (at most 3)."""
+    """K/V ring depth that fits in shared memory next to the 128-row Q tile (at most 4: e.g.
+    D192/128 with 64-key blocks)."""
     q_bytes = NUM_CONSUMERS * CONSUMER_ROWS * d * elem_bytes
     stage_bytes = block_n * (d + dv) * elem_bytes
-    return max(1, min(3, (SM90_SMEM_PER_BLOCK - q_bytes - 1024) // stage_bytes))
+    return max(1, min(4, (SM90_SMEM_PER_BLOCK - q_bytes - 1024) // stage_bytes))
 
 
 def unsupported_reason(d: int, dv: int, dtype: torch.dtype, page_size: Optional[int], device: torch.device,
