@@ -1,8 +1,9 @@
 """The Hopper (sm_90) Triton paths at real sizes against the torch reference (``-m gpu``, H100/H200).
 
 * dense warp-specialized kernel over a **paged** cache: page sizes 1..256 (TMA copies of
-  ``gcd(page_size, 128) >= 8`` rows; smaller gcds plan the portable kernel), D64 / D128 /
-  D192-Dv128, GQA, window, sinks, LSE on and off, int32 and int64 page tables;
+  ``gcd(page_size, 128)`` rows when that is >= 8, a cp.async gather by a 4-warp loader
+  otherwise), D64 / D128 / D192-Dv128, GQA, window, sinks, LSE on and off, int32 and int64
+  page tables;
 * the **absorbed-MLA** kernel (one latent KV head, D 576 / Dv 512, ``v`` a view of ``k[..., :512]``,
   16 and 128 query heads), packed and paged, every strategy, window, sinks, LSE;
 * every paged cache holds NaN in its unused slots (the tail of each sequence's last page) and
@@ -91,7 +92,10 @@ def _check(out, lse, ref, ref_lse, meta, what):
         (24, 128, 128, 16, 4, -1, False, False),
         (192, 128, 128, 16, 4, 1000, False, True),
         (1, 128, 128, 16, 4, -1, False, False),
-        (4, 128, 128, 16, 4, -1, False, False),
+        (4, 128, 128, 16, 4, 500, True, False),
+        (12, 128, 128, 32, 8, -1, False, True),
+        (1, 64, 64, 16, 16, -1, False, False),
+        (2, 192, 128, 16, 16, -1, True, False),
         (16, 64, 64, 16, 16, -1, False, False),
         (256, 64, 64, 16, 16, 300, True, False),
         (16, 192, 128, 16, 16, -1, False, False),
@@ -101,8 +105,6 @@ def _check(out, lse, ref, ref_lse, meta, what):
 )
 def test_gpu_sm90_paged_vs_torch(page, d, dv, hq, hkv, window, sinks, int64):
     """Ragged batch (prefixes, a 1-token sequence, lengths that end mid-page), zigzag C=3 rank 1."""
-    from cpattn.kernels._sm90_common import paged_copy_rows
-
     ext, pre = [3000, 17, 1, 900], [0, 200, 5, 2999]
     lens = [e + p for e, p in zip(ext, pre)]
     s, meta, q, k, v = _case("zigzag", 3, 1, ext, pre, hq, hkv, d, dv)
@@ -112,14 +114,14 @@ def test_gpu_sm90_paged_vs_torch(page, d, dv, hq, hkv, window, sinks, int64):
     ref, ref_lse = s.attention(q.float(), k.float(), v.float(), meta, backend="torch", **kw)
     plan = s.plan_attention(meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=q.dtype,
                             window_size=(window, 0), page_size=page, has_sinks=sinks, backend="triton")
-    assert plan.family == ("sm90" if paged_copy_rows(page, 128) else "portable")
+    assert plan.family == "sm90"  # TMA copy groups for page % 8 == 0, the cp.async gather otherwise
     out, lse = plan.run(q, kc, vc, page_table=table, sinks=sk, return_lse=True)
     _check(out, lse, ref, ref_lse, meta, f"{plan.family} page {page}")
     assert torch.equal(plan.run(q, kc, vc, page_table=table, sinks=sk), out), "output differs without LSE"
 
 
 @needs_sm90
-@pytest.mark.parametrize("page", [16, 64, 256])
+@pytest.mark.parametrize("page", [1, 16, 64, 256])
 def test_gpu_sm90_paged_matches_packed(page):
     """One long sequence at a bench-like size: paged and packed sm90 runs agree closely."""
     ext, pre = [16384], [0]

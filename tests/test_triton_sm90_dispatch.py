@@ -25,22 +25,21 @@ CPU = torch.device("cpu")
 @pytest.mark.parametrize(
     "d,dv,dtype,page,expect",
     [
-        (128, 128, torch.bfloat16, 4, "page_size=4"),
-        (128, 128, torch.bfloat16, 1, "page_size=1"),
-        (128, 128, torch.bfloat16, 12, "page_size=12"),
         (192, 192, torch.bfloat16, None, "head dims"),
         (128, 64, torch.bfloat16, None, "head dims"),
         (256, 256, torch.bfloat16, None, "head dims"),
         (128, 128, torch.float32, None, "dtype"),
+        (128, 128, torch.float32, 16, "dtype"),
     ],
 )
 def test_unsupported_plans_name_the_reason(d, dv, dtype, page, expect):
     assert expect in sm90.unsupported_reason(d, dv, dtype, page, CPU)
 
 
-@pytest.mark.parametrize("page", [8, 16, 24, 64, 128, 192, 256])
-def test_paged_page_sizes_with_8_row_copies_are_taken(page):
-    """gcd(page, 128) >= 8: TMA copies of whole 8-row groups; only the device is refused here."""
+@pytest.mark.parametrize("page", [1, 2, 4, 8, 12, 16, 24, 64, 128, 192, 256])
+def test_every_page_size_is_taken(page):
+    """TMA copy groups where gcd(page, 128) >= 8, the cp.async gather otherwise: only the device
+    is refused here."""
     reason = sm90.unsupported_reason(128, 128, torch.bfloat16, page, CPU)
     assert reason == "not an sm_90 GPU" or reason.startswith("Gluon unavailable")
 
@@ -52,17 +51,25 @@ def test_paged_copy_rows():
     assert common.paged_copy_rows(16, 64) == 16 and common.paged_copy_rows(256, 64) == 64
 
 
-def test_paged_layout_must_be_tma_compatible():
+def test_paged_layout_tma_or_gather():
     k = torch.zeros(10, 16, 2, 128, dtype=torch.bfloat16)
-    assert sm90.kv_layout_ok(k, k)
-    # pages not page_size rows apart (a strided slice of a larger pool)
-    assert not sm90.kv_layout_ok(k[::2], k[::2])
-    # K and V interleaved per slot ([pages, page, 2, Hkv, D] split into two views): rows strided
+    assert sm90.kv_layout_ok(k, k) and sm90.paged_tma_ok(k, k, 128)
+    # page size without 8-row groups: gathered
+    k4 = torch.zeros(10, 4, 2, 128, dtype=torch.bfloat16)
+    assert sm90.kv_layout_ok(k4, k4) and not sm90.paged_tma_ok(k4, k4, 128)
+    # pages not page_size rows apart (a strided slice of a larger pool): no 2-D TMA view, gathered
+    assert not sm90.paged_tma_ok(k[::2], k[::2], 128) and sm90.kv_layout_ok(k[::2], k[::2])
+    # K and V interleaved per slot ([pages, page, 2, Hkv, D] split into two views): TMA
     kv = torch.zeros(10, 16, 2, 2, 128, dtype=torch.bfloat16)
-    assert sm90.kv_layout_ok(kv[:, :, 0], kv[:, :, 1])
-    # heads not adjacent
-    k_t = torch.zeros(10, 16, 128, 2, dtype=torch.bfloat16).transpose(2, 3)
-    assert not sm90.kv_layout_ok(k_t, k_t)
+    assert sm90.paged_tma_ok(kv[:, :, 0], kv[:, :, 1], 128)
+    # heads not adjacent (each head's row padded to 256): gathered (strides are multiples of 16)
+    k_pad = torch.zeros(10, 16, 2, 256, dtype=torch.bfloat16)[..., :128]
+    assert not sm90.paged_tma_ok(k_pad, k_pad, 128) and sm90.kv_layout_ok(k_pad, k_pad)
+    # slot rows of 2 * 128 + 8 elements: TMA-aligned (16 bytes) but page 4 needs the gather, whose
+    # 16-byte vectors need strides that are multiples of 16 elements: the portable kernel runs
+    buf = torch.zeros(10 * 4 * 264, dtype=torch.bfloat16)
+    odd = buf.as_strided((10, 4, 2, 128), (4 * 264, 264, 128, 1))
+    assert not sm90.kv_layout_ok(odd, odd)
 
 
 def test_kv_layout_must_be_tma_compatible():

@@ -47,6 +47,11 @@ VARIANTS = [
     (64, 64, 1, 3, 0, False, False, False, True, 16),
     (192, 128, 1, 2, 0, False, False, False, True, 16),
     (192, 128, 4, 2, 0, False, True, True, False, 256),
+    (128, 128, 4, 3, 0, False, False, False, True, 1),
+    (128, 128, 4, 3, 0, False, True, True, True, 4),
+    (64, 64, 1, 3, 0, False, False, False, True, 1),
+    (192, 128, 1, 2, 0, False, False, False, True, 2),
+    (128, 128, 4, 3, 2, True, False, False, True, 1),
 ]
 #: (variant, block_n): variants compiled with a key block other than 128.
 BLOCK_N_VARIANTS = [
@@ -56,11 +61,22 @@ BLOCK_N_VARIANTS = [
 ]
 
 
+#: Arguments the launcher specializes as 16-divisible in practice (pointers, head-dim strides).
+_DIV16 = ("Q", "K", "V", "Out", "Lse", "Sinks", "PageTable", "stride_qm", "stride_qh", "stride_om", "stride_oh",
+          "stride_kp", "stride_kn", "stride_kh", "stride_vp", "stride_vn", "stride_vh")
+
+
+def _attrs(fn) -> dict:
+    """``tt.divisibility`` 16 on :data:`_DIV16`, as Triton's launcher marks such arguments."""
+    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in _DIV16}
+
+
 def _ptr_sig(fn, elem: str, descs: dict) -> dict:
     """Signature of a kernel: i32 scalars by default, the given pointer / descriptor types."""
     sig = {name: "i32" for name in fn.arg_names}
-    sig.update(Q=elem, Out=elem, Sinks=elem, Lse="*fp32", qk_scale="fp32", cu_kv_lens="*i32",
-               PageTable="*i32", **{k: mangle_type(v) for k, v in descs.items()})
+    types = dict(Q=elem, K=elem, V=elem, Out=elem, Sinks=elem, Lse="*fp32", qk_scale="fp32", cu_kv_lens="*i32",
+                 PageTable="*i32", **{k: mangle_type(v) for k, v in descs.items()})
+    sig.update({k: v for k, v in types.items() if k in sig})
     for name in ("tile_segment", "tile_row_offset", "NumTiles", "seg_seq", "seg_row0", "seg_len", "seg_pos0",
                  "seg_stride"):
         sig[name] = "*i32"
@@ -79,13 +95,17 @@ def compile_variant(d, dv, g_pack, stages, overlap, pingpong, window, sinks, lse
     """The compiled dense kernel (``.asm["ptx"]``, ``.metadata.shared``) of one variant, for sm_90a."""
     fn = ws._cp_attn_fwd_sm90
     k, v = _kv(d, dv, dtype, page_size)
-    k_desc, k2_desc, v_desc = ws.kv_descriptors(k, v, block_n)
     elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
-    sig = _ptr_sig(fn, elem, dict(k_desc=k_desc, k2_desc=k2_desc, v_desc=v_desc))
+    if page_size is not None and not ws.paged_tma_ok(k, v, block_n):  # the cp.async gather loader
+        sig = _ptr_sig(fn, elem, {})
+        sig.update(k_desc=elem, k2_desc=elem, v_desc=elem)
+    else:
+        k_desc, k2_desc, v_desc = ws.kv_descriptors(k, v, block_n)
+        sig = _ptr_sig(fn, elem, dict(k_desc=k_desc, k2_desc=k2_desc, v_desc=v_desc))
     consts = dict(G_PACK=g_pack, HAS_WINDOW=window, HAS_SINKS=sinks, RETURN_LSE=lse,
                   **ws.kernel_constexprs(d, dv, dtype, page_size, block_n, stages, overlap, pingpong))
     sig.update({name: "constexpr" for name in consts})
-    return triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+    return triton.compile(GluonASTSource(fn, sig, consts, _attrs(fn)), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4, maxnreg=168))
 
 
@@ -112,7 +132,7 @@ def compile_mla_variant(g_pack, window, sinks, lse, page_size=None, dtype=torch.
     consts = dict(G_PACK=g_pack, HAS_WINDOW=window, HAS_SINKS=sinks, RETURN_LSE=lse,
                   **mla.kernel_constexprs(dtype, page_size))
     sig.update({name: "constexpr" for name in consts})
-    return triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+    return triton.compile(GluonASTSource(fn, sig, consts, _attrs(fn)), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4, maxnreg=168))
 
 

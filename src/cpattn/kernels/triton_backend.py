@@ -70,8 +70,7 @@ class _TritonRun:
         self.sm90_options = {**SM90_OPTIONS, **dict(options.get("sm90", {}))}
         self.reasons = {"portable": None}
         for name, fam_reason, fam_block in (
-            ("sm90", triton_sm90.unsupported_reason(d, dv, spec.dtype, spec.page_size, meta.device,
-                                                    self.sm90_options["block_n"]),
+            ("sm90", triton_sm90.unsupported_reason(d, dv, spec.dtype, spec.page_size, meta.device),
              triton_sm90.NUM_CONSUMERS * triton_sm90.CONSUMER_ROWS),
             ("mla", triton_mla.unsupported_reason(d, dv, hkv, spec.dtype, spec.page_size, meta.device),
              triton_mla.BLOCK_M),

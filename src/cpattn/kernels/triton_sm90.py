@@ -42,6 +42,7 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
         fence_async_shared,
         mbarrier,
         tma,
@@ -61,8 +62,10 @@ SUPPORTED_HEAD_DIMS = {(64, 64), (128, 128), (192, 128)}
 #: setmaxnreg budgets (consumer warpgroups, loader warp; 2 x 128 x consumers + 128 x loader <= the
 #: 64512 registers of a 384-thread launch at 168): the paged loader computes a page-table row per
 #: TMA copy and spills at 24.
-PACKED_REGS = dict(CONSUMER_REGS=240, LOADER_REGS=24)
-PAGED_REGS = dict(CONSUMER_REGS=232, LOADER_REGS=40)
+PACKED_REGS = dict(CONSUMER_REGS=240, LOADER_REGS=24, LOADER_WARPS=1)
+PAGED_REGS = dict(CONSUMER_REGS=232, LOADER_REGS=40, LOADER_WARPS=1)
+#: page sizes without 8-row copy groups: a 4-warp cp.async loader (same register split)
+GATHER_REGS = dict(CONSUMER_REGS=232, LOADER_REGS=40, LOADER_WARPS=4)
 
 
 def split_qk_dim(d: int) -> tuple[int, int]:
@@ -78,13 +81,10 @@ def max_stages(d: int, dv: int, block_n: int, elem_bytes: int = 2) -> int:
     return max(1, min(4, (SM90_SMEM_PER_BLOCK - q_bytes - 1024) // stage_bytes))
 
 
-def unsupported_reason(d: int, dv: int, dtype: torch.dtype, page_size: Optional[int], device: torch.device,
-                       block_n: int = 128) -> Optional[str]:
+def unsupported_reason(d: int, dv: int, dtype: torch.dtype, page_size: Optional[int],
+                       device: torch.device) -> Optional[str]:
     """Why the sm_90 kernel cannot take this plan (None if it can; the K/V layout is checked
-    per layer by :func:`kv_layout_ok`). ``page_size`` None: packed K/V."""
-    if page_size is not None and not paged_copy_rows(page_size, block_n):
-        return (f"paged K/V with page_size={page_size} (TMA copies need gcd(page_size, {block_n}) >= 8; "
-                "the portable kernel gathers any page size)")
+    per layer by :func:`kv_layout_ok`). Every page size 1..256 runs (``page_size`` None: packed)."""
     if (d, dv) not in SUPPORTED_HEAD_DIMS:
         return f"head dims D={d}, Dv={dv} (needs (D, Dv) in {sorted(SUPPORTED_HEAD_DIMS)})"
     if dtype not in (torch.bfloat16, torch.float16):
@@ -97,10 +97,24 @@ def unsupported_reason(d: int, dv: int, dtype: torch.dtype, page_size: Optional[
 
 
 def kv_layout_ok(k: Tensor, v: Tensor) -> bool:
-    """K/V seen as 2-D TMA matrices ``[rows, Hkv * D]``: heads adjacent (or one KV head), 16-byte
-    rows and base; paged caches ``[pages, page_size, Hkv, D]`` with pages ``page_size`` rows apart."""
-    ok = paged_layout_ok if k.dim() == 4 else packed_layout_ok
-    return ok(k) and ok(v)
+    """Packed K/V seen as 2-D TMA matrices ``[rows, Hkv * D]``: heads adjacent (or one KV head),
+    16-byte rows and base. Paged caches ``[pages, page_size, Hkv, D]``: read through TMA copy
+    groups (:func:`paged_tma_ok`) or gathered with cp.async (16-byte vectors: every stride a
+    multiple of 16 elements, 16-byte base)."""
+    if k.dim() == 4:
+        return paged_tma_ok(k, v, 128) or (_gather_ok(k) and _gather_ok(v))
+    return packed_layout_ok(k) and packed_layout_ok(v)
+
+
+def _gather_ok(x: Tensor) -> bool:
+    return x.stride(-1) == 1 and all(st % 16 == 0 for st in x.stride()[:-1]) and x.data_ptr() % 16 == 0
+
+
+def paged_tma_ok(k: Tensor, v: Tensor, block_n: int) -> bool:
+    """A paged cache read through TMA copy groups: ``gcd(page_size, block_n) >= 8`` and both
+    caches seen as ``[pages * page_size, Hkv * D]`` (pages evenly spaced, heads adjacent, 16-byte
+    rows); else the loader gathers rows with cp.async."""
+    return bool(paged_copy_rows(k.shape[1], block_n)) and paged_layout_ok(k) and paged_layout_ok(v)
 
 
 if HAVE_GLUON:
@@ -137,13 +151,76 @@ if HAVE_GLUON:
                 tma.async_copy_global_to_shared(v_desc, [row, v_col + c * 64], v_ready, v_pieces.index(c * NG + g))
 
     @gluon.jit
+    def _ws_gather_rows(base, buf, pt_row, start, key_end, stride_p, stride_n, col0, PAGE_SIZE: gl.constexpr,
+                        NUM_WARPS: gl.constexpr):
+        """cp.async one key block ``[BLOCK_N, cols]`` of a paged cache into ``buf``, 16 bytes per
+        thread and pass (page sizes whose pages hold no 8-row group: no TMA). Rows past the tile's
+        last key are zero-filled and their page-table entries never read."""
+        BLOCK_N: gl.constexpr = buf.type.shape[0]
+        COLS: gl.constexpr = buf.type.shape[1]
+        TPR: gl.constexpr = COLS // 8
+        R: gl.constexpr = 32 * NUM_WARPS // TPR
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPR, TPR], [NUM_WARPS, 1], [1, 0])
+        cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+        r_in = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
+        for p in gl.static_range(BLOCK_N // R):
+            kpos = start + p * R + r_in
+            page = gl.load(pt_row + gl.minimum(kpos, key_end - 1) // PAGE_SIZE).to(gl.int64)
+            off = page * stride_p + (kpos % PAGE_SIZE).to(gl.int64) * stride_n + col0
+            ptrs = base + gl.expand_dims(off, 1) + gl.expand_dims(cols, 0)
+            async_copy.async_copy_global_to_shared(buf.slice(p * R, R), ptrs, mask=gl.expand_dims(kpos < key_end, 1))
+
+    @gluon.jit
+    def _ws_gather_loader(smem, kv, HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr):
+        """4 warps: cp.async K/V blocks of a paged cache into the stage ring; block j is signalled
+        ready once block j + 1's copies are issued (cp.async groups complete in order)."""
+        q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, k_ready, v_ready, kv_empty, turn = smem
+        k_desc, k2_desc, v_desc, k_col, v_col, kv_row_base, n_lo, num_blocks, key_end, pt_row, gather = kv
+        K, V, stride_kp, stride_kn, stride_vp, stride_vn = gather
+        STAGES: gl.constexpr = k_bufs.type.shape[0]
+        BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+        HEAD_DIM1: gl.constexpr = k_bufs.type.shape[2]
+        NW: gl.constexpr = gl.num_warps()
+        for j in range(num_blocks):
+            slot = j % STAGES
+            mbarrier.wait(kv_empty.index(slot), ((j // STAGES) & 1) ^ 1)
+            start = n_lo + j * BLOCK_N
+            _ws_gather_rows(K, k_bufs.index(slot), pt_row, start, key_end, stride_kp, stride_kn, k_col, PAGE_SIZE, NW)
+            if HEAD_DIM2 > 0:
+                _ws_gather_rows(K, k2_bufs.index(slot), pt_row, start, key_end, stride_kp, stride_kn,
+                                k_col + HEAD_DIM1, PAGE_SIZE, NW)
+            _ws_gather_rows(V, v_bufs.index(slot), pt_row, start, key_end, stride_vp, stride_vn, v_col, PAGE_SIZE, NW)
+            async_copy.commit_group()
+            if j > 0:
+                async_copy.wait_group(1)
+                fence_async_shared()
+                prev = (j - 1) % STAGES
+                mbarrier.arrive(k_ready.index(prev), count=1)
+                mbarrier.arrive(v_ready.index(prev), count=1)
+        if num_blocks > 0:
+            async_copy.wait_group(0)
+            fence_async_shared()
+            last = (num_blocks - 1) % STAGES
+            mbarrier.arrive(k_ready.index(last), count=1)
+            mbarrier.arrive(v_ready.index(last), count=1)
+
+    @gluon.jit
     def _ws_loader(smem, kv, rows, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, RETURN_LSE: gl.constexpr,
                    G_PACK: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, HEAD_DIM2: gl.constexpr,
                    PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr):
         """1 warp: TMA K/V blocks ``n_lo + j * BLOCK_N`` (j < num_blocks) into the stage ring
-        (PAGE_SIZE > 0: from a paged cache, COPY_ROWS keys per copy)."""
+        (PAGE_SIZE > 0: from a paged cache, COPY_ROWS keys per copy; COPY_ROWS 0: 4 warps gather
+        with cp.async)."""
+        if (PAGE_SIZE > 0) & (COPY_ROWS == 0):
+            _ws_gather_loader(smem, kv, HEAD_DIM2, PAGE_SIZE)
+        else:
+            _ws_tma_loader(smem, kv, HEAD_DIM2, PAGE_SIZE, COPY_ROWS)
+
+    @gluon.jit
+    def _ws_tma_loader(smem, kv, HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr):
+        """1 warp: TMA K/V blocks (packed rows, or per-page copy groups) into the stage ring."""
         q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, k_ready, v_ready, kv_empty, turn = smem
-        k_desc, k2_desc, v_desc, k_col, v_col, kv_row_base, n_lo, num_blocks, key_end, pt_row = kv
+        k_desc, k2_desc, v_desc, k_col, v_col, kv_row_base, n_lo, num_blocks, key_end, pt_row, gather = kv
         STAGES: gl.constexpr = k_bufs.type.shape[0]
         BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
         HEAD_DIM1: gl.constexpr = k_bufs.type.shape[2]
@@ -181,10 +258,10 @@ if HAVE_GLUON:
         return s
 
     @gluon.jit
-    def _ws_fix_last_v(v_buf, j, num_blocks, n_lo, key_end, PAGE_SIZE: gl.constexpr):
+    def _ws_fix_last_v(v_buf, j, num_blocks, n_lo, key_end, COPY_ROWS: gl.constexpr):
         """Paged: zero the V rows of the last key block past the tile's last key (unused cache
         slots, or rows clamped to the last page, may hold NaN; P is 0 there but 0 * NaN is not)."""
-        if PAGE_SIZE > 0:
+        if COPY_ROWS > 0:  # TMA copies; the cp.async gather zero-fills those rows itself
             BLOCK_N: gl.constexpr = v_buf.type.shape[0]
             valid = key_end - (n_lo + j * BLOCK_N)
             if (j == num_blocks - 1) & (valid < BLOCK_N):
@@ -197,7 +274,7 @@ if HAVE_GLUON:
                      COPY_ROWS: gl.constexpr):
         """4 warps: rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of the tile."""
         q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, k_ready, v_ready, kv_empty, turn = smem
-        k_desc, k2_desc, v_desc, k_col, v_col, kv_row_base, n_lo, num_blocks, key_end, pt_row = kv
+        k_desc, k2_desc, v_desc, k_col, v_col, kv_row_base, n_lo, num_blocks, key_end, pt_row, gather = kv
         (Q, Out, Lse, Sinks, stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
          roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, qk_scale, window, stride_sink) = rows
         STAGES: gl.constexpr = k_bufs.type.shape[0]
@@ -286,7 +363,7 @@ if HAVE_GLUON:
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
             last = (num_blocks - 1) % STAGES
             mbarrier.wait(v_ready.index(last), ((num_blocks - 1) // STAGES) & 1)
-            _ws_fix_last_v(v_bufs.index(last), num_blocks - 1, num_blocks, n_lo, key_end, PAGE_SIZE)
+            _ws_fix_last_v(v_bufs.index(last), num_blocks - 1, num_blocks, n_lo, key_end, COPY_ROWS)
             if PINGPONG:
                 mbarrier.wait(turn.index(HALF), (num_blocks & 1) ^ HALF ^ 1)
             acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
@@ -306,7 +383,7 @@ if HAVE_GLUON:
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 mbarrier.wait(v_ready.index(slot), phase)
-                _ws_fix_last_v(v_bufs.index(slot), j, num_blocks, n_lo, key_end, PAGE_SIZE)
+                _ws_fix_last_v(v_bufs.index(slot), j, num_blocks, n_lo, key_end, COPY_ROWS)
                 acc = warpgroup_mma(p_op, v_bufs.index(slot), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
                 mbarrier.arrive(kv_empty.index(slot), count=1)
@@ -347,17 +424,18 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _cp_attn_fwd_sm90(
-        Q, k_desc, k2_desc, v_desc, Out, Lse, Sinks, PageTable,
+        Q, k_desc, k2_desc, v_desc, K, V, Out, Lse, Sinks, PageTable,
         tile_segment, tile_row_offset, NumTiles,
         seg_seq, seg_row0, seg_len, seg_pos0, seg_stride, cu_kv_lens,
         qk_scale, window, num_head_groups, heads_per_section, group_size,
         stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh, stride_sink, stride_pt,
+        stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr,
         HEAD_DIM_V: gl.constexpr, STAGES: gl.constexpr, G_PACK: gl.constexpr,
         HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, RETURN_LSE: gl.constexpr, OVERLAP: gl.constexpr,
         PINGPONG: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr,
         Q_SMEM: gl.constexpr, Q2_SMEM: gl.constexpr, K_SMEM: gl.constexpr, K2_SMEM: gl.constexpr,
-        V_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+        V_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, LOADER_WARPS: gl.constexpr,
     ):
         ROWS: gl.constexpr = 2 * BLOCK_M // G_PACK
         # program -> (tile, head group) by L2 sections, as triton_attn._tile_and_head_group (not
@@ -424,8 +502,14 @@ if HAVE_GLUON:
 
         # partition arguments (scalars and shared-memory handles only): buffers, K/V stream, rows
         smem = (q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, k_ready, v_ready, kv_empty, turn)
-        kv = (k_desc, k2_desc, v_desc, kvh * (HEAD_DIM + HEAD_DIM2), kvh * HEAD_DIM_V, kv_row_base, n_lo, num_blocks,
-              key_end, pt_row)
+        if (PAGE_SIZE > 0) & (COPY_ROWS == 0):  # cp.async gather: element offsets of this KV head
+            k_col = kvh * stride_kh
+            v_col = kvh * stride_vh
+        else:  # TMA: columns of the [rows, Hkv * D] matrices
+            k_col = kvh * (HEAD_DIM + HEAD_DIM2)
+            v_col = kvh * HEAD_DIM_V
+        gather = (K, V, stride_kp, stride_kn, stride_vp, stride_vn)
+        kv = (k_desc, k2_desc, v_desc, k_col, v_col, kv_row_base, n_lo, num_blocks, key_end, pt_row, gather)
         rows = (Q, Out, Lse, Sinks, stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
                 roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, qk_scale, window, stride_sink)
         # the flags go in tuple literals: assigning a tuple to a name would turn its constexprs into
@@ -437,7 +521,7 @@ if HAVE_GLUON:
                               HEAD_DIM2, PAGE_SIZE, COPY_ROWS)),
             (_ws_loader, (smem, kv, rows, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG,
                           HEAD_DIM2, PAGE_SIZE, COPY_ROWS)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
 
 
 def kv_descriptors(k: Tensor, v: Tensor, block_n: int):
@@ -469,18 +553,21 @@ def kv_descriptors(k: Tensor, v: Tensor, block_n: int):
 
 
 def kernel_constexprs(d: int, dv: int, dtype: torch.dtype, page_size: Optional[int], block_n: int = 128,
-                      stages: int = 3, overlap: int = 0, pingpong: bool = False) -> dict:
-    """The kernel's geometry constexprs (tiles, stages, paging, shared-memory layouts)."""
+                      stages: int = 3, overlap: int = 0, pingpong: bool = False, gather: bool = False) -> dict:
+    """The kernel's geometry constexprs (tiles, stages, paging, shared-memory layouts, register
+    split). ``gather``: a paged cache read by the cp.async loader (COPY_ROWS 0)."""
     d1, d2 = split_qk_dim(d)
+    gather = bool(page_size) and (gather or not paged_copy_rows(page_size, block_n))
     elem = torch.empty((), dtype=dtype).element_size()
     return dict(
         BLOCK_M=CONSUMER_ROWS, BLOCK_N=block_n, HEAD_DIM=d1, HEAD_DIM2=d2, HEAD_DIM_V=dv,
         STAGES=min(stages, max_stages(d, dv, block_n, elem)), OVERLAP=int(overlap),
         PINGPONG=bool(pingpong and overlap), PAGE_SIZE=page_size or 0,
-        COPY_ROWS=paged_copy_rows(page_size, block_n) if page_size else 0,
+        COPY_ROWS=paged_copy_rows(page_size, block_n) if page_size and not gather else 0,
         Q_SMEM=_smem_layout(CONSUMER_ROWS, d1, dtype), Q2_SMEM=_smem_layout(CONSUMER_ROWS, max(d2, 16), dtype),
         K_SMEM=_smem_layout(block_n, d1, dtype), K2_SMEM=_smem_layout(block_n, max(d2, 16), dtype),
-        V_SMEM=_smem_layout(block_n, dv, dtype), **PAGED_REGS if page_size else PACKED_REGS,
+        V_SMEM=_smem_layout(block_n, dv, dtype),
+        **(GATHER_REGS if gather else PAGED_REGS if page_size else PACKED_REGS),
     )
 
 
@@ -499,9 +586,20 @@ def launch(
     fits 2)."""
     d, dv = q.shape[2], v.shape[-1]
     page_size = k.shape[1] if page_table is not None else None
-    k_desc, k2_desc, v_desc = kv_descriptors(k, v, block_n)
+    gather = page_size is not None and not paged_tma_ok(k, v, block_n)
+    if gather:  # no descriptors: the loader reads K / V through pointers
+        k_desc = k2_desc = v_desc = k
+    else:
+        k_desc, k2_desc, v_desc = kv_descriptors(k, v, block_n)
+    if page_size is not None:
+        kv_strides = dict(stride_kp=k.stride(0), stride_kn=k.stride(1), stride_kh=k.stride(2), stride_vp=v.stride(0),
+                          stride_vn=v.stride(1), stride_vh=v.stride(2))
+    else:
+        kv_strides = dict(stride_kp=0, stride_kn=k.stride(0), stride_kh=k.stride(1), stride_vp=0,
+                          stride_vn=v.stride(0), stride_vh=v.stride(1))
     _cp_attn_fwd_sm90[grid](
-        Q=q, k_desc=k_desc, k2_desc=k2_desc, v_desc=v_desc, Out=out, Lse=lse if lse is not None else out,
+        Q=q, k_desc=k_desc, k2_desc=k2_desc, v_desc=v_desc, K=k, V=v, **kv_strides,
+        Out=out, Lse=lse if lse is not None else out,
         Sinks=sinks if sinks is not None else out, PageTable=page_table if page_table is not None else q,
         qk_scale=float(softmax_scale) * LOG2E,
         stride_qm=q.stride(0), stride_qh=q.stride(1), stride_om=out.stride(0), stride_oh=out.stride(1),
@@ -509,6 +607,6 @@ def launch(
         stride_sink=sinks.stride(0) if sinks is not None else 0,
         stride_pt=page_table.stride(0) if page_table is not None else 0,
         HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None,
-        **kernel_constexprs(d, dv, q.dtype, page_size, block_n, stages, overlap, pingpong),
+        **kernel_constexprs(d, dv, q.dtype, page_size, block_n, stages, overlap, pingpong, gather),
         num_warps=4, maxnreg=168, **plan_args,
     )
