@@ -137,6 +137,40 @@ def test_gpu_sm90_paged_matches_packed(page):
     assert (paged[:n].float() - packed[:n].float()).abs().max().item() < 1e-2
 
 
+@needs_sm90
+@pytest.mark.parametrize(
+    "d,dv,hq,hkv,page,window,sinks",
+    [
+        (128, 128, 32, 8, None, -1, False),
+        (128, 128, 16, 4, None, 700, True),
+        (192, 128, 16, 16, None, -1, False),
+        (64, 64, 16, 16, None, -1, True),
+        (128, 128, 32, 8, 16, -1, False),
+        (128, 128, 16, 4, 1, 300, False),
+        (192, 128, 16, 4, 256, -1, True),
+    ],
+)
+def test_gpu_sm90_persistent_is_bit_identical(d, dv, hq, hkv, page, window, sinks):
+    """Persistent programs (one per SM, snake over the work items) compute every item exactly as
+    one program per item does: outputs and LSE are bit-identical (ragged batch, pad tiles)."""
+    ext, pre = [5000, 300, 1, 700], [0, 900, 2, 64]
+    lens = [e + p for e, p in zip(ext, pre)]
+    s, meta, q, k, v = _case("zigzag", 2, 1, ext, pre, hq, hkv, d, dv, seed=5)
+    sk = torch.randn(hq, device="cuda") if sinks else None
+    kk, vv, table = (k, v, None) if page is None else _nan_paged(k, v, lens, page)
+    outs = []
+    for persistent in (False, True):
+        plan = s.plan_attention(meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=q.dtype,
+                                window_size=(window, 0), page_size=page, has_sinks=sinks, backend="triton",
+                                backend_options={"sm90": {"persistent": persistent}})
+        assert plan.family == "sm90"
+        outs.append(plan.run(q, kk, vv, page_table=table, sinks=sk, return_lse=True))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    ref, ref_lse = s.attention(q.float(), k.float(), v.float(), meta, backend="torch", window_size=(window, 0),
+                               sinks=sk, return_lse=True)
+    _check(outs[1][0], outs[1][1], ref, ref_lse, meta, "persistent")
+
+
 # ------------------------------------------------------------------------------ absorbed MLA
 def _mla_case(strategy, cp_size, rank, ext, pre, hq, seed=0):
     s, meta, q, k, _ = _case(strategy, cp_size, rank, ext, pre, hq, 1, 576, 512, seed=seed)
@@ -211,3 +245,88 @@ def test_gpu_mla_large_matches_portable():
     n = meta.num_local_tokens
     assert torch.isfinite(fast[:n]).all()
     assert (fast[:n].float() - slow[:n].float()).abs().max().item() < 1e-2
+
+
+# ------------------------------------------------------------------------------ static plans, graphs
+@needs_sm90
+@pytest.mark.parametrize(
+    "family,d,dv,hq,hkv,page,options",
+    [
+        ("sm90", 128, 128, 32, 8, None, {}),
+        ("sm90", 128, 128, 32, 8, None, {"sm90": {"persistent": True}}),
+        ("sm90", 128, 128, 16, 4, 16, {}),
+        ("sm90", 192, 128, 16, 16, 1, {"sm90": {"persistent": True}}),
+        ("mla", 576, 512, 16, 1, None, {}),
+        ("mla", 576, 512, 16, 1, 64, {}),
+    ],
+)
+def test_gpu_static_plan_graph_replay(family, d, dv, hq, hkv, page, options):
+    """A CUDA graph captured over shard + plan.run for one batch of a StaticPlanner replays for
+    other batches planned into the same buffers (capacity-sized grids, device tile counts)."""
+    s = cpattn.get_strategy("zigzag", 2, pad_multiple=64)
+    planner = cpattn.StaticPlanner(s, max_tokens=6000, max_seqs=4, max_kv_tokens=9000, device="cuda")
+    cap = planner.capacity
+    batches = [([3000, 17, 1], [0, 200, 5]), ([5000], [100]), ([100, 200, 300, 400], [0, 50, 0, 2000])]
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.zeros(cap.max_tokens, hq, d, device="cuda", dtype=torch.bfloat16)
+    k_buf = torch.zeros(cap.max_kv_tokens, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v_buf = k_buf[..., :dv] if family == "mla" else torch.zeros(cap.max_kv_tokens, hkv, dv, device="cuda",
+                                                                  dtype=torch.bfloat16)
+    if page is not None:
+        max_pages = -(-cap.max_kv_tokens // page)
+        kc = torch.full((cap.max_seqs * max_pages + 1, page, hkv, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+        vc = kc[..., :dv] if family == "mla" else torch.full((kc.shape[0], page, hkv, dv), float("nan"), device="cuda",
+                                                            dtype=torch.bfloat16)
+        table = torch.zeros(cap.max_seqs, max_pages, dtype=torch.int32, device="cuda")
+    out = torch.empty(cap.max_local_tokens, hq, dv, device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(cap.max_local_tokens, hq, device="cuda", dtype=torch.float32)
+    graph = None
+    for ext, pre in batches:
+        lens = [e + p for e, p in zip(ext, pre)]
+        t, n_kv = sum(ext), sum(lens)
+        q = torch.randn(t, hq, d, device="cuda", generator=gen).to(torch.bfloat16)
+        k = torch.randn(n_kv, hkv, d, device="cuda", generator=gen).to(torch.bfloat16)
+        v = k[..., :dv] if family == "mla" else torch.randn(n_kv, hkv, dv, device="cuda", generator=gen).to(
+            torch.bfloat16)
+        x.zero_()
+        x[:t] = q
+        k_buf[:n_kv] = k
+        if family != "mla":
+            v_buf[:n_kv] = v
+        if page is not None:
+            kk, vv, tt = _nan_paged(k, None if family == "mla" else v, lens, page)
+            kc[: kk.shape[0]] = kk
+            if family != "mla":
+                vc[: vv.shape[0]] = vv
+            table.fill_(kc.shape[0] - 1)  # entries past a sequence's pages: the last (NaN) page
+            table[: tt.shape[0], : tt.shape[1]] = tt
+        meta = planner.plan(ext, pre, rank=1)
+        plan = s.plan_attention(meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
+                                dtype=torch.bfloat16, page_size=page, backend="triton", backend_options=options)
+        assert plan.family == family
+        kv = (k_buf, v_buf) if page is None else (kc, vc)
+
+        def step():
+            plan.run(s.shard(x, meta), *kv, page_table=None if page is None else table, out=out, lse=lse)
+
+        if graph is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+        graph.replay()
+        torch.cuda.synchronize()
+        fresh = s.build_metadata(ext, pre, rank=1).to("cuda")
+        ref, ref_lse = s.attention(s.shard(q, fresh).float(), k.float(), v.float(), fresh, backend="torch",
+                                   return_lse=True)
+        n = fresh.num_local_tokens
+        assert torch.isfinite(out[:n]).all()
+        err = (out[:n].float() - ref[:n]).abs().max().item()
+        lse_err = (lse[:n] - ref_lse[:n]).abs().max().item()
+        assert err < 2e-2 and lse_err < 1e-2, f"batch {ext}: {err}, {lse_err}"
+        assert (out[n:] == 0).all() and torch.isneginf(lse[n:]).all()

@@ -142,3 +142,16 @@ def test_backend_family_choice(interp):
                 s.plan_attention(meta, **kw, backend_options={"family": family})
         with pytest.raises(ValueError, match="family must be one of"):
             s.plan_attention(meta, **kw, backend_options={"family": "fast"})
+
+
+def test_sm90_options_are_validated_at_plan_time(interp):
+    import cpattn
+
+    s = cpattn.get_strategy("zigzag", 2, pad_multiple=4)
+    meta = s.build_metadata([40], rank=0)
+    kw = dict(num_q_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, backend="triton")
+    with pytest.raises(ValueError, match="unknown backend_options sm90 keys \\['block_m'\\]"):
+        s.plan_attention(meta, **kw, backend_options={"sm90": {"block_m": 64}})
+    with pytest.raises(ValueError, match="persistent runs without overlap / pingpong"):
+        s.plan_attention(meta, **kw, backend_options={"sm90": {"persistent": True, "overlap": 2}})
+    assert s.plan_attention(meta, **kw, backend_options={"sm90": {"persistent": True}}).family == "portable"

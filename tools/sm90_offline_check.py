@@ -53,6 +53,13 @@ VARIANTS = [
     (192, 128, 1, 2, 0, False, False, False, True, 2),
     (128, 128, 4, 3, 2, True, False, False, True, 1),
 ]
+#: Dense variants compiled persistent (one program per SM walking the work items).
+PERSISTENT_VARIANTS = [
+    (128, 128, 4, 3, 0, False, False, False, True, None),
+    (128, 128, 4, 3, 0, False, True, True, False, 16),
+    (192, 128, 1, 2, 0, False, False, False, True, None),
+    (64, 64, 1, 3, 0, False, False, False, True, 1),
+]
 #: (variant, block_n): variants compiled with a key block other than 128.
 BLOCK_N_VARIANTS = [
     ((192, 128, 1, 4, 0, False, False, False, True, None), 64),
@@ -91,7 +98,7 @@ def _kv(d, dv, dtype, page_size, hkv=8, rows=4096):
 
 
 def compile_variant(d, dv, g_pack, stages, overlap, pingpong, window, sinks, lse, page_size=None,
-                    dtype=torch.bfloat16, block_n=128):
+                    dtype=torch.bfloat16, block_n=128, persistent=False):
     """The compiled dense kernel (``.asm["ptx"]``, ``.metadata.shared``) of one variant, for sm_90a."""
     fn = ws._cp_attn_fwd_sm90
     k, v = _kv(d, dv, dtype, page_size)
@@ -103,7 +110,8 @@ def compile_variant(d, dv, g_pack, stages, overlap, pingpong, window, sinks, lse
         k_desc, k2_desc, v_desc = ws.kv_descriptors(k, v, block_n)
         sig = _ptr_sig(fn, elem, dict(k_desc=k_desc, k2_desc=k2_desc, v_desc=v_desc))
     consts = dict(G_PACK=g_pack, HAS_WINDOW=window, HAS_SINKS=sinks, RETURN_LSE=lse,
-                  **ws.kernel_constexprs(d, dv, dtype, page_size, block_n, stages, overlap, pingpong))
+                  **ws.kernel_constexprs(d, dv, dtype, page_size, block_n, stages, overlap, pingpong,
+                                         persistent=persistent))
     sig.update({name: "constexpr" for name in consts})
     return triton.compile(GluonASTSource(fn, sig, consts, _attrs(fn)), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4, maxnreg=168))
@@ -173,6 +181,11 @@ def main() -> None:
         name = f"d{d}-{dv}_g{g_pack}_bn{block_n}_st{stages}{'_win' if window else ''}{'_sink' if sinks else ''}" \
                f"{f'_page{page}' if page else ''}"
         jobs.append((name, lambda *a, bn=block_n: compile_variant(*a, block_n=bn), v))
+    for v in PERSISTENT_VARIANTS:
+        d, dv, g_pack, stages, overlap, pingpong, window, sinks, lse, page = v
+        name = f"d{d}-{dv}_g{g_pack}_st{stages}_persistent{'_win' if window else ''}{'_sink' if sinks else ''}" \
+               f"{f'_page{page}' if page else ''}"
+        jobs.append((name, lambda *a: compile_variant(*a, persistent=True), v))
     for v in MLA_VARIANTS:
         g_pack, window, sinks, lse, page = v
         name = f"mla576-512_g{g_pack}{'_win' if window else ''}{'_sink' if sinks else ''}" \

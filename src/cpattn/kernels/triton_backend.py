@@ -37,8 +37,9 @@ _KERNEL_MODULE = "cpattn.kernels.triton_attn"
 
 #: Tuning of the sm_90 kernel: key block, K/V stages, FA3-style overlap (0 off, 1 paired GEMMs,
 #: 2 softmax under P V) and ping-pong between the two consumer warpgroups (none measured faster
-#: on H200; docs/kernels.md has the numbers).
-SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": 0, "pingpong": False}
+#: on H200; docs/kernels.md has the numbers), persistent programs (one per SM walking every work
+#: item; not measured yet, so off).
+SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": 0, "pingpong": False, "persistent": False}
 
 _OPTION_NAMES = {"family", "block_m", "config", "sm90"}
 #: Kernel families ("auto": mla, then sm90, then portable, the first that can run the plan).
@@ -68,6 +69,8 @@ class _TritonRun:
         if bad:
             raise ValueError(f"unknown backend_options sm90 keys {sorted(bad)} (known: {sorted(SM90_OPTIONS)})")
         self.sm90_options = {**SM90_OPTIONS, **dict(options.get("sm90", {}))}
+        if self.sm90_options["persistent"] and (self.sm90_options["overlap"] or self.sm90_options["pingpong"]):
+            raise ValueError("backend_options sm90: persistent runs without overlap / pingpong")
         self.reasons = {"portable": None}
         for name, fam_reason, fam_block in (
             ("sm90", triton_sm90.unsupported_reason(d, dv, spec.dtype, spec.page_size, meta.device),
@@ -117,9 +120,13 @@ class _TritonRun:
         )
         self._portable = triton_attn.launch
         self._contiguous = triton_attn.last_dim_contiguous
+        self.fast_grid = self.grid
         if family == "sm90":
             self._fast, self._layout_ok = triton_sm90.launch, triton_sm90.kv_layout_ok
             self._fast_options = self.sm90_options
+            if self.sm90_options["persistent"]:  # one resident program per SM (one fits per SM)
+                sms = torch.cuda.get_device_properties(meta.device).multi_processor_count
+                self.fast_grid = (max(1, min(self.grid[0], sms)),)
         elif family == "mla":
             self._fast, self._layout_ok = triton_mla.launch, triton_mla.kv_layout_ok
             self._fast_options = {}
@@ -141,7 +148,7 @@ class _TritonRun:
 
     def _launch(self, q, k, v, page_table, sinks, softmax_scale, out, lse) -> None:
         if self._fast is not None and self._layout_ok(k, v):
-            self._fast(q, k, v, out, lse, sinks, page_table, grid=self.grid, plan_args=self.sm90_args,
+            self._fast(q, k, v, out, lse, sinks, page_table, grid=self.fast_grid, plan_args=self.sm90_args,
                        softmax_scale=softmax_scale, **self._fast_options)
         else:
             self._portable(q, k, v, out, lse, sinks, page_table, grid=self.grid, plan_args=self.portable_args,

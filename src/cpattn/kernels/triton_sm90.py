@@ -171,7 +171,7 @@ if HAVE_GLUON:
             async_copy.async_copy_global_to_shared(buf.slice(p * R, R), ptrs, mask=gl.expand_dims(kpos < key_end, 1))
 
     @gluon.jit
-    def _ws_gather_loader(smem, kv, HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    def _ws_gather_loader(smem, kv, it0, HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr):
         """4 warps: cp.async K/V blocks of a paged cache into the stage ring; block j is signalled
         ready once block j + 1's copies are issued (cp.async groups complete in order)."""
         q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, k_ready, v_ready, kv_empty, turn = smem
@@ -182,8 +182,8 @@ if HAVE_GLUON:
         HEAD_DIM1: gl.constexpr = k_bufs.type.shape[2]
         NW: gl.constexpr = gl.num_warps()
         for j in range(num_blocks):
-            slot = j % STAGES
-            mbarrier.wait(kv_empty.index(slot), ((j // STAGES) & 1) ^ 1)
+            slot = (it0 + j) % STAGES
+            mbarrier.wait(kv_empty.index(slot), (((it0 + j) // STAGES) & 1) ^ 1)
             start = n_lo + j * BLOCK_N
             _ws_gather_rows(K, k_bufs.index(slot), pt_row, start, key_end, stride_kp, stride_kn, k_col, PAGE_SIZE, NW)
             if HEAD_DIM2 > 0:
@@ -194,30 +194,123 @@ if HAVE_GLUON:
             if j > 0:
                 async_copy.wait_group(1)
                 fence_async_shared()
-                prev = (j - 1) % STAGES
+                prev = (it0 + j - 1) % STAGES
                 mbarrier.arrive(k_ready.index(prev), count=1)
                 mbarrier.arrive(v_ready.index(prev), count=1)
         if num_blocks > 0:
             async_copy.wait_group(0)
             fence_async_shared()
-            last = (num_blocks - 1) % STAGES
+            last = (it0 + num_blocks - 1) % STAGES
             mbarrier.arrive(k_ready.index(last), count=1)
             mbarrier.arrive(v_ready.index(last), count=1)
 
     @gluon.jit
-    def _ws_loader(smem, kv, rows, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, RETURN_LSE: gl.constexpr,
-                   G_PACK: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, HEAD_DIM2: gl.constexpr,
-                   PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr):
-        """1 warp: TMA K/V blocks ``n_lo + j * BLOCK_N`` (j < num_blocks) into the stage ring
-        (PAGE_SIZE > 0: from a paged cache, COPY_ROWS keys per copy; COPY_ROWS 0: 4 warps gather
-        with cp.async)."""
-        if (PAGE_SIZE > 0) & (COPY_ROWS == 0):
-            _ws_gather_loader(smem, kv, HEAD_DIM2, PAGE_SIZE)
-        else:
-            _ws_tma_loader(smem, kv, HEAD_DIM2, PAGE_SIZE, COPY_ROWS)
+    def _ws_rounds(sched):
+        """Rounds of a persistent program: ceil(work items / programs); items = tiles x head groups
+        (the tile count read from device memory: static plans)."""
+        total = gl.load(sched[2]) * sched[9]
+        return gl.cdiv(total, gl.num_programs(0))
 
     @gluon.jit
-    def _ws_tma_loader(smem, kv, HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr):
+    def _ws_work(r, sched):
+        """Work item of round ``r`` for this program: programs walk the (heaviest-first) item list
+        in a snake, left to right on even rounds and right to left on odd ones, which balances
+        the causal tiles' decreasing costs over the programs."""
+        npr = gl.num_programs(0)
+        pid = gl.program_id(0)
+        return r * npr + gl.where(r % 2 == 0, pid, npr - 1 - pid)
+
+    @gluon.jit
+    def _ws_item(w, kv, rows, sched, smem, HAS_WINDOW: gl.constexpr, G_PACK: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                 COPY_ROWS: gl.constexpr, HEAD_DIM2: gl.constexpr):
+        """(kv, rows) of work item ``w`` (tile x head group by L2 sections, as
+        triton_attn._tile_and_head_group; not imported from there: that import would fix
+        triton_attn's interpreter/GPU mode early). Items past the device tile count run no key
+        block and store nothing (slen 0), so every partition agrees without a branch."""
+        (tile_segment, tile_row_offset, NumTiles, seg_seq, seg_row0, seg_len, seg_pos0, seg_stride, cu_kv_lens,
+         num_head_groups, heads_per_section, group_size, PageTable, stride_pt, stride_kh, stride_vh) = sched
+        k_bufs = smem[2]
+        v_bufs = smem[4]
+        BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+        HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
+        HEAD_DIM_V: gl.constexpr = v_bufs.type.shape[2]
+        BLOCK_M: gl.constexpr = smem[0].type.shape[1]
+        ROWS: gl.constexpr = 2 * BLOCK_M // G_PACK
+        window = rows[19]
+        num_tiles = gl.load(NumTiles)
+        live = w < num_tiles * num_head_groups
+        w = gl.where(live, w, 0)
+        per_section = num_tiles * heads_per_section
+        section = w // per_section
+        r = w - section * per_section
+        section_heads = gl.minimum(heads_per_section, num_head_groups - section * heads_per_section)
+        tile = r // section_heads
+        hg = section * heads_per_section + r % section_heads
+        seg = gl.load(tile_segment + tile)
+        roff = gl.load(tile_row_offset + tile)
+        seq = gl.load(seg_seq + seg)
+        row0 = gl.load(seg_row0 + seg)
+        slen = gl.where(live, gl.load(seg_len + seg), 0)
+        pos0 = gl.load(seg_pos0 + seg)
+        pstride = gl.load(seg_stride + seg)
+        last_r = gl.minimum(roff + ROWS, slen) - 1
+        pos_min = pos0 + roff * pstride
+        pos_max = pos0 + last_r * pstride
+        kvh = (hg * G_PACK) // group_size
+        if PAGE_SIZE > 0:
+            kv_row_base = seq * 0
+            pt_row = PageTable + seq.to(gl.int64) * stride_pt
+        else:
+            kv_row_base = gl.load(cu_kv_lens + seq).to(gl.int32)  # TMA coordinates are 32-bit
+            pt_row = PageTable
+        if (PAGE_SIZE > 0) & (COPY_ROWS == 0):  # cp.async gather: element offsets of this KV head
+            k_col = kvh * stride_kh
+            v_col = kvh * stride_vh
+        else:  # TMA: columns of the [rows, Hkv * D] matrices
+            k_col = kvh * (HEAD_DIM + HEAD_DIM2)
+            v_col = kvh * HEAD_DIM_V
+
+        key_end = pos_max + 1
+        if HAS_WINDOW:
+            n_lo = (gl.maximum(pos_min - window, 0) // BLOCK_N) * BLOCK_N
+            f_lo = gl.cdiv(gl.maximum(pos_max - window, 0), BLOCK_N) * BLOCK_N
+        else:
+            n_lo = pos_min * 0
+            f_lo = pos_min * 0
+        f_hi = gl.maximum(((pos_min + 1) // BLOCK_N) * BLOCK_N, f_lo)
+        num_blocks = gl.where(live, gl.cdiv(key_end - n_lo, BLOCK_N), 0)
+        kv = (kv[0], kv[1], kv[2], k_col, v_col, kv_row_base, n_lo, num_blocks, key_end, pt_row, kv[10])
+        rows = (rows[0], rows[1], rows[2], rows[3], rows[4], rows[5], rows[6], rows[7], rows[8], rows[9],
+                roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, rows[18], rows[19], rows[20])
+        return kv, rows
+
+    @gluon.jit
+    def _ws_load_item(smem, kv, it0, HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr):
+        """The K/V blocks of one work item, ring positions it0, it0 + 1, ... (PAGE_SIZE > 0: from a
+        paged cache, COPY_ROWS keys per TMA copy; COPY_ROWS 0: the cp.async gather)."""
+        if (PAGE_SIZE > 0) & (COPY_ROWS == 0):
+            _ws_gather_loader(smem, kv, it0, HEAD_DIM2, PAGE_SIZE)
+        else:
+            _ws_tma_loader(smem, kv, it0, HEAD_DIM2, PAGE_SIZE, COPY_ROWS)
+
+    @gluon.jit
+    def _ws_loader(smem, kv, rows, sched, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+                   RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+                   HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr,
+                   PERSISTENT: gl.constexpr):
+        """Loader partition: 1 warp streams K/V with TMA (4 warps for the cp.async gather)."""
+        if PERSISTENT:
+            it = 0
+            for r in range(_ws_rounds(sched)):
+                kv, rows = _ws_item(_ws_work(r, sched), kv, rows, sched, smem, HAS_WINDOW, G_PACK, PAGE_SIZE,
+                                    COPY_ROWS, HEAD_DIM2)
+                _ws_load_item(smem, kv, it, HEAD_DIM2, PAGE_SIZE, COPY_ROWS)
+                it += kv[7]
+        else:
+            _ws_load_item(smem, kv, 0, HEAD_DIM2, PAGE_SIZE, COPY_ROWS)
+
+    @gluon.jit
+    def _ws_tma_loader(smem, kv, it0, HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr):
         """1 warp: TMA K/V blocks (packed rows, or per-page copy groups) into the stage ring."""
         q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, k_ready, v_ready, kv_empty, turn = smem
         k_desc, k2_desc, v_desc, k_col, v_col, kv_row_base, n_lo, num_blocks, key_end, pt_row, gather = kv
@@ -226,8 +319,8 @@ if HAVE_GLUON:
         HEAD_DIM1: gl.constexpr = k_bufs.type.shape[2]
         HEAD_DIM_V: gl.constexpr = v_bufs.type.shape[2]
         for j in range(num_blocks):
-            slot = j % STAGES
-            phase = (j // STAGES) & 1
+            slot = (it0 + j) % STAGES
+            phase = ((it0 + j) // STAGES) & 1
             mbarrier.wait(kv_empty.index(slot), phase ^ 1)
             if PAGE_SIZE > 0:
                 copy_bytes: gl.constexpr = k_desc.block_type.nbytes * (BLOCK_N // COPY_ROWS)
@@ -268,11 +361,12 @@ if HAVE_GLUON:
                 zero_rows_from(v_buf, valid, 4)
 
     @gluon.jit
-    def _ws_consumer(smem, kv, rows, HALF: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
-                     RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, OVERLAP: gl.constexpr,
-                     PINGPONG: gl.constexpr, HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                     COPY_ROWS: gl.constexpr):
-        """4 warps: rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of the tile."""
+    def _ws_consumer_item(smem, kv, rows, it0, HALF: gl.constexpr, HAS_WINDOW: gl.constexpr,
+                          HAS_SINKS: gl.constexpr, RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr,
+                          OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, HEAD_DIM2: gl.constexpr,
+                          COPY_ROWS: gl.constexpr):
+        """4 warps: rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of one work item's tile, its key
+        blocks at ring positions it0, it0 + 1, ..."""
         q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, k_ready, v_ready, kv_empty, turn = smem
         k_desc, k2_desc, v_desc, k_col, v_col, kv_row_base, n_lo, num_blocks, key_end, pt_row, gather = kv
         (Q, Out, Lse, Sinks, stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
@@ -326,55 +420,57 @@ if HAVE_GLUON:
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
 
         if OVERLAP > 0:
-            # prologue: block 0's scores and probabilities
-            mbarrier.wait(k_ready.index(0), 0)
-            if PINGPONG:
-                mbarrier.wait(turn.index(HALF), HALF ^ 1)
-            s = _ws_qk(q_half, q2_half, k_bufs.index(0), k2_bufs.index(0), s_zero, HEAD_DIM2)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - HALF), count=1)
-            s = warpgroup_mma_wait(0, deps=(s, ))
-            p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, n_lo, pos, f_lo, f_hi, window, qk_scale, offs_n,
-                                             HAS_WINDOW)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)  # bf16 operand now: 32 registers, not 64
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-            for j in range(1, num_blocks):
-                slot = j % STAGES
-                prev = (j - 1) % STAGES
-                # issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; softmax_j overlaps the second
-                mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
-                mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-                if PINGPONG:  # the two consumers take turns issuing their GEMMs
-                    mbarrier.wait(turn.index(HALF), (j & 1) ^ HALF ^ 1)
-                s = _ws_qk(q_half, q2_half, k_bufs.index(slot), k2_bufs.index(slot), s_zero, HEAD_DIM2)
-                acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+            if num_blocks > 0:  # pad tiles have no key block
+                # prologue: block 0's scores and probabilities
+                first = it0 % STAGES
+                mbarrier.wait(k_ready.index(first), (it0 // STAGES) & 1)
+                if PINGPONG:
+                    mbarrier.wait(turn.index(HALF), HALF ^ 1)
+                s = _ws_qk(q_half, q2_half, k_bufs.index(first), k2_bufs.index(first), s_zero, HEAD_DIM2)
                 if PINGPONG:
                     mbarrier.arrive(turn.index(1 - HALF), count=1)
-                # OVERLAP 2: softmax_j runs while P_{j-1} V_{j-1} is in flight; 1: after both GEMMs
-                if OVERLAP == 2:
-                    s, p_op = warpgroup_mma_wait(1, deps=(s, p_op))
-                else:
-                    s, p_op = warpgroup_mma_wait(0, deps=(s, p_op))
-                p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, n_lo + j * BLOCK_N, pos, f_lo, f_hi, window,
-                                                 qk_scale, offs_n, HAS_WINDOW)
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-                mbarrier.arrive(kv_empty.index(prev), count=1)
+                s = warpgroup_mma_wait(0, deps=(s, ))
+                p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, n_lo, pos, f_lo, f_hi, window, qk_scale, offs_n,
+                                                 HAS_WINDOW)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)  # bf16 operand now: 32 registers, not 64
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-            last = (num_blocks - 1) % STAGES
-            mbarrier.wait(v_ready.index(last), ((num_blocks - 1) // STAGES) & 1)
-            _ws_fix_last_v(v_bufs.index(last), num_blocks - 1, num_blocks, n_lo, key_end, COPY_ROWS)
-            if PINGPONG:
-                mbarrier.wait(turn.index(HALF), (num_blocks & 1) ^ HALF ^ 1)
-            acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - HALF), count=1)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(kv_empty.index(last), count=1)
+                for j in range(1, num_blocks):
+                    slot = (it0 + j) % STAGES
+                    prev = (it0 + j - 1) % STAGES
+                    # issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; softmax_j overlaps the second
+                    mbarrier.wait(k_ready.index(slot), ((it0 + j) // STAGES) & 1)
+                    mbarrier.wait(v_ready.index(prev), ((it0 + j - 1) // STAGES) & 1)
+                    if PINGPONG:  # the two consumers take turns issuing their GEMMs
+                        mbarrier.wait(turn.index(HALF), (j & 1) ^ HALF ^ 1)
+                    s = _ws_qk(q_half, q2_half, k_bufs.index(slot), k2_bufs.index(slot), s_zero, HEAD_DIM2)
+                    acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+                    if PINGPONG:
+                        mbarrier.arrive(turn.index(1 - HALF), count=1)
+                    # OVERLAP 2: softmax_j runs while P_{j-1} V_{j-1} is in flight; 1: after both GEMMs
+                    if OVERLAP == 2:
+                        s, p_op = warpgroup_mma_wait(1, deps=(s, p_op))
+                    else:
+                        s, p_op = warpgroup_mma_wait(0, deps=(s, p_op))
+                    p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, n_lo + j * BLOCK_N, pos, f_lo, f_hi, window,
+                                                     qk_scale, offs_n, HAS_WINDOW)
+                    acc = warpgroup_mma_wait(0, deps=(acc, ))
+                    p_op = gl.convert_layout(p.to(dtype), p_layout)
+                    mbarrier.arrive(kv_empty.index(prev), count=1)
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+                last = (it0 + num_blocks - 1) % STAGES
+                mbarrier.wait(v_ready.index(last), ((it0 + num_blocks - 1) // STAGES) & 1)
+                _ws_fix_last_v(v_bufs.index(last), num_blocks - 1, num_blocks, n_lo, key_end, COPY_ROWS)
+                if PINGPONG:
+                    mbarrier.wait(turn.index(HALF), (num_blocks & 1) ^ HALF ^ 1)
+                acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index(1 - HALF), count=1)
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                mbarrier.arrive(kv_empty.index(last), count=1)
         else:
             for j in range(num_blocks):
-                slot = j % STAGES
-                phase = (j // STAGES) & 1
+                slot = (it0 + j) % STAGES
+                phase = ((it0 + j) // STAGES) & 1
                 mbarrier.wait(k_ready.index(slot), phase)
                 s = _ws_qk(q_half, q2_half, k_bufs.index(slot), k2_bufs.index(slot), s_zero, HEAD_DIM2)
                 s = warpgroup_mma_wait(0, deps=(s, ))
@@ -409,18 +505,38 @@ if HAVE_GLUON:
 
 
     @gluon.jit
-    def _ws_consumer0(smem, kv, rows, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
-                      RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-                      HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr):
-        _ws_consumer(smem, kv, rows, 0, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG, HEAD_DIM2,
-                     PAGE_SIZE, COPY_ROWS)
+    def _ws_consumer(smem, kv, rows, sched, HALF: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+                     RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, OVERLAP: gl.constexpr,
+                     PINGPONG: gl.constexpr, HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                     COPY_ROWS: gl.constexpr, PERSISTENT: gl.constexpr):
+        """Consumer warpgroup HALF: one work item, or (PERSISTENT) every item of this program."""
+        if PERSISTENT:
+            it = 0
+            for r in range(_ws_rounds(sched)):
+                kv, rows = _ws_item(_ws_work(r, sched), kv, rows, sched, smem, HAS_WINDOW, G_PACK, PAGE_SIZE,
+                                    COPY_ROWS, HEAD_DIM2)
+                _ws_consumer_item(smem, kv, rows, it, HALF, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP,
+                                  PINGPONG, HEAD_DIM2, COPY_ROWS)
+                it += kv[7]
+        else:
+            _ws_consumer_item(smem, kv, rows, 0, HALF, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG,
+                              HEAD_DIM2, COPY_ROWS)
 
     @gluon.jit
-    def _ws_consumer1(smem, kv, rows, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+    def _ws_consumer0(smem, kv, rows, sched, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
                       RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-                      HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr):
-        _ws_consumer(smem, kv, rows, 1, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG, HEAD_DIM2,
-                     PAGE_SIZE, COPY_ROWS)
+                      HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr,
+                      PERSISTENT: gl.constexpr):
+        _ws_consumer(smem, kv, rows, sched, 0, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG, HEAD_DIM2,
+                     PAGE_SIZE, COPY_ROWS, PERSISTENT)
+
+    @gluon.jit
+    def _ws_consumer1(smem, kv, rows, sched, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+                      RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+                      HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr,
+                      PERSISTENT: gl.constexpr):
+        _ws_consumer(smem, kv, rows, sched, 1, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG, HEAD_DIM2,
+                     PAGE_SIZE, COPY_ROWS, PERSISTENT)
 
     @gluon.jit
     def _cp_attn_fwd_sm90(
@@ -436,50 +552,8 @@ if HAVE_GLUON:
         PINGPONG: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr,
         Q_SMEM: gl.constexpr, Q2_SMEM: gl.constexpr, K_SMEM: gl.constexpr, K2_SMEM: gl.constexpr,
         V_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, LOADER_WARPS: gl.constexpr,
+        PERSISTENT: gl.constexpr,
     ):
-        ROWS: gl.constexpr = 2 * BLOCK_M // G_PACK
-        # program -> (tile, head group) by L2 sections, as triton_attn._tile_and_head_group (not
-        # imported from there: that import would fix triton_attn's interpreter/GPU mode early)
-        pid = gl.program_id(0)
-        # tile count from device memory (static plans: a capacity-sized grid); programs past it
-        # run no key block and store nothing (slen 0), so every partition agrees without a branch
-        num_tiles = gl.load(NumTiles)
-        live = pid < num_tiles * num_head_groups
-        pid = gl.where(live, pid, 0)
-        per_section = num_tiles * heads_per_section
-        section = pid // per_section
-        r = pid - section * per_section
-        section_heads = gl.minimum(heads_per_section, num_head_groups - section * heads_per_section)
-        tile = r // section_heads
-        hg = section * heads_per_section + r % section_heads
-        seg = gl.load(tile_segment + tile)
-        roff = gl.load(tile_row_offset + tile)
-        seq = gl.load(seg_seq + seg)
-        row0 = gl.load(seg_row0 + seg)
-        slen = gl.where(live, gl.load(seg_len + seg), 0)
-        pos0 = gl.load(seg_pos0 + seg)
-        pstride = gl.load(seg_stride + seg)
-        last_r = gl.minimum(roff + ROWS, slen) - 1
-        pos_min = pos0 + roff * pstride
-        pos_max = pos0 + last_r * pstride
-        kvh = (hg * G_PACK) // group_size
-        if PAGE_SIZE > 0:
-            kv_row_base = seq * 0
-            pt_row = PageTable + seq.to(gl.int64) * stride_pt
-        else:
-            kv_row_base = gl.load(cu_kv_lens + seq).to(gl.int32)  # TMA coordinates are 32-bit
-            pt_row = PageTable
-
-        key_end = pos_max + 1
-        if HAS_WINDOW:
-            n_lo = (gl.maximum(pos_min - window, 0) // BLOCK_N) * BLOCK_N
-            f_lo = gl.cdiv(gl.maximum(pos_max - window, 0), BLOCK_N) * BLOCK_N
-        else:
-            n_lo = pos_min * 0
-            f_lo = pos_min * 0
-        f_hi = gl.maximum(((pos_min + 1) // BLOCK_N) * BLOCK_N, f_lo)
-        num_blocks = gl.where(live, gl.cdiv(key_end - n_lo, BLOCK_N), 0)
-
         q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, BLOCK_M, HEAD_DIM], Q_SMEM)
         k_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DIM], K_SMEM)
         if HEAD_DIM2 > 0:
@@ -500,27 +574,28 @@ if HAVE_GLUON:
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
 
-        # partition arguments (scalars and shared-memory handles only): buffers, K/V stream, rows
+        # partition arguments (scalars and shared-memory handles only): buffers, K/V stream, rows,
+        # and what locates a work item (tile x head group)
         smem = (q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, k_ready, v_ready, kv_empty, turn)
-        if (PAGE_SIZE > 0) & (COPY_ROWS == 0):  # cp.async gather: element offsets of this KV head
-            k_col = kvh * stride_kh
-            v_col = kvh * stride_vh
-        else:  # TMA: columns of the [rows, Hkv * D] matrices
-            k_col = kvh * (HEAD_DIM + HEAD_DIM2)
-            v_col = kvh * HEAD_DIM_V
+        zero = gl.program_id(0) * 0
         gather = (K, V, stride_kp, stride_kn, stride_vp, stride_vn)
-        kv = (k_desc, k2_desc, v_desc, k_col, v_col, kv_row_base, n_lo, num_blocks, key_end, pt_row, gather)
+        kv = (k_desc, k2_desc, v_desc, zero, zero, zero, zero, zero, zero, PageTable, gather)
         rows = (Q, Out, Lse, Sinks, stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
-                roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, qk_scale, window, stride_sink)
+                zero, zero, zero, zero, zero, zero, zero, zero, qk_scale, window, stride_sink)
+        sched = (tile_segment, tile_row_offset, NumTiles, seg_seq, seg_row0, seg_len, seg_pos0, seg_stride, cu_kv_lens,
+                 num_head_groups, heads_per_section, group_size, PageTable, stride_pt, stride_kh, stride_vh)
+        if not PERSISTENT:  # one work item per program: located once here
+            kv, rows = _ws_item(gl.program_id(0), kv, rows, sched, smem, HAS_WINDOW, G_PACK, PAGE_SIZE, COPY_ROWS,
+                                HEAD_DIM2)
         # the flags go in tuple literals: assigning a tuple to a name would turn its constexprs into
         # runtime values
         gl.warp_specialize([
-            (_ws_consumer0, (smem, kv, rows, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG,
-                              HEAD_DIM2, PAGE_SIZE, COPY_ROWS)),
-            (_ws_consumer1, (smem, kv, rows, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG,
-                              HEAD_DIM2, PAGE_SIZE, COPY_ROWS)),
-            (_ws_loader, (smem, kv, rows, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG,
-                          HEAD_DIM2, PAGE_SIZE, COPY_ROWS)),
+            (_ws_consumer0, (smem, kv, rows, sched, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG,
+                              HEAD_DIM2, PAGE_SIZE, COPY_ROWS, PERSISTENT)),
+            (_ws_consumer1, (smem, kv, rows, sched, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG,
+                              HEAD_DIM2, PAGE_SIZE, COPY_ROWS, PERSISTENT)),
+            (_ws_loader, (smem, kv, rows, sched, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG,
+                          HEAD_DIM2, PAGE_SIZE, COPY_ROWS, PERSISTENT)),
         ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -553,7 +628,8 @@ def kv_descriptors(k: Tensor, v: Tensor, block_n: int):
 
 
 def kernel_constexprs(d: int, dv: int, dtype: torch.dtype, page_size: Optional[int], block_n: int = 128,
-                      stages: int = 3, overlap: int = 0, pingpong: bool = False, gather: bool = False) -> dict:
+                      stages: int = 3, overlap: int = 0, pingpong: bool = False, gather: bool = False,
+                      persistent: bool = False) -> dict:
     """The kernel's geometry constexprs (tiles, stages, paging, shared-memory layouts, register
     split). ``gather``: a paged cache read by the cp.async loader (COPY_ROWS 0)."""
     d1, d2 = split_qk_dim(d)
@@ -567,14 +643,14 @@ def kernel_constexprs(d: int, dv: int, dtype: torch.dtype, page_size: Optional[i
         Q_SMEM=_smem_layout(CONSUMER_ROWS, d1, dtype), Q2_SMEM=_smem_layout(CONSUMER_ROWS, max(d2, 16), dtype),
         K_SMEM=_smem_layout(block_n, d1, dtype), K2_SMEM=_smem_layout(block_n, max(d2, 16), dtype),
         V_SMEM=_smem_layout(block_n, dv, dtype),
-        **(GATHER_REGS if gather else PAGED_REGS if page_size else PACKED_REGS),
+        **(GATHER_REGS if gather else PAGED_REGS if page_size else PACKED_REGS), PERSISTENT=bool(persistent),
     )
 
 
 def launch(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tensor], sinks: Optional[Tensor],
     page_table: Optional[Tensor], *, grid: tuple[int], plan_args: dict, softmax_scale: float, block_n: int = 128,
-    stages: int = 3, overlap: int = 0, pingpong: bool = False,
+    stages: int = 3, overlap: int = 0, pingpong: bool = False, persistent: bool = False,
 ) -> None:
     """Launch the warp-specialized kernel into ``out`` / ``lse``: packed K/V ``[rows, Hkv, D]``,
     or paged caches ``[pages, page_size, Hkv, D]`` with ``page_table`` [B, max_pages] (int32 or
@@ -583,7 +659,9 @@ def launch(
     CONSUMER_ROWS`` rows x heads. ``overlap`` 1 issues ``P_{j-1} V_{j-1}`` and ``Q K_j^T`` back
     to back, 2 also runs softmax_j under the first; ``pingpong`` (with ``overlap``) makes the two
     consumers take turns issuing their GEMMs. ``stages`` is capped by shared memory (D192/128
-    fits 2)."""
+    fits 2 at 128-key blocks). ``persistent``: ``grid`` is a number of resident programs that
+    walk all work items (round by round, snake order; no overlap / pingpong), else one item per
+    program."""
     d, dv = q.shape[2], v.shape[-1]
     page_size = k.shape[1] if page_table is not None else None
     gather = page_size is not None and not paged_tma_ok(k, v, block_n)
@@ -607,6 +685,6 @@ def launch(
         stride_sink=sinks.stride(0) if sinks is not None else 0,
         stride_pt=page_table.stride(0) if page_table is not None else 0,
         HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None,
-        **kernel_constexprs(d, dv, q.dtype, page_size, block_n, stages, overlap, pingpong, gather),
+        **kernel_constexprs(d, dv, q.dtype, page_size, block_n, stages, overlap, pingpong, gather, persistent),
         num_warps=4, maxnreg=168, **plan_args,
     )
