@@ -151,24 +151,46 @@ if HAVE_GLUON:
                 tma.async_copy_global_to_shared(v_desc, [row, v_col + c * 64], v_ready, v_pieces.index(c * NG + g))
 
     @gluon.jit
-    def _ws_gather_rows(base, buf, pt_row, start, key_end, stride_p, stride_n, col0, PAGE_SIZE: gl.constexpr,
-                        NUM_WARPS: gl.constexpr):
-        """cp.async one key block ``[BLOCK_N, cols]`` of a paged cache into ``buf``, 16 bytes per
-        thread and pass (page sizes whose pages hold no 8-row group: no TMA). Rows past the tile's
-        last key are zero-filled and their page-table entries never read."""
+    def _ws_gather_pages(pt_row, start, p, r_in, key_end, R: gl.constexpr, PAGE_SIZE: gl.constexpr):
+        """Key positions of pass ``p`` (rows ``start + p * R + r_in``) and their page ids (clamped to
+        the tile's last key: no page-table entry past the sequence is read)."""
+        kpos = start + p * R + r_in
+        return kpos, gl.load(pt_row + gl.minimum(kpos, key_end - 1) // PAGE_SIZE).to(gl.int64)
+
+    @gluon.jit
+    def _ws_gather_rows(bases, bufs, gather, cols_off, pt_row, start, key_end, PAGE_SIZE: gl.constexpr,
+                        NUM_WARPS: gl.constexpr, TWO: gl.constexpr):
+        """cp.async one key block ``[BLOCK_N, cols]`` of a paged cache into ``bufs[0]`` (and, TWO,
+        the same rows of the second cache into ``bufs[1]``: K and V share the page lookups), 16
+        bytes per thread and pass; page ids are read two passes ahead. Rows past the tile's last
+        key are zero-filled."""
+        K, V, stride_kp, stride_kn, stride_vp, stride_vn = gather
+        buf = bufs[0]
         BLOCK_N: gl.constexpr = buf.type.shape[0]
         COLS: gl.constexpr = buf.type.shape[1]
         TPR: gl.constexpr = COLS // 8
         R: gl.constexpr = 32 * NUM_WARPS // TPR
+        NP: gl.constexpr = BLOCK_N // R
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPR, TPR], [NUM_WARPS, 1], [1, 0])
-        cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+        cols = gl.expand_dims(gl.arange(0, COLS, layout=gl.SliceLayout(0, layout)), 0)
         r_in = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
-        for p in gl.static_range(BLOCK_N // R):
-            kpos = start + p * R + r_in
-            page = gl.load(pt_row + gl.minimum(kpos, key_end - 1) // PAGE_SIZE).to(gl.int64)
-            off = page * stride_p + (kpos % PAGE_SIZE).to(gl.int64) * stride_n + col0
-            ptrs = base + gl.expand_dims(off, 1) + gl.expand_dims(cols, 0)
-            async_copy.async_copy_global_to_shared(buf.slice(p * R, R), ptrs, mask=gl.expand_dims(kpos < key_end, 1))
+        kpos_a, page_a = _ws_gather_pages(pt_row, start, 0, r_in, key_end, R, PAGE_SIZE)
+        kpos_b, page_b = _ws_gather_pages(pt_row, start, 1, r_in, key_end, R, PAGE_SIZE)
+        for p in gl.static_range(NP):
+            kpos = kpos_a
+            page = page_a
+            kpos_a, page_a = kpos_b, page_b
+            if p + 2 < NP:
+                kpos_b, page_b = _ws_gather_pages(pt_row, start, p + 2, r_in, key_end, R, PAGE_SIZE)
+            slot = (kpos % PAGE_SIZE).to(gl.int64)
+            mask = gl.expand_dims(kpos < key_end, 1)
+            k_off = page * stride_kp + slot * stride_kn + cols_off[0]
+            async_copy.async_copy_global_to_shared(buf.slice(p * R, R), bases[0] + gl.expand_dims(k_off, 1) + cols,
+                                                   mask=mask)
+            if TWO:
+                v_off = page * stride_vp + slot * stride_vn + cols_off[1]
+                async_copy.async_copy_global_to_shared(bufs[1].slice(p * R, R),
+                                                       bases[1] + gl.expand_dims(v_off, 1) + cols, mask=mask)
 
     @gluon.jit
     def _ws_gather_loader(smem, kv, it0, HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr):
@@ -177,19 +199,27 @@ if HAVE_GLUON:
         q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, k_ready, v_ready, kv_empty, turn = smem
         k_desc, k2_desc, v_desc, k_col, v_col, kv_row_base, n_lo, num_blocks, key_end, pt_row, gather = kv
         K, V, stride_kp, stride_kn, stride_vp, stride_vn = gather
+        gather_v = (V, V, stride_vp, stride_vn, stride_vp, stride_vn)  # V through the "K" slots
         STAGES: gl.constexpr = k_bufs.type.shape[0]
         BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
         HEAD_DIM1: gl.constexpr = k_bufs.type.shape[2]
+        HEAD_DIM_V: gl.constexpr = v_bufs.type.shape[2]
         NW: gl.constexpr = gl.num_warps()
         for j in range(num_blocks):
             slot = (it0 + j) % STAGES
             mbarrier.wait(kv_empty.index(slot), (((it0 + j) // STAGES) & 1) ^ 1)
             start = n_lo + j * BLOCK_N
-            _ws_gather_rows(K, k_bufs.index(slot), pt_row, start, key_end, stride_kp, stride_kn, k_col, PAGE_SIZE, NW)
+            if HEAD_DIM1 == HEAD_DIM_V:  # K and V rows in the same passes
+                _ws_gather_rows((K, V), (k_bufs.index(slot), v_bufs.index(slot)), gather, (k_col, v_col), pt_row,
+                                start, key_end, PAGE_SIZE, NW, True)
+            else:
+                _ws_gather_rows((K, K), (k_bufs.index(slot), k_bufs.index(slot)), gather, (k_col, k_col), pt_row,
+                                start, key_end, PAGE_SIZE, NW, False)
+                _ws_gather_rows((V, V), (v_bufs.index(slot), v_bufs.index(slot)), gather_v, (v_col, v_col), pt_row,
+                                start, key_end, PAGE_SIZE, NW, False)
             if HEAD_DIM2 > 0:
-                _ws_gather_rows(K, k2_bufs.index(slot), pt_row, start, key_end, stride_kp, stride_kn,
-                                k_col + HEAD_DIM1, PAGE_SIZE, NW)
-            _ws_gather_rows(V, v_bufs.index(slot), pt_row, start, key_end, stride_vp, stride_vn, v_col, PAGE_SIZE, NW)
+                _ws_gather_rows((K, K), (k2_bufs.index(slot), k2_bufs.index(slot)), gather, (k_col + HEAD_DIM1, 0),
+                                pt_row, start, key_end, PAGE_SIZE, NW, False)
             async_copy.commit_group()
             if j > 0:
                 async_copy.wait_group(1)
