@@ -7,6 +7,8 @@ import torch
 
 pytest.importorskip("triton")
 sm90 = pytest.importorskip("cpattn.kernels.triton_sm90")
+mla = pytest.importorskip("cpattn.kernels.triton_mla")
+common = pytest.importorskip("cpattn.kernels._sm90_common")
 
 
 def _qkv(d=128, dv=None, dtype=torch.bfloat16, hq=8, hkv=2, rows=256):
@@ -21,17 +23,53 @@ CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize(
-    "d,dv,dtype,paged,expect",
+    "d,dv,dtype,page,expect",
     [
-        (128, 128, torch.bfloat16, True, "paged"),
-        (192, 192, torch.bfloat16, False, "head dims"),
-        (128, 64, torch.bfloat16, False, "head dims"),
-        (256, 256, torch.bfloat16, False, "head dims"),
-        (128, 128, torch.float32, False, "dtype"),
+        (192, 192, torch.bfloat16, None, "head dims"),
+        (128, 64, torch.bfloat16, None, "head dims"),
+        (256, 256, torch.bfloat16, None, "head dims"),
+        (128, 128, torch.float32, None, "dtype"),
+        (128, 128, torch.float32, 16, "dtype"),
     ],
 )
-def test_unsupported_plans_name_the_reason(d, dv, dtype, paged, expect):
-    assert expect in sm90.unsupported_reason(d, dv, dtype, paged, CPU)
+def test_unsupported_plans_name_the_reason(d, dv, dtype, page, expect):
+    assert expect in sm90.unsupported_reason(d, dv, dtype, page, CPU)
+
+
+@pytest.mark.parametrize("page", [1, 2, 4, 8, 12, 16, 24, 64, 128, 192, 256])
+def test_every_page_size_is_taken(page):
+    """TMA copy groups where gcd(page, 128) >= 8, the cp.async gather otherwise: only the device
+    is refused here."""
+    reason = sm90.unsupported_reason(128, 128, torch.bfloat16, page, CPU)
+    assert reason == "not an sm_90 GPU" or reason.startswith("Gluon unavailable")
+
+
+def test_paged_copy_rows():
+    assert common.paged_copy_rows(16, 128) == 16 and common.paged_copy_rows(256, 128) == 128
+    assert common.paged_copy_rows(192, 128) == 64 and common.paged_copy_rows(24, 128) == 8
+    assert common.paged_copy_rows(4, 128) == 0 and common.paged_copy_rows(12, 128) == 0
+    assert common.paged_copy_rows(16, 64) == 16 and common.paged_copy_rows(256, 64) == 64
+
+
+def test_paged_layout_tma_or_gather():
+    k = torch.zeros(10, 16, 2, 128, dtype=torch.bfloat16)
+    assert sm90.kv_layout_ok(k, k) and sm90.paged_tma_ok(k, k, 128)
+    # page size without 8-row groups: gathered
+    k4 = torch.zeros(10, 4, 2, 128, dtype=torch.bfloat16)
+    assert sm90.kv_layout_ok(k4, k4) and not sm90.paged_tma_ok(k4, k4, 128)
+    # pages not page_size rows apart (a strided slice of a larger pool): no 2-D TMA view, gathered
+    assert not sm90.paged_tma_ok(k[::2], k[::2], 128) and sm90.kv_layout_ok(k[::2], k[::2])
+    # K and V interleaved per slot ([pages, page, 2, Hkv, D] split into two views): TMA
+    kv = torch.zeros(10, 16, 2, 2, 128, dtype=torch.bfloat16)
+    assert sm90.paged_tma_ok(kv[:, :, 0], kv[:, :, 1], 128)
+    # heads not adjacent (each head's row padded to 256): gathered (strides are multiples of 16)
+    k_pad = torch.zeros(10, 16, 2, 256, dtype=torch.bfloat16)[..., :128]
+    assert not sm90.paged_tma_ok(k_pad, k_pad, 128) and sm90.kv_layout_ok(k_pad, k_pad)
+    # slot rows of 2 * 128 + 8 elements: TMA-aligned (16 bytes) but page 4 needs the gather, whose
+    # 16-byte vectors need strides that are multiples of 16 elements: the portable kernel runs
+    buf = torch.zeros(10 * 4 * 264, dtype=torch.bfloat16)
+    odd = buf.as_strided((10, 4, 2, 128), (4 * 264, 264, 128, 1))
+    assert not sm90.kv_layout_ok(odd, odd)
 
 
 def test_kv_layout_must_be_tma_compatible():
@@ -56,3 +94,64 @@ def test_qk_split_and_stage_budget():
     assert sm90.split_qk_dim(192) == (128, 64)
     assert sm90.max_stages(128, 128, 128) == 3  # 32 KiB Q + 3 x 64 KiB K/V
     assert sm90.max_stages(192, 128, 128) == 2  # 48 KiB Q + 2 x 80 KiB K/V
+    assert sm90.max_stages(192, 128, 64) == 4  # 48 KiB Q + 4 x 40 KiB K/V (the ring's cap)
+
+
+@pytest.mark.parametrize(
+    "d,dv,hkv,dtype,page,expect",
+    [
+        (576, 512, 2, torch.bfloat16, None, "num_kv_heads=2"),
+        (576, 256, 1, torch.bfloat16, None, "head dims"),
+        (192, 128, 1, torch.bfloat16, None, "head dims"),
+        (576, 512, 1, torch.float32, None, "dtype"),
+        (576, 512, 1, torch.bfloat16, 4, "page_size=4"),
+    ],
+)
+def test_mla_unsupported_plans_name_the_reason(d, dv, hkv, dtype, page, expect):
+    assert expect in mla.unsupported_reason(d, dv, hkv, dtype, page, CPU)
+
+
+@pytest.mark.parametrize("page", [None, 8, 16, 64, 256])
+def test_mla_supported_shape_on_cpu_is_refused_for_the_device(page):
+    reason = mla.unsupported_reason(576, 512, 1, torch.bfloat16, page, CPU)
+    assert reason == "not an sm_90 GPU" or reason.startswith("Gluon unavailable")
+
+
+def test_mla_layout_needs_v_to_view_k():
+    k = torch.zeros(256, 1, 576, dtype=torch.bfloat16)
+    assert mla.kv_layout_ok(k, k[..., :512])
+    assert not mla.kv_layout_ok(k, k[..., :512].clone())  # a separate value tensor
+    assert not mla.kv_layout_ok(k, k[..., 64:])  # not the first 512 columns
+    paged = torch.zeros(8, 64, 1, 576, dtype=torch.bfloat16)
+    assert mla.kv_layout_ok(paged, paged[..., :512])
+    assert not mla.kv_layout_ok(paged[::2], paged[::2][..., :512])  # pages not evenly spaced
+
+
+def test_backend_family_choice(interp):
+    """The family is a plan-time choice; under the interpreter both Hopper families name why they
+    cannot run and "auto" plans the portable kernel."""
+    import cpattn
+
+    s = cpattn.get_strategy("zigzag", 2, pad_multiple=4)
+    meta = s.build_metadata([40], rank=0)
+    for d, dv, hkv in ((128, 128, 2), (576, 512, 1)):
+        kw = dict(num_q_heads=8, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=torch.bfloat16, backend="triton")
+        assert s.plan_attention(meta, **kw).family == "portable"
+        for family in ("sm90", "mla"):
+            with pytest.raises(ValueError, match=f"the {family} kernel cannot run this plan: the CPU interpreter"):
+                s.plan_attention(meta, **kw, backend_options={"family": family})
+        with pytest.raises(ValueError, match="family must be one of"):
+            s.plan_attention(meta, **kw, backend_options={"family": "fast"})
+
+
+def test_sm90_options_are_validated_at_plan_time(interp):
+    import cpattn
+
+    s = cpattn.get_strategy("zigzag", 2, pad_multiple=4)
+    meta = s.build_metadata([40], rank=0)
+    kw = dict(num_q_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, backend="triton")
+    with pytest.raises(ValueError, match="unknown backend_options sm90 keys \\['block_m'\\]"):
+        s.plan_attention(meta, **kw, backend_options={"sm90": {"block_m": 64}})
+    with pytest.raises(ValueError, match="persistent runs without overlap / pingpong"):
+        s.plan_attention(meta, **kw, backend_options={"sm90": {"persistent": True, "overlap": 2}})
+    assert s.plan_attention(meta, **kw, backend_options={"sm90": {"persistent": True}}).family == "portable"

@@ -25,41 +25,122 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 
+import cpattn.kernels.triton_mla as mla
 import cpattn.kernels.triton_sm90 as ws
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
-#: (D, Dv, G_PACK, stages, overlap, pingpong, window, sinks, lse): the variants compiled by default.
+#: (D, Dv, G_PACK, stages, overlap, pingpong, window, sinks, lse, page_size): the dense variants
+#: compiled by default (page_size None: packed K/V).
 VARIANTS = [
-    (128, 128, 4, 3, 0, False, False, False, True),
-    (128, 128, 4, 3, 0, False, True, True, False),
-    (128, 128, 4, 3, 2, True, False, False, True),
-    (64, 64, 1, 3, 0, False, False, False, True),
-    (192, 128, 1, 2, 0, False, False, False, True),
-    (192, 128, 4, 2, 1, True, True, True, False),
+    (128, 128, 4, 3, 0, False, False, False, True, None),
+    (128, 128, 4, 3, 0, False, True, True, False, None),
+    (128, 128, 4, 3, 2, True, False, False, True, None),
+    (64, 64, 1, 3, 0, False, False, False, True, None),
+    (192, 128, 1, 2, 0, False, False, False, True, None),
+    (192, 128, 4, 2, 1, True, True, True, False, None),
+    (128, 128, 4, 3, 0, False, False, False, True, 16),
+    (128, 128, 4, 3, 0, False, True, True, True, 8),
+    (128, 128, 4, 3, 0, False, False, False, True, 64),
+    (128, 128, 4, 3, 0, False, False, False, True, 256),
+    (128, 128, 4, 3, 2, True, False, False, True, 64),
+    (64, 64, 1, 3, 0, False, False, False, True, 16),
+    (192, 128, 1, 2, 0, False, False, False, True, 16),
+    (192, 128, 4, 2, 0, False, True, True, False, 256),
+    (128, 128, 4, 3, 0, False, False, False, True, 1),
+    (128, 128, 4, 3, 0, False, True, True, True, 4),
+    (64, 64, 1, 3, 0, False, False, False, True, 1),
+    (192, 128, 1, 2, 0, False, False, False, True, 2),
+    (128, 128, 4, 3, 2, True, False, False, True, 1),
+]
+#: Dense variants compiled persistent (one program per SM walking the work items).
+PERSISTENT_VARIANTS = [
+    (128, 128, 4, 3, 0, False, False, False, True, None),
+    (128, 128, 4, 3, 0, False, True, True, False, 16),
+    (192, 128, 1, 2, 0, False, False, False, True, None),
+    (64, 64, 1, 3, 0, False, False, False, True, 1),
+]
+#: (variant, block_n): variants compiled with a key block other than 128.
+BLOCK_N_VARIANTS = [
+    ((192, 128, 1, 4, 0, False, False, False, True, None), 64),
+    ((192, 128, 4, 4, 0, False, True, True, True, 16), 64),
+    ((128, 128, 4, 4, 0, False, False, False, True, None), 64),
 ]
 
 
-def compile_variant(d, dv, g_pack, stages, overlap, pingpong, window, sinks, lse, dtype=torch.bfloat16,
-                    block_n=128):
-    """The compiled kernel (``.asm["ptx"]``, ``.metadata.shared``) of one variant, for sm_90a."""
-    fn = ws._cp_attn_fwd_sm90
-    d1, d2 = ws.split_qk_dim(d)
-    k_desc, k2_desc, v_desc = ws.kv_descriptors(torch.empty(4096, 8, d, dtype=dtype),
-                                                torch.empty(4096, 8, dv, dtype=dtype), block_n)
-    elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
+#: Arguments the launcher specializes as 16-divisible in practice (pointers, head-dim strides).
+_DIV16 = ("Q", "K", "V", "Out", "Lse", "Sinks", "PageTable", "stride_qm", "stride_qh", "stride_om", "stride_oh",
+          "stride_kp", "stride_kn", "stride_kh", "stride_vp", "stride_vn", "stride_vh")
+
+
+def _attrs(fn) -> dict:
+    """``tt.divisibility`` 16 on :data:`_DIV16`, as Triton's launcher marks such arguments."""
+    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in _DIV16}
+
+
+def _ptr_sig(fn, elem: str, descs: dict) -> dict:
+    """Signature of a kernel: i32 scalars by default, the given pointer / descriptor types."""
     sig = {name: "i32" for name in fn.arg_names}
-    sig.update(Q=elem, Out=elem, Sinks=elem, Lse="*fp32", qk_scale="fp32", cu_kv_lens="*i64",
-               k_desc=mangle_type(k_desc), k2_desc=mangle_type(k2_desc), v_desc=mangle_type(v_desc))
+    types = dict(Q=elem, K=elem, V=elem, Out=elem, Sinks=elem, Lse="*fp32", qk_scale="fp32", cu_kv_lens="*i32",
+                 PageTable="*i32", **{k: mangle_type(v) for k, v in descs.items()})
+    sig.update({k: v for k, v in types.items() if k in sig})
     for name in ("tile_segment", "tile_row_offset", "NumTiles", "seg_seq", "seg_row0", "seg_len", "seg_pos0",
                  "seg_stride"):
         sig[name] = "*i32"
-    consts = dict(BLOCK_M=ws.CONSUMER_ROWS, STAGES=stages, G_PACK=g_pack, HAS_WINDOW=window, HAS_SINKS=sinks,
-                  RETURN_LSE=lse, OVERLAP=overlap, PINGPONG=pingpong,
-                  Q_SMEM=ws._smem_layout(ws.CONSUMER_ROWS, d1, dtype), HEAD_DIM2=d2,
-                  Q2_SMEM=ws._smem_layout(ws.CONSUMER_ROWS, max(d2, 16), dtype))
+    return sig
+
+
+def _kv(d, dv, dtype, page_size, hkv=8, rows=4096):
+    if page_size is None:
+        return torch.empty(rows, hkv, d, dtype=dtype), torch.empty(rows, hkv, dv, dtype=dtype)
+    return (torch.empty(rows // page_size, page_size, hkv, d, dtype=dtype),
+            torch.empty(rows // page_size, page_size, hkv, dv, dtype=dtype))
+
+
+def compile_variant(d, dv, g_pack, stages, overlap, pingpong, window, sinks, lse, page_size=None,
+                    dtype=torch.bfloat16, block_n=128, persistent=False):
+    """The compiled dense kernel (``.asm["ptx"]``, ``.metadata.shared``) of one variant, for sm_90a."""
+    fn = ws._cp_attn_fwd_sm90
+    k, v = _kv(d, dv, dtype, page_size)
+    elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
+    if page_size is not None and not ws.paged_tma_ok(k, v, block_n):  # the cp.async gather loader
+        sig = _ptr_sig(fn, elem, {})
+        sig.update(k_desc=elem, k2_desc=elem, v_desc=elem)
+    else:
+        k_desc, k2_desc, v_desc = ws.kv_descriptors(k, v, block_n)
+        sig = _ptr_sig(fn, elem, dict(k_desc=k_desc, k2_desc=k2_desc, v_desc=v_desc))
+    consts = dict(G_PACK=g_pack, HAS_WINDOW=window, HAS_SINKS=sinks, RETURN_LSE=lse,
+                  **ws.kernel_constexprs(d, dv, dtype, page_size, block_n, stages, overlap, pingpong,
+                                         persistent=persistent))
     sig.update({name: "constexpr" for name in consts})
-    return triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+    return triton.compile(GluonASTSource(fn, sig, consts, _attrs(fn)), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=168))
+
+
+#: (G_PACK, window, sinks, lse, page_size): the absorbed-MLA variants compiled by default.
+MLA_VARIANTS = [
+    (4, False, False, True, None),
+    (4, False, False, False, None),
+    (4, True, True, True, None),
+    (4, False, False, True, 64),
+    (4, False, False, True, 16),
+    (2, True, True, False, 8),
+]
+
+
+def compile_mla_variant(g_pack, window, sinks, lse, page_size=None, dtype=torch.bfloat16):
+    """The compiled absorbed-MLA kernel of one variant, for sm_90a."""
+    fn = mla._mla_fwd_sm90
+    width = mla.D_LATENT + mla.D_ROPE
+    k = torch.empty(4096, 1, width, dtype=dtype) if page_size is None else \
+        torch.empty(4096 // page_size, page_size, 1, width, dtype=dtype)
+    k_desc, kr_desc = mla.k_descriptors(k)
+    elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
+    sig = _ptr_sig(fn, elem, dict(k_desc=k_desc, kr_desc=kr_desc))
+    consts = dict(G_PACK=g_pack, HAS_WINDOW=window, HAS_SINKS=sinks, RETURN_LSE=lse,
+                  **mla.kernel_constexprs(dtype, page_size))
+    sig.update({name: "constexpr" for name in consts})
+    return triton.compile(GluonASTSource(fn, sig, consts, _attrs(fn)), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4, maxnreg=168))
 
 
@@ -84,19 +165,40 @@ def ptxas_report(ptx: str, sass_path: str | None = None) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sass", default=None, help="folder to write each variant's SASS into")
+    p.add_argument("--only", default=None, help="compile only variants whose name contains this")
     args = p.parse_args()
     if args.sass:
         os.makedirs(args.sass, exist_ok=True)
+    jobs = []
     for v in VARIANTS:
-        d, dv, g_pack, stages, overlap, pingpong, window, sinks, lse = v
+        d, dv, g_pack, stages, overlap, pingpong, window, sinks, lse, page = v
         name = f"d{d}-{dv}_g{g_pack}_st{stages}_ov{overlap}{'pp' if pingpong else ''}" \
-               f"{'_win' if window else ''}{'_sink' if sinks else ''}{'' if lse else '_nolse'}"
-        k = compile_variant(*v)
+               f"{'_win' if window else ''}{'_sink' if sinks else ''}{'' if lse else '_nolse'}" \
+               f"{f'_page{page}' if page else ''}"
+        jobs.append((name, compile_variant, v))
+    for v, block_n in BLOCK_N_VARIANTS:
+        d, dv, g_pack, stages, overlap, pingpong, window, sinks, lse, page = v
+        name = f"d{d}-{dv}_g{g_pack}_bn{block_n}_st{stages}{'_win' if window else ''}{'_sink' if sinks else ''}" \
+               f"{f'_page{page}' if page else ''}"
+        jobs.append((name, lambda *a, bn=block_n: compile_variant(*a, block_n=bn), v))
+    for v in PERSISTENT_VARIANTS:
+        d, dv, g_pack, stages, overlap, pingpong, window, sinks, lse, page = v
+        name = f"d{d}-{dv}_g{g_pack}_st{stages}_persistent{'_win' if window else ''}{'_sink' if sinks else ''}" \
+               f"{f'_page{page}' if page else ''}"
+        jobs.append((name, lambda *a: compile_variant(*a, persistent=True), v))
+    for v in MLA_VARIANTS:
+        g_pack, window, sinks, lse, page = v
+        name = f"mla576-512_g{g_pack}{'_win' if window else ''}{'_sink' if sinks else ''}" \
+               f"{'' if lse else '_nolse'}{f'_page{page}' if page else ''}"
+        jobs.append((name, compile_mla_variant, v))
+    for name, compile_fn, v in jobs:
+        if args.only and args.only not in name:
+            continue
+        k = compile_fn(*v)
         ptx = k.asm["ptx"]
         sass = os.path.join(args.sass, name + ".sass") if args.sass else None
         print(f"{name}: smem {k.metadata.shared} B, {ptx.count('wgmma.mma_async')} wgmma in PTX; "
               f"{ptxas_report(ptx, sass)}", flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -1,50 +1,175 @@
 """``python -m cpattn.bench kernel``: attention TF/s on one rank's CP work (one GPU).
 
-For each head shape and total sequence length S (one sequence, no prefix), rank 0's work under
-zigzag C = 1, 2, 4, 8 (q = two blocks, k = the whole sequence; C = 1 is plain causal), interleave
-C = 4, and zigzag C = 2 with a paged cache (page 64). Backends on the same tensors:
+Workload groups (``--workloads`` picks groups or name substrings, comma separated; default all):
 
-* ``triton``: ``plan.run(...)`` of a plan built once per workload with ``backend="triton"`` (one
-  launch; on sm_90 the warp-specialized Gluon kernel wherever it applies, else the portable one).
+* ``dense``: for each head shape (``--shapes``: d128 = 32 / 8 heads, D 128; d192 = 16 heads,
+  D 192 / Dv 128) and total sequence length S (``--seqs``; one sequence, no prefix), rank 0's
+  work under zigzag C (``--cps``; q = two blocks, k = the whole sequence; C = 1 is plain causal)
+  and interleave C = 4. Names: ``d128 S=64k zigzag C=2``.
+* ``paged``: zigzag C = 2 over a paged cache (``--pages``, default 16, 64, 256; shuffled pages,
+  unused tail slots zero: FA4 needs finite ones), for every shape and S: ``d128 S=64k zigzag C=2 paged16``.
+* ``mla``: absorbed-MLA prefill (``mla576``: 128 query heads over one latent KV head, D 576,
+  Dv 512, ``v = k[..., :512]``), S in ``--mla-seqs`` under zigzag ``--mla-cps`` (default 16k / 64k,
+  C = 1 / 4), packed, plus S=16k C=1 over 64-key pages: ``mla576 S=16k zigzag C=1``.
+* ``decode``: absorbed-MLA decode through a dense plan over a replicated cache (C = 1): B sequences
+  (``--decode-batches``) of L keys (``--decode-lens``) with q new tokens each (``--decode-qlens``):
+  ``mla576 decode B=64 L=32k q1``; the JSON adds ``gbps`` (latent bytes read once / time).
+* ``short``: many short sequences at C = 1 (``--short``, default 1024 x 128 and 64 x 2048 tokens,
+  D128 heads): ``d128 1024x128``, against FA4 varlen on the same segments.
+
+Backends on the same tensors (``--backends``):
+
+* ``triton``: ``plan.run(...)`` of a plan built once per workload with ``backend="triton"`` (the
+  family it picks, sm90 / mla / portable, is in the JSON row and the progress line).
 * ``triton-portable``: the portable Triton kernel alone (``backend_options={"family": "portable"}``).
 * ``fa4``: ``plan.run(...)`` of an ``backend="fa4"`` plan (one varlen launch plus output set-up).
 * ``fa4-raw``: ``flash_attn.cute.flash_attn_varlen_func`` called directly with the same
   per-segment arguments, to show the fa4 backend's overhead.
-* ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``, one call per segment (zigzag:
-  two calls) with ``is_causal`` when the segment starts at position 0 and
-  ``causal_lower_right(L, last + 1)`` otherwise; K/V heads expanded to Hq beforehand (not timed).
-  No exact fast SDPA form exists for interleave (per-row stride causality) or a page table.
+* ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``, one call per segment with
+  ``is_causal`` when the segment starts at position 0 and ``causal_lower_right(L, last + 1)``
+  otherwise; K/V heads expanded to Hq beforehand (not timed). Only for packed dense workloads of at
+  most 64 segments (no exact SDPA form for interleave or a page table).
+
+FA4 takes head dims up to 256, so the MLA workloads run the Triton backends only.
 
 FLOPs = 2 * Hq * sum over query rows of attended keys * (D + Dv). TF/s from ``iters`` calls issued
 back to back between two CUDA events (median of 3 repeats; host launch work hidden behind the
 queue); ``ms_sync`` in the JSON is one call between events followed by a sync (median of 3), which
-adds the host's per-call work for short kernels.
+adds the host's per-call work for short kernels. Rows: {workload, group, backend, family, tflops,
+ms, ms_sync, tflops_sync[, gbps]}. A summary of the targets of issue 14 (ratios in the same run)
+is printed after the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import statistics
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
 from .common import default_out, header, progress, time_cuda, time_cuda_back_to_back, write_json
 
-SHAPES = {"d128": (32, 8, 128, 128), "d192": (16, 16, 192, 128)}
+#: (Hq, Hkv, D, Dv) per head shape.
+SHAPES = {"d128": (32, 8, 128, 128), "d192": (16, 16, 192, 128), "mla576": (128, 1, 576, 512)}
 BACKENDS = ("triton", "triton-portable", "fa4", "fa4-raw", "sdpa")
+GROUPS = ("dense", "paged", "mla", "decode", "short")
+#: Where the benchmark runs (a module constant so tests can drive ``main`` on CPU).
+DEVICE = "cuda"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shapes", default="d128,d192", help="comma list of " + ",".join(SHAPES))
-    p.add_argument("--seqs", default="16384,65536,131072", help="total sequence lengths S")
-    p.add_argument("--cps", default="1,2,4,8", help="zigzag CP sizes (rank 0's work)")
-    p.add_argument("--no-interleave", action="store_true", help="skip the interleave C=4 workload")
-    p.add_argument("--no-paged", action="store_true", help="skip the paged (page 64) workload")
+    p.add_argument("--workloads", default="all",
+                   help="comma list of groups (" + ",".join(GROUPS) + ") and/or workload-name substrings "
+                        "(e.g. 'paged16,mla576 S=16k'); default all")
+    p.add_argument("--shapes", default="d128,d192", help="dense/paged head shapes: comma list of d128,d192")
+    p.add_argument("--seqs", default="16384,65536,131072", help="dense/paged total sequence lengths S")
+    p.add_argument("--cps", default="1,2,4,8", help="dense zigzag CP sizes (rank 0's work)")
+    p.add_argument("--pages", default="16,64,256", help="page sizes of the paged workloads (zigzag C=2)")
+    p.add_argument("--mla-seqs", default="16384,65536", help="absorbed-MLA prefill sequence lengths")
+    p.add_argument("--mla-cps", default="1,4", help="absorbed-MLA prefill zigzag CP sizes")
+    p.add_argument("--decode-batches", default="1,8,64", help="absorbed-MLA decode batch sizes B")
+    p.add_argument("--decode-lens", default="4096,32768,131072", help="absorbed-MLA decode keys per sequence L")
+    p.add_argument("--decode-qlens", default="1,4", help="absorbed-MLA decode new tokens per sequence")
+    p.add_argument("--short", default="1024x128,64x2048", help="short-sequence batches BxN (C=1, d128)")
+    p.add_argument("--no-interleave", action="store_true", help="skip the dense interleave C=4 workloads")
+    p.add_argument("--no-paged", action="store_true", help="skip the paged group (same as leaving it out)")
     p.add_argument("--backends", default=",".join(BACKENDS), help="comma list of " + ",".join(BACKENDS))
     p.add_argument("--iters", type=int, default=10, help="timed iterations (fewer for > 100 ms calls)")
-    p.add_argument("--out", default=default_out("kernel"),
-                   help="output path without extension (.json, .png); docs figures: --out docs/benchmarks/kernel-h200")
+    p.add_argument("--list", action="store_true", help="print the selected workload names and exit")
+    p.add_argument("--out", default=default_out("kernel"), help="output path without extension")
     p.add_argument("--triton-config", default=None, help="BLOCK_M,BLOCK_N,warps,stages: skip autotuning")
+    p.add_argument("--sm90-options", default=None,
+                   help="key=value list passed to the dense sm90 kernel of the 'triton' backend "
+                        "(backend_options sm90), e.g. block_n=64,stages=4 or overlap=2,pingpong=1")
+
+
+def parse_options(text: str) -> dict:
+    """``"block_n=64,stages=4,pingpong=1"`` -> ``{"block_n": 64, "stages": 4, "pingpong": True}``."""
+    out = {}
+    for item in [t for t in text.split(",") if t]:
+        key, _, value = item.partition("=")
+        if not value:
+            raise SystemExit(f"--sm90-options items are key=value, got {item!r}")
+        out[key.strip()] = bool(int(value)) if key.strip() == "pingpong" else int(value)
+    return out
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One timed problem: ``strategy`` C ``cp`` rank 0 of sequences ``ext`` (+ ``pre`` cached)."""
+
+    name: str
+    group: str
+    shape: str
+    strategy: str
+    cp: int
+    ext: tuple[int, ...]
+    pre: tuple[int, ...] = field(default=())
+    page: Optional[int] = None
+
+    @property
+    def prefix(self) -> tuple[int, ...]:
+        return self.pre or (0,) * len(self.ext)
+
+
+def all_workloads(args) -> list[Workload]:
+    """Every workload the arguments describe, in run order (K/V shared between neighbours)."""
+    out: list[Workload] = []
+    for shape in [s for s in args.shapes.split(",") if s]:
+        if shape not in ("d128", "d192"):
+            raise SystemExit(f"--shapes takes d128,d192, got {shape!r}")
+        for seq in _ints(args.seqs):
+            base = f"{shape} S={_k(seq)}"
+            for c in _ints(args.cps):
+                out.append(Workload(f"{base} zigzag C={c}", "dense", shape, "zigzag", c, (seq,)))
+            if not args.no_interleave:
+                out.append(Workload(f"{base} interleave C=4", "dense", shape, "interleave", 4, (seq,)))
+            if not args.no_paged:
+                for page in _ints(args.pages):
+                    out.append(Workload(f"{base} zigzag C=2 paged{page}", "paged", shape, "zigzag", 2, (seq,),
+                                        page=page))
+    for seq in _ints(args.mla_seqs):
+        for c in _ints(args.mla_cps):
+            out.append(Workload(f"mla576 S={_k(seq)} zigzag C={c}", "mla", "mla576", "zigzag", c, (seq,)))
+    if _ints(args.mla_seqs):
+        seq = _ints(args.mla_seqs)[0]
+        out.append(Workload(f"mla576 S={_k(seq)} zigzag C=1 paged64", "mla", "mla576", "zigzag", 1, (seq,), page=64))
+    for length in _ints(args.decode_lens):
+        for b in _ints(args.decode_batches):
+            for ql in _ints(args.decode_qlens):
+                out.append(Workload(f"mla576 decode B={b} L={_k(length)} q{ql}", "decode", "mla576", "contiguous", 1,
+                                    (ql,) * b, (length - ql,) * b))
+    for spec in [s for s in args.short.split(",") if s]:
+        b, n = (int(x) for x in spec.lower().split("x"))
+        out.append(Workload(f"d128 {b}x{n}", "short", "d128", "contiguous", 1, (n,) * b))
+    return out
+
+
+def select(workloads: list[Workload], spec: str) -> list[Workload]:
+    """``spec``: "all", or comma-separated group names and name substrings (any match keeps). A
+    kept paged workload keeps its packed baseline (same name without `` pagedN``) too, so the
+    paged / packed ratio is always measured in the same run."""
+    if spec.strip() in ("", "all"):
+        return workloads
+    tokens = [t.strip() for t in spec.split(",") if t.strip()]
+    names = set()
+    for w in workloads:
+        if any(t == w.group or (t not in GROUPS and t in w.name) for t in tokens):
+            names.add(w.name)
+            if w.page is not None:
+                names.add(re.sub(r" paged\d+$", "", w.name))
+    return [w for w in workloads if w.name in names]
 
 
 def _flops(meta, hq: int, d: int, dv: int) -> float:
@@ -60,16 +185,15 @@ def _sdpa_fn(q, k, v, meta, group: int) -> Callable[[], object]:
 
     ke = k.repeat_interleave(group, dim=1) if group > 1 else k
     ve = v.repeat_interleave(group, dim=1) if group > 1 else v
+    host = meta.host if meta.host is not None else meta
+    cu_kv = host.cu_kv_lens.tolist()
     calls = []
-    for _, row0, length, pos0, _ in meta.host_segments:
+    for seq, row0, length, pos0, _ in meta.host_segments:
         last = pos0 + length - 1
         qs = q[row0 : row0 + length].transpose(0, 1).unsqueeze(0)
-        ks = ke[: last + 1].transpose(0, 1).unsqueeze(0)
-        vs = ve[: last + 1].transpose(0, 1).unsqueeze(0)
-        if pos0 == 0:
-            calls.append((qs, ks, vs, None))
-        else:
-            calls.append((qs, ks, vs, causal_lower_right(length, last + 1)))
+        ks = ke[cu_kv[seq] : cu_kv[seq] + last + 1].transpose(0, 1).unsqueeze(0)
+        vs = ve[cu_kv[seq] : cu_kv[seq] + last + 1].transpose(0, 1).unsqueeze(0)
+        calls.append((qs, ks, vs, None if pos0 == 0 else causal_lower_right(length, last + 1)))
 
     def run():
         for qs, ks, vs, bias in calls:
@@ -104,21 +228,65 @@ def _fa4_raw_fn(q, k, v, meta, page_table) -> Optional[Callable[[], object]]:
     return lambda: flash_attn_varlen_func(q, k, v, **kw)
 
 
-def _workloads(args) -> list[tuple[str, str, int, Optional[int]]]:
-    out = [(f"zigzag C={c}", "zigzag", c, None) for c in (int(x) for x in args.cps.split(","))]
-    if not args.no_interleave:
-        out.append(("interleave C=4", "interleave", 4, None))
-    if not args.no_paged:
-        out.append(("zigzag C=2 paged64", "zigzag", 2, 64))
-    return out
+def paged_cache(k: torch.Tensor, v: Optional[torch.Tensor], lens: list[int], page: int, gen: torch.Generator):
+    """Packed K/V of sequences ``lens`` (in order) copied into shuffled pages; unused tail slots
+    are zero (finite, as FA4 requires). ``v`` None: K only. Returns (k_cache, v_cache, table int32)."""
+    dev = k.device
+    pages_per = [-(-n // page) for n in lens]
+    total, max_pages = sum(pages_per), max(pages_per)
+    perm = torch.randperm(total, device=dev, generator=gen)
+    kc = torch.zeros(total, page, *k.shape[1:], device=dev, dtype=k.dtype)
+    vc = None if v is None else torch.zeros(total, page, *v.shape[1:], device=dev, dtype=v.dtype)
+    table = torch.zeros(len(lens), max_pages, dtype=torch.int32, device=dev)
+    first, row = 0, 0
+    for b, n in enumerate(lens):
+        logical = torch.arange(first, first + pages_per[b], device=dev)
+        table[b, : pages_per[b]] = perm[logical].to(torch.int32)
+        flat = kc.view(-1, *k.shape[1:])
+        slots = (perm[logical].repeat_interleave(page) * page + torch.arange(page, device=dev).repeat(pages_per[b]))[:n]
+        flat[slots] = k[row : row + n]
+        if vc is not None:
+            vc.view(-1, *v.shape[1:])[slots] = v[row : row + n]
+        first += pages_per[b]
+        row += n
+    return kc, vc, table
+
+
+class _Tensors:
+    """K/V of the last (shape, lengths) asked for, kept for the next workload with the same ones."""
+
+    def __init__(self, device: str) -> None:
+        self.key, self.kv, self.device = None, None, device
+        self.gen = torch.Generator(device=device).manual_seed(0)
+
+    def get(self, shape: str, lens: tuple[int, ...]):
+        if self.key != (shape, lens):
+            self.kv = None
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            _, hkv, d, dv = SHAPES[shape]
+            n = sum(lens)
+            k = torch.randn(n, hkv, d, device=self.device, dtype=torch.bfloat16, generator=self.gen)
+            v = k[..., :dv] if shape == "mla576" else torch.randn(n, hkv, dv, device=self.device, dtype=torch.bfloat16,
+                                                                  generator=self.gen)
+            self.key, self.kv = (shape, lens), (k, v)
+        return self.kv
 
 
 def main(args: argparse.Namespace) -> int:
     import cpattn
 
-    if not torch.cuda.is_available():
+    workloads = select(all_workloads(args), args.workloads)
+    if args.list:
+        for w in workloads:
+            print(f"{w.group:7s} {w.name}")
+        return 0
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("the kernel benchmark needs a CUDA device")
     backends = [b for b in args.backends.split(",") if b]
+    unknown = set(backends) - set(BACKENDS)
+    if unknown:
+        raise SystemExit(f"unknown --backends {sorted(unknown)} (known: {BACKENDS})")
     try:
         import flash_attn.cute  # noqa: F401
     except Exception as exc:
@@ -128,51 +296,54 @@ def main(args: argparse.Namespace) -> int:
     if args.triton_config:
         bm, bn, w, s = (int(x) for x in args.triton_config.split(","))
         triton_kw = dict(block_m=bm, config=(bn, w, s), family="portable")
+    if args.sm90_options:
+        triton_kw["sm90"] = parse_options(args.sm90_options)
     info = header("python -m cpattn.bench kernel " + " ".join(_argv_summary(args)))
-    progress(f"{info['machine']}; backends {backends}")
-    dev = "cuda"
+    progress(f"{info['machine']}; backends {backends}; {len(workloads)} workloads")
+    dev = DEVICE
     rows: list[dict] = []
-    gen = torch.Generator(device=dev).manual_seed(0)
-    for shape in args.shapes.split(","):
-        hq, hkv, d, dv = SHAPES[shape]
-        for seq in (int(x) for x in args.seqs.split(",")):
-            k = torch.randn(seq, hkv, d, device=dev, dtype=torch.bfloat16, generator=gen)
-            v = torch.randn(seq, hkv, dv, device=dev, dtype=torch.bfloat16, generator=gen)
-            for name, strategy_name, cp, page in _workloads(args):
-                s = cpattn.get_strategy(strategy_name, cp, pad_multiple=64)
-                meta = s.build_metadata([seq], rank=0).to(dev)
-                q = torch.randn(meta.num_physical_tokens, hq, d, device=dev, dtype=torch.bfloat16, generator=gen)
-                kk, vv, table = k, v, None
-                if page is not None:
-                    pages = -(-seq // page)
-                    perm = torch.randperm(pages, device=dev)
-                    kk = torch.zeros(pages, page, hkv, d, device=dev, dtype=k.dtype)  # finite tail rows
-                    vv = torch.zeros(pages, page, hkv, dv, device=dev, dtype=v.dtype)
-                    kk.view(-1, hkv, d)[: seq].copy_(k)  # logical page j at physical page perm[j]
-                    vv.view(-1, hkv, dv)[: seq].copy_(v)
-                    kk, vv = kk[torch.argsort(perm)], vv[torch.argsort(perm)]
-                    table = perm[None, :].to(torch.int32)
-                flops = _flops(meta, hq, d, dv)
-                workload = f"{shape} S={seq // 1024}k {name}"
-                for backend in backends:
-                    fn = _make_fn(backend, s, q, kk, vv, meta, table, hq // hkv, strategy_name, triton_kw)
-                    if fn is None:
-                        continue
-                    est = flops / 500e12 * 1e3
-                    iters = max(3, min(args.iters, int(1000 / max(est, 1e-3))))
-                    try:
-                        ms = time_cuda_back_to_back(fn, warmup=2, iters=iters)
-                        ms_sync = time_cuda(fn, warmup=0, iters=3)
-                    except Exception as exc:  # a backend that cannot run this shape
-                        progress(f"{workload:38s} {backend:8s} failed: {type(exc).__name__}: {exc}"[:300])
-                        continue
-                    tflops = flops / (ms * 1e-3) / 1e12
-                    rows.append(dict(workload=workload, backend=backend, tflops=round(tflops, 1), ms=round(ms, 4),
-                                     ms_sync=round(ms_sync, 4), tflops_sync=round(flops / (ms_sync * 1e-3) / 1e12, 1)))
-                    progress(f"{workload:38s} {backend:15s} {ms:9.3f} ms {tflops:7.1f} TF/s "
-                             f"(one call + sync: {ms_sync:.3f} ms)")
-                del q
-            del k, v
+    tensors = _Tensors(dev)
+    for w in workloads:
+        hq, hkv, d, dv = SHAPES[w.shape]
+        lens = tuple(e + p for e, p in zip(w.ext, w.prefix))
+        k, v = tensors.get(w.shape, lens)
+        s = cpattn.get_strategy(w.strategy, w.cp, pad_multiple=64)
+        meta = s.build_metadata(list(w.ext), list(w.prefix), rank=0).to(dev)
+        q = torch.randn(meta.num_physical_tokens, hq, d, device=dev, dtype=torch.bfloat16, generator=tensors.gen)
+        kk, vv, table = k, v, None
+        if w.page is not None:
+            if w.shape == "mla576":
+                kk, _, table = paged_cache(k, None, list(lens), w.page, tensors.gen)
+                vv = kk[..., :dv]
+            else:
+                kk, vv, table = paged_cache(k, v, list(lens), w.page, tensors.gen)
+        flops = _flops(meta, hq, d, dv)
+        kv_bytes = k.numel() * k.element_size() + (0 if w.shape == "mla576" else v.numel() * v.element_size())
+        for backend in backends:
+            made = _make_fn(backend, s, q, kk, vv, meta, table, hq // hkv, w, triton_kw)
+            if made is None:
+                continue
+            fn, family = made
+            est = flops / 500e12 * 1e3
+            iters = max(3, min(args.iters, int(1000 / max(est, 1e-3))))
+            try:
+                ms = time_cuda_back_to_back(fn, warmup=2, iters=iters)
+                ms_sync = time_cuda(fn, warmup=0, iters=3)
+            except Exception as exc:  # a backend that cannot run this shape
+                progress(f"{w.name:38s} {backend:15s} failed: {type(exc).__name__}: {exc}"[:300])
+                continue
+            tflops = flops / (ms * 1e-3) / 1e12
+            row = dict(workload=w.name, group=w.group, backend=backend, family=family, tflops=round(tflops, 1),
+                       ms=round(ms, 4), ms_sync=round(ms_sync, 4),
+                       tflops_sync=round(flops / (ms_sync * 1e-3) / 1e12, 1))
+            extra = ""
+            if w.group == "decode":
+                row["gbps"] = round(kv_bytes / (ms * 1e-3) / 1e9, 1)
+                extra = f" {row['gbps']:8.1f} GB/s"
+            rows.append(row)
+            progress(f"{w.name:38s} {backend:15s} {family:8s} {ms:9.3f} ms {tflops:7.1f} TF/s{extra} "
+                     f"(one call + sync: {ms_sync:.3f} ms)")
+        del q, kk, vv, table
     try:
         from ..kernels.triton_attn import tuned_configs
 
@@ -183,6 +354,7 @@ def main(args: argparse.Namespace) -> int:
     write_json(args.out + ".json", rows)
     _plot(rows, args.out + ".png", info)
     _print_table(rows, backends)
+    _print_targets(rows)
     return 0
 
 
@@ -191,31 +363,35 @@ def _plan_fn(s, q, k, v, meta, table, backend, options):
     plan = s.plan_attention(meta, num_q_heads=hq, num_kv_heads=k.shape[-2], head_dim=d, head_dim_v=v.shape[-1],
                             dtype=q.dtype, page_size=k.shape[1] if table is not None else None, backend=backend,
                             backend_options=options)
-    return lambda: plan.run(q, k, v, page_table=table)
+    return (lambda: plan.run(q, k, v, page_table=table)), plan.family
 
 
-def _make_fn(backend, s, q, k, v, meta, table, group, strategy_name, triton_kw):
+def _make_fn(backend, s, q, k, v, meta, table, group, w: Workload, triton_kw):
+    """(callable, family) for ``backend`` on workload ``w``, or None when it does not apply."""
+    d = q.shape[-1]
     if backend == "triton":
         return _plan_fn(s, q, k, v, meta, table, "triton", triton_kw)
     if backend == "triton-portable":
-        return _plan_fn(s, q, k, v, meta, table, "triton", {**triton_kw, "family": "portable"})
+        portable = {k_: v_ for k_, v_ in triton_kw.items() if k_ != "sm90"}
+        return _plan_fn(s, q, k, v, meta, table, "triton", {**portable, "family": "portable"})
+    if backend.startswith("fa4") and (w.strategy == "interleave" or d > 256):
+        return None
     if backend == "fa4":
-        if strategy_name == "interleave":
-            return None
         return _plan_fn(s, q, k, v, meta, table, "fa4", {})
     if backend == "fa4-raw":
-        if strategy_name == "interleave":
-            return None
-        return _fa4_raw_fn(q, k, v, meta, table)
+        return _fa4_raw_fn(q, k, v, meta, table), "fa4"
     if backend == "sdpa":
-        if strategy_name == "interleave" or table is not None:
+        if w.strategy == "interleave" or table is not None or d > 256 or meta.num_segments > 64:
             return None
-        return _sdpa_fn(q, k, v, meta, group)
+        return _sdpa_fn(q, k, v, meta, group), "sdpa"
     raise ValueError(f"unknown backend {backend!r}")
 
 
 def _argv_summary(args) -> list[str]:
-    out = [f"--shapes {args.shapes}", f"--seqs {args.seqs}", f"--cps {args.cps}"]
+    out = [f"--workloads '{args.workloads}'", f"--sm90-options {args.sm90_options}", f"--shapes {args.shapes}", f"--seqs {args.seqs}", f"--cps {args.cps}",
+           f"--pages {args.pages}", f"--mla-seqs {args.mla_seqs}", f"--mla-cps {args.mla_cps}",
+           f"--decode-batches {args.decode_batches}", f"--decode-lens {args.decode_lens}",
+           f"--decode-qlens {args.decode_qlens}", f"--short {args.short}"]
     if args.no_interleave:
         out.append("--no-interleave")
     if args.no_paged:
@@ -223,15 +399,65 @@ def _argv_summary(args) -> list[str]:
     return out
 
 
-def _print_table(rows: list[dict], backends: list[str]) -> None:
+def _table(rows: list[dict]) -> dict[str, dict[str, float]]:
     table: dict[str, dict[str, float]] = {}
     for r in rows:
         table.setdefault(r["workload"], {})[r["backend"]] = r["tflops"]
-    print("| workload | " + " | ".join(backends) + " |")
-    print("| --- | " + " | ".join("---:" for _ in backends) + " |")
+    return table
+
+
+def _print_table(rows: list[dict], backends: list[str]) -> None:
+    table = _table(rows)
+    family = {r["workload"]: r["family"] for r in rows if r["backend"] == "triton"}
+    gbps = {r["workload"]: r["gbps"] for r in rows if r["backend"] == "triton" and "gbps" in r}
+    print("| workload | triton family | " + " | ".join(backends) + " | triton / fa4 | triton GB/s |")
+    print("| --- | --- | " + " | ".join("---:" for _ in backends) + " | ---: | ---: |")
     for workload, vals in table.items():
         cells = [f"{vals[b]:.0f}" if b in vals else "-" for b in backends]
-        print(f"| {workload} | " + " | ".join(cells) + " |")
+        ratio = f"{vals['triton'] / vals['fa4']:.2f}" if "triton" in vals and vals.get("fa4") else "-"
+        bw = f"{gbps[workload]:.0f}" if workload in gbps else "-"
+        print(f"| {workload} | {family.get(workload, '-')} | " + " | ".join(cells) + f" | {ratio} | {bw} |")
+
+
+def _print_targets(rows: list[dict]) -> None:
+    """The issue-14 targets, computed from this run's rows (ratios within the run)."""
+    table = _table(rows)
+    lines = []
+
+    def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+        return a / b if a and b else None
+
+    for shape, want_median in (("d128", 1.00), ("d192", 0.95)):
+        rs = [ratio(v.get("triton"), v.get("fa4")) for w, v in table.items()
+              if re.fullmatch(rf"{shape} S=\w+ zigzag C=\d+", w)]
+        rs = [r for r in rs if r is not None]
+        if rs:
+            lines.append(f"dense {shape} zigzag triton/fa4: median {statistics.median(rs):.3f} (target >= "
+                         f"{want_median:.2f}), min {min(rs):.3f} (target >= 0.93) over {len(rs)} points")
+    for w, v in table.items():
+        m = re.fullmatch(r"(d\d+ S=\w+ zigzag C=2) paged(\d+)", w)
+        if m and "triton" in v:
+            own = ratio(v["triton"], table.get(m.group(1), {}).get("triton"))
+            fa4 = ratio(v["triton"], v.get("fa4"))
+            lines.append(f"{w}: triton {v['triton']:.0f} TF/s = "
+                         f"{'-' if own is None else f'{own:.2f}'}x its packed (target >= 0.95), "
+                         f"{'-' if fa4 is None else f'{fa4:.2f}'}x fa4 paged (target >= 0.95)")
+    for w, v in table.items():
+        if w.startswith("mla576 S=") and "triton" in v:
+            lines.append(f"{w}: triton {v['triton']:.0f} TF/s (target >= 500)")
+    for r in rows:
+        if r["group"] == "decode" and r["backend"] == "triton":
+            lines.append(f"{r['workload']}: triton {r['gbps']:.0f} GB/s, {r['tflops']:.0f} TF/s "
+                         f"(target at B >= 8: >= 2500 GB/s or >= 400 TF/s)")
+    for w, v in table.items():
+        if re.fullmatch(r"d128 \d+x\d+", w) and "triton" in v:
+            fa4 = ratio(v["triton"], v.get("fa4"))
+            lines.append(f"{w}: triton {v['triton']:.0f} TF/s = {'-' if fa4 is None else f'{fa4:.2f}'}x fa4 varlen "
+                         "(target >= 0.9)")
+    if lines:
+        print("\nTargets (issue 14):")
+        for line in lines:
+            print("  " + line)
 
 
 def _plot(rows: list[dict], path: str, info: dict) -> None:
@@ -243,20 +469,27 @@ def _plot(rows: list[dict], path: str, info: dict) -> None:
     except ImportError:
         progress("matplotlib missing: no plot")
         return
-    shapes = sorted({r["workload"].split(" ")[0] for r in rows})
+    panels = []
+    for r in rows:
+        key = (r["group"], r["workload"].split(" ")[0])
+        if key not in panels:
+            panels.append(key)
+    if not panels:
+        return
     backends = list(dict.fromkeys(r["backend"] for r in rows))
-    fig, axes = plt.subplots(len(shapes), 1, figsize=(14, 4.5 * max(1, len(shapes))), squeeze=False)
-    for ax, shape in zip(axes[:, 0], shapes):
-        workloads = list(dict.fromkeys(r["workload"] for r in rows if r["workload"].startswith(shape + " ")))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(14, 4.2 * len(panels)), squeeze=False)
+    for ax, (group, shape) in zip(axes[:, 0], panels):
+        sel = [r for r in rows if r["group"] == group and r["workload"].split(" ")[0] == shape]
+        workloads = list(dict.fromkeys(r["workload"] for r in sel))
         width = 0.8 / max(1, len(backends))
         for i, b in enumerate(backends):
-            vals = {r["workload"]: r["tflops"] for r in rows if r["backend"] == b}
+            vals = {r["workload"]: r["tflops"] for r in sel if r["backend"] == b}
             xs = [j + i * width for j, w in enumerate(workloads) if w in vals]
             ax.bar(xs, [vals[w] for w in workloads if w in vals], width, label=b)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(workloads))])
         ax.set_xticklabels([w[len(shape) + 1 :] for w in workloads], rotation=45, ha="right", fontsize=8)
         ax.set_ylabel("TF/s")
-        ax.set_title(f"{shape}: rank-0 CP attention work, causal bf16")
+        ax.set_title(f"{shape} {group}: rank-0 CP attention work, causal bf16")
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(f"{info['machine']}, {info['date']}", fontsize=9)

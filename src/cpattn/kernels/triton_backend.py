@@ -1,18 +1,23 @@
 """``backend="triton"``: plans the launch and picks the kernel family.
 
-Families: the warp-specialized Hopper kernel (:mod:`.triton_sm90`, Gluon) where it applies, else
-the portable kernel (:mod:`.triton_attn`, any CUDA GPU, and CPU tensors under the Triton
-interpreter: ``TRITON_INTERPRET=1`` set before triton is first imported). Both read the same
-plan: a tile map of the placement plan's segments (pad segment included, so the kernels write
-the pad rows), GQA head packing and L2 head sections, uploaded once per forward. The per-layer
-call checks the K/V layout (TMA-compatible rows for the sm90 kernel), gathers strides and
-launches: O(1) host work. Triton is imported lazily: ``import cpattn`` works without it.
+Families: on sm_90 the warp-specialized Hopper kernels (Gluon) where they apply: the
+absorbed-MLA kernel (:mod:`.triton_mla`: one latent KV head, D = 576, Dv = 512, ``v`` a view of
+``k[..., :512]``) and the dense kernel (:mod:`.triton_sm90`: (D, Dv) in (64, 64), (128, 128),
+(192, 128)), packed or paged; else the portable kernel (:mod:`.triton_attn`, any CUDA GPU, and
+CPU tensors under the Triton interpreter: ``TRITON_INTERPRET=1`` set before triton is first
+imported). All read the same plan: a tile map of the placement plan's segments (pad segment
+included, so the kernels write the pad rows), GQA head packing and L2 head sections, uploaded
+once per forward. The family is chosen at plan time; the per-layer call only checks the K/V
+layout (TMA-compatible rows, ``v`` aliasing ``k`` for MLA: O(1)), falling back to the portable
+kernel for that call when it does not hold, gathers strides and launches: O(1) host work.
+Triton is imported lazily: ``import cpattn`` works without it.
 
-``backend_options``: ``family`` ("auto", "portable", "sm90": "sm90" raises ValueError where it
+``backend_options``: ``family`` (:data:`FAMILIES`; "sm90" / "mla" raise ValueError where they
 cannot run), ``block_m`` (query rows x packed heads per program), ``config`` ((BLOCK_N,
 num_warps, num_stages) of the portable kernel, bypassing the autotuner), ``sm90`` (a dict of
-:data:`SM90_OPTIONS` overrides), ``planned_launch`` (default True: after the first call, launch
-the compiled kernel directly, see :mod:`._launch`; False: every call through the JIT). ``CPATTN_TRITON_SM90=0`` in the environment (read at plan time)
+:data:`SM90_OPTIONS` overrides for the dense Hopper kernel), ``planned_launch`` (default True:
+after a plan's first call, launch the compiled kernel directly, see :mod:`._launch`; False:
+every call through the JIT). ``CPATTN_TRITON_SM90=0`` in the environment (read at plan time)
 makes "auto" use the portable kernel.
 """
 
@@ -34,10 +39,13 @@ _KERNEL_MODULE = "cpattn.kernels.triton_attn"
 
 #: Tuning of the sm_90 kernel: key block, K/V stages, FA3-style overlap (0 off, 1 paired GEMMs,
 #: 2 softmax under P V) and ping-pong between the two consumer warpgroups (none measured faster
-#: on H200; docs/kernels.md has the numbers).
-SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": 0, "pingpong": False}
+#: on H200; docs/kernels.md has the numbers), persistent programs (one per SM walking every work
+#: item; not measured yet, so off).
+SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": 0, "pingpong": False, "persistent": False}
 
 _OPTION_NAMES = {"family", "block_m", "config", "sm90", "planned_launch"}
+#: Kernel families ("auto": mla, then sm90, then portable, the first that can run the plan).
+FAMILIES = ("auto", "portable", "sm90", "mla")
 
 
 def _interpret_env() -> bool:
@@ -48,30 +56,44 @@ class _TritonRun:
     """A planned Triton launch (see the module docstring); called once per layer."""
 
     def __init__(self, spec: AttentionSpec, meta: CPMetadata, options: Mapping) -> None:
-        from . import triton_attn, triton_sm90
+        from . import triton_attn, triton_mla, triton_sm90
 
         unknown = set(options) - _OPTION_NAMES
         if unknown:
             raise ValueError(f"unknown triton backend_options {sorted(unknown)} (known: {sorted(_OPTION_NAMES)})")
         d, dv, hq, hkv = spec.head_dim, spec.head_dim_v, spec.num_q_heads, spec.num_kv_heads
         family = options.get("family", "auto")
-        if family not in ("auto", "portable", "sm90"):
-            raise ValueError(f"backend_options family must be 'auto', 'portable' or 'sm90', got {family!r}")
+        if family not in FAMILIES:
+            raise ValueError(f"backend_options family must be one of {FAMILIES}, got {family!r}")
         block_m = options.get("block_m") or triton_attn.default_block_m(d, dv)
         self.config = options.get("config")
-        sm90_block = triton_sm90.NUM_CONSUMERS * triton_sm90.CONSUMER_ROWS
-        reason = None if not triton_attn.INTERPRETED else "the CPU interpreter"
-        reason = reason or triton_sm90.unsupported_reason(d, dv, spec.dtype, spec.paged, meta.device)
-        if reason is None and block_m != sm90_block:
-            reason = f"block_m={block_m} (the sm_90 kernel covers {sm90_block})"
-        if reason is None and self.config is not None:
-            reason = "a portable-kernel config was given"
-        if family == "sm90" and reason is not None:
-            raise ValueError(f"the sm_90 kernel cannot run this plan: {reason}")
-        env_off = family == "auto" and os.environ.get("CPATTN_TRITON_SM90", "1") == "0"
-        self.use_sm90 = family != "portable" and reason is None and not env_off
+        bad = set(options.get("sm90", {})) - set(SM90_OPTIONS)
+        if bad:
+            raise ValueError(f"unknown backend_options sm90 keys {sorted(bad)} (known: {sorted(SM90_OPTIONS)})")
         self.sm90_options = {**SM90_OPTIONS, **dict(options.get("sm90", {}))}
-        self.sm90_reason = reason
+        if self.sm90_options["persistent"] and (self.sm90_options["overlap"] or self.sm90_options["pingpong"]):
+            raise ValueError("backend_options sm90: persistent runs without overlap / pingpong")
+        self.reasons = {"portable": None}
+        for name, fam_reason, fam_block in (
+            ("sm90", triton_sm90.unsupported_reason(d, dv, spec.dtype, spec.page_size, meta.device),
+             triton_sm90.NUM_CONSUMERS * triton_sm90.CONSUMER_ROWS),
+            ("mla", triton_mla.unsupported_reason(d, dv, hkv, spec.dtype, spec.page_size, meta.device),
+             triton_mla.BLOCK_M),
+        ):
+            reason = "the CPU interpreter" if triton_attn.INTERPRETED else fam_reason
+            if reason is None and block_m != fam_block:
+                reason = f"block_m={block_m} (the {name} kernel covers {fam_block})"
+            if reason is None and self.config is not None:
+                reason = "a portable-kernel config was given"
+            self.reasons[name] = reason
+        if family not in ("auto", "portable") and self.reasons[family] is not None:
+            raise ValueError(f"the {family} kernel cannot run this plan: {self.reasons[family]}")
+        if family == "auto":
+            env_off = os.environ.get("CPATTN_TRITON_SM90", "1") == "0"
+            family = next((f for f in ("mla", "sm90") if self.reasons[f] is None and not env_off), "portable")
+        #: the kernel family that runs (a Hopper family falls back to the portable kernel per call
+        #: when the K/V layout is not TMA-compatible, see ``__call__``)
+        self.family = family
 
         g_pack, rows = gqa_packing(hq, hkv, block_m)
         tiles = tile_map(meta, rows, capacity=max_tiles(meta, rows) if meta.is_static else None)
@@ -92,22 +114,33 @@ class _TritonRun:
             num_head_groups=num_head_groups, heads_per_section=section, group_size=hq // hkv, G_PACK=g_pack,
             HAS_WINDOW=spec.window_left >= 0,
         )
+        self.sm90_args = common
         d1, d2 = triton_attn.split_head_dim(d)
         self.portable_args = dict(
             common, HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D1=d1, BLOCK_D2=d2, BLOCK_M=block_m,
             PAGED=spec.paged, PAGE_SIZE=spec.page_size or 1, **triton_attn.dot_settings(spec.dtype),
         )
-        self.cu_kv_lens = meta.cu_kv_lens
+        planned = bool(options.get("planned_launch", True))
+        self._portable = triton_attn.launch
         self._portable_launch = triton_attn.make_launch(self.portable_args, self.config)
-        self._sm90_launch = triton_sm90.make_launch(common, d, dv, spec.dtype, **self.sm90_options) \
-            if self.use_sm90 else None
-        if not options.get("planned_launch", True):  # every call through the JIT (for comparison)
-            for launcher in (self._portable_launch, self._sm90_launch):
-                if launcher is not None:
-                    launcher._enabled = False
-        self._portable, self._sm90 = triton_attn.launch, triton_sm90.launch
-        self._contiguous, self._layout_ok = triton_attn.last_dim_contiguous, triton_sm90.kv_layout_ok
-        self.family = "sm90" if self.use_sm90 else "portable"
+        self._portable_launch._enabled &= planned
+        self.cu_kv_lens = meta.cu_kv_lens
+        self._contiguous = triton_attn.last_dim_contiguous
+        #: the fast family's planned launchers, one per kernel variant (created on first use);
+        #: None: every call through the JIT
+        self._fast_launchers = {} if planned else None
+        self.fast_grid = self.grid
+        if family == "sm90":
+            self._fast, self._layout_ok = triton_sm90.launch, triton_sm90.kv_layout_ok
+            self._fast_options = self.sm90_options
+            if self.sm90_options["persistent"]:  # one resident program per SM (one fits per SM)
+                sms = torch.cuda.get_device_properties(meta.device).multi_processor_count
+                self.fast_grid = (max(1, min(self.grid[0], sms)),)
+        elif family == "mla":
+            self._fast, self._layout_ok = triton_mla.launch, triton_mla.kv_layout_ok
+            self._fast_options = {}
+        else:
+            self._fast = self._layout_ok = None
 
     def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse) -> None:
         if not softmax_scale > 0:
@@ -123,8 +156,9 @@ class _TritonRun:
             self._launch(q, k, v, page_table, sinks, softmax_scale, out, lse)
 
     def _launch(self, q, k, v, page_table, sinks, softmax_scale, out, lse) -> None:
-        if self.use_sm90 and self._layout_ok(k, v):
-            self._sm90(self._sm90_launch, q, k, v, out, lse, sinks, grid=self.grid, softmax_scale=softmax_scale)
+        if self._fast is not None and self._layout_ok(k, v):
+            self._fast(q, k, v, out, lse, sinks, page_table, grid=self.fast_grid, plan_args=self.sm90_args,
+                       softmax_scale=softmax_scale, launchers=self._fast_launchers, **self._fast_options)
         else:
             self._portable(self._portable_launch, q, k, v, out, lse, sinks, page_table, self.cu_kv_lens,
                            grid=self.grid, softmax_scale=softmax_scale)

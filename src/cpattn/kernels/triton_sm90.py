@@ -16,10 +16,15 @@ one segment x ``G_PACK`` heads of one KV group), organised the way FA3 runs on H
 
 Programs walk the tile map by L2 head sections (see ``triton_attn.heads_per_l2_section``).
 
-Used for packed K/V with ``(D, Dv)`` in (64, 64), (128, 128), (192, 128) (``Q K^T`` of D192 is
-two wgmmas over 128 + 64 columns, with 2 K/V stages), bf16/fp16, on sm_90 with Gluon available;
-everything else (paged K/V, other head dims, other GPUs, the CPU interpreter) runs the portable
-kernel. Masking, windows, sinks and LSE follow the portable kernel exactly.
+Used for ``(D, Dv)`` in (64, 64), (128, 128), (192, 128) (``Q K^T`` of D192 is two wgmmas over
+128 + 64 columns, with 2 K/V stages), bf16/fp16, on sm_90 with Gluon available, K/V packed or
+paged. Paged caches are read with TMA copies of ``gcd(page_size, BLOCK_N)`` rows (>= 8: one page
+table read per copy; page sizes with a smaller gcd run the portable kernel), one copy per
+64-column chunk into its sub-tile of the stage; rows past the tile's last key in the last block
+are clamped to that key's page (no table entry past the sequence is read) and zeroed in V before
+``P V`` (unused cache slots may hold NaN). Everything else (other head dims, other GPUs, the CPU
+interpreter) runs the portable kernel. Masking, windows, sinks and LSE follow the portable
+kernel exactly.
 """
 
 from __future__ import annotations
@@ -29,10 +34,15 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-try:  # Gluon ships with triton >= 3.5; older versions use the portable kernel only
+from ._sm90_common import (HAVE_GLUON, TMA_CHUNK, packed_layout_ok, paged_copy_rows, paged_layout_ok,
+                           smem_layout as _smem_layout)
+from ._tiles import LOG2E, SM90_SMEM_PER_BLOCK
+
+if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
         fence_async_shared,
         mbarrier,
         tma,
@@ -40,11 +50,7 @@ try:  # Gluon ships with triton >= 3.5; older versions use the portable kernel o
         warpgroup_mma_wait,
     )
 
-    HAVE_GLUON = True
-except (ImportError, AssertionError):  # triton < 3.5, or triton loaded for the CPU interpreter
-    HAVE_GLUON = False
-
-from ._tiles import LOG2E, SM90_SMEM_PER_BLOCK
+    from ._sm90_common import page_of, page_row, softmax_block as _ws_softmax, zero_rows_from
 
 #: (consumer warpgroups) x (rows per consumer): the tile a program covers.
 NUM_CONSUMERS = 2
@@ -53,23 +59,32 @@ CONSUMER_ROWS = 64
 SUPPORTED_HEAD_DIMS = {(64, 64), (128, 128), (192, 128)}
 
 
+#: setmaxnreg budgets (consumer warpgroups, loader warp; 2 x 128 x consumers + 128 x loader <= the
+#: 64512 registers of a 384-thread launch at 168): the paged loader computes a page-table row per
+#: TMA copy and spills at 24.
+PACKED_REGS = dict(CONSUMER_REGS=240, LOADER_REGS=24, LOADER_WARPS=1)
+PAGED_REGS = dict(CONSUMER_REGS=232, LOADER_REGS=40, LOADER_WARPS=1)
+#: page sizes without 8-row copy groups: a 4-warp cp.async loader (same register split)
+GATHER_REGS = dict(CONSUMER_REGS=232, LOADER_REGS=40, LOADER_WARPS=4)
+
+
 def split_qk_dim(d: int) -> tuple[int, int]:
     """``(D1, D2)``: the ``Q K^T`` columns in the first and second wgmma (D2 = 0: one wgmma)."""
     return (128, d - 128) if d > 128 else (d, 0)
 
 
 def max_stages(d: int, dv: int, block_n: int, elem_bytes: int = 2) -> int:
-    """K/V ring depth that fits in shared memory next to the 128-row Q tile (at most 3)."""
+    """K/V ring depth that fits in shared memory next to the 128-row Q tile (at most 4: e.g.
+    D192/128 with 64-key blocks)."""
     q_bytes = NUM_CONSUMERS * CONSUMER_ROWS * d * elem_bytes
     stage_bytes = block_n * (d + dv) * elem_bytes
-    return max(1, min(3, (SM90_SMEM_PER_BLOCK - q_bytes - 1024) // stage_bytes))
+    return max(1, min(4, (SM90_SMEM_PER_BLOCK - q_bytes - 1024) // stage_bytes))
 
 
-def unsupported_reason(d: int, dv: int, dtype: torch.dtype, paged: bool, device: torch.device) -> Optional[str]:
+def unsupported_reason(d: int, dv: int, dtype: torch.dtype, page_size: Optional[int],
+                       device: torch.device) -> Optional[str]:
     """Why the sm_90 kernel cannot take this plan (None if it can; the K/V layout is checked
-    per layer by :func:`kv_layout_ok`)."""
-    if paged:
-        return "paged K/V"
+    per layer by :func:`kv_layout_ok`). Every page size 1..256 runs (``page_size`` None: packed)."""
     if (d, dv) not in SUPPORTED_HEAD_DIMS:
         return f"head dims D={d}, Dv={dv} (needs (D, Dv) in {sorted(SUPPORTED_HEAD_DIMS)})"
     if dtype not in (torch.bfloat16, torch.float16):
@@ -82,57 +97,280 @@ def unsupported_reason(d: int, dv: int, dtype: torch.dtype, paged: bool, device:
 
 
 def kv_layout_ok(k: Tensor, v: Tensor) -> bool:
-    """K/V seen as 2-D TMA matrices ``[rows, Hkv * D]``: heads adjacent, 16-byte rows and base."""
-    for x in (k, v):
-        if (x.stride(-1) != 1 or x.stride(-2) != x.shape[-1] or (x.stride(0) * x.element_size()) % 16
-                or x.data_ptr() % 16):
-            return False
-    return True
+    """Packed K/V seen as 2-D TMA matrices ``[rows, Hkv * D]``: heads adjacent (or one KV head),
+    16-byte rows and base. Paged caches ``[pages, page_size, Hkv, D]``: read through TMA copy
+    groups (:func:`paged_tma_ok`) or gathered with cp.async (16-byte vectors: every stride a
+    multiple of 16 elements, 16-byte base)."""
+    if k.dim() == 4:
+        return paged_tma_ok(k, v, 128) or (_gather_ok(k) and _gather_ok(v))
+    return packed_layout_ok(k) and packed_layout_ok(v)
+
+
+def _gather_ok(x: Tensor) -> bool:
+    return x.stride(-1) == 1 and all(st % 16 == 0 for st in x.stride()[:-1]) and x.data_ptr() % 16 == 0
+
+
+def paged_tma_ok(k: Tensor, v: Tensor, block_n: int) -> bool:
+    """A paged cache read through TMA copy groups: ``gcd(page_size, block_n) >= 8`` and both
+    caches seen as ``[pages * page_size, Hkv * D]`` (pages evenly spaced, heads adjacent, 16-byte
+    rows); else the loader gathers rows with cp.async."""
+    return bool(paged_copy_rows(k.shape[1], block_n)) and paged_layout_ok(k) and paged_layout_ok(v)
 
 
 if HAVE_GLUON:
 
     @gluon.jit
-    def _ws_loader(smem, kv, rows, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, RETURN_LSE: gl.constexpr,
-                   G_PACK: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, HEAD_DIM2: gl.constexpr):
-        """1 warp: TMA K/V blocks ``n_lo + j * BLOCK_N`` (j < num_blocks) into the stage ring."""
+    def _ws_load_paged(k_desc, v_desc, k_slot, k2_slot, v_slot, k_ready, v_ready, pt_row, start, last_key, k_col,
+                       v_col, HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr):
+        """TMA one key block of a paged cache: per group of COPY_ROWS keys (inside one page: one
+        page-table read) one copy per 64-column chunk of K (and K's second split) and V into its
+        sub-tile, the stage seen as [chunks * groups, COPY_ROWS, 64] (the chunk-major order of a
+        128-byte-swizzled tile)."""
+        BLOCK_N: gl.constexpr = k_slot.type.shape[0]
+        CK: gl.constexpr = k_slot.type.shape[1] // 64
+        CK2: gl.constexpr = HEAD_DIM2 // 64
+        CV: gl.constexpr = v_slot.type.shape[1] // 64
+        NG: gl.constexpr = BLOCK_N // COPY_ROWS
+        k_pieces = k_slot._reinterpret(k_desc.dtype, [CK * NG, COPY_ROWS, 64], k_desc.layout)
+        k2_pieces = k2_slot._reinterpret(k_desc.dtype, [max(CK2, 1) * NG, COPY_ROWS, 64], k_desc.layout)
+        v_pieces = v_slot._reinterpret(v_desc.dtype, [CV * NG, COPY_ROWS, 64], v_desc.layout)
+        # page-table reads run two groups ahead of the copies (one warp issues everything)
+        page_a, slot_a = page_of(pt_row, start, last_key, PAGE_SIZE, COPY_ROWS)
+        page_b, slot_b = page_of(pt_row, start + COPY_ROWS, last_key, PAGE_SIZE, COPY_ROWS)
+        for g in gl.static_range(NG):
+            row = page_row(page_a, slot_a, PAGE_SIZE)
+            page_a, slot_a = page_b, slot_b
+            if g + 2 < NG:
+                page_b, slot_b = page_of(pt_row, start + (g + 2) * COPY_ROWS, last_key, PAGE_SIZE, COPY_ROWS)
+            for c in gl.static_range(CK):
+                tma.async_copy_global_to_shared(k_desc, [row, k_col + c * 64], k_ready, k_pieces.index(c * NG + g))
+            for c in gl.static_range(CK2):
+                tma.async_copy_global_to_shared(k_desc, [row, k_col + (CK + c) * 64], k_ready,
+                                                k2_pieces.index(c * NG + g))
+            for c in gl.static_range(CV):
+                tma.async_copy_global_to_shared(v_desc, [row, v_col + c * 64], v_ready, v_pieces.index(c * NG + g))
+
+    @gluon.jit
+    def _ws_gather_pages(pt_row, start, p, r_in, key_end, R: gl.constexpr, PAGE_SIZE: gl.constexpr):
+        """Key positions of pass ``p`` (rows ``start + p * R + r_in``) and their page ids (clamped to
+        the tile's last key: no page-table entry past the sequence is read)."""
+        kpos = start + p * R + r_in
+        return kpos, gl.load(pt_row + gl.minimum(kpos, key_end - 1) // PAGE_SIZE).to(gl.int64)
+
+    @gluon.jit
+    def _ws_gather_rows(bases, bufs, gather, cols_off, pt_row, start, key_end, PAGE_SIZE: gl.constexpr,
+                        NUM_WARPS: gl.constexpr, TWO: gl.constexpr):
+        """cp.async one key block ``[BLOCK_N, cols]`` of a paged cache into ``bufs[0]`` (and, TWO,
+        the same rows of the second cache into ``bufs[1]``: K and V share the page lookups), 16
+        bytes per thread and pass; page ids are read two passes ahead. Rows past the tile's last
+        key are zero-filled."""
+        K, V, stride_kp, stride_kn, stride_vp, stride_vn = gather
+        buf = bufs[0]
+        BLOCK_N: gl.constexpr = buf.type.shape[0]
+        COLS: gl.constexpr = buf.type.shape[1]
+        TPR: gl.constexpr = COLS // 8
+        R: gl.constexpr = 32 * NUM_WARPS // TPR
+        NP: gl.constexpr = BLOCK_N // R
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPR, TPR], [NUM_WARPS, 1], [1, 0])
+        cols = gl.expand_dims(gl.arange(0, COLS, layout=gl.SliceLayout(0, layout)), 0)
+        r_in = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
+        kpos_a, page_a = _ws_gather_pages(pt_row, start, 0, r_in, key_end, R, PAGE_SIZE)
+        kpos_b, page_b = _ws_gather_pages(pt_row, start, 1, r_in, key_end, R, PAGE_SIZE)
+        for p in gl.static_range(NP):
+            kpos = kpos_a
+            page = page_a
+            kpos_a, page_a = kpos_b, page_b
+            if p + 2 < NP:
+                kpos_b, page_b = _ws_gather_pages(pt_row, start, p + 2, r_in, key_end, R, PAGE_SIZE)
+            slot = (kpos % PAGE_SIZE).to(gl.int64)
+            mask = gl.expand_dims(kpos < key_end, 1)
+            k_off = page * stride_kp + slot * stride_kn + cols_off[0]
+            async_copy.async_copy_global_to_shared(buf.slice(p * R, R), bases[0] + gl.expand_dims(k_off, 1) + cols,
+                                                   mask=mask)
+            if TWO:
+                v_off = page * stride_vp + slot * stride_vn + cols_off[1]
+                async_copy.async_copy_global_to_shared(bufs[1].slice(p * R, R),
+                                                       bases[1] + gl.expand_dims(v_off, 1) + cols, mask=mask)
+
+    @gluon.jit
+    def _ws_gather_loader(smem, kv, it0, HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr):
+        """4 warps: cp.async K/V blocks of a paged cache into the stage ring; block j is signalled
+        ready once block j + 1's copies are issued (cp.async groups complete in order)."""
         q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, k_ready, v_ready, kv_empty, turn = smem
-        k_desc, k2_desc, v_desc, k_col, v_col, kv_row_base, n_lo, num_blocks = kv
+        k_desc, k2_desc, v_desc, k_col, v_col, kv_row_base, n_lo, num_blocks, key_end, pt_row, gather = kv
+        K, V, stride_kp, stride_kn, stride_vp, stride_vn = gather
+        gather_v = (V, V, stride_vp, stride_vn, stride_vp, stride_vn)  # V through the "K" slots
         STAGES: gl.constexpr = k_bufs.type.shape[0]
         BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
         HEAD_DIM1: gl.constexpr = k_bufs.type.shape[2]
+        HEAD_DIM_V: gl.constexpr = v_bufs.type.shape[2]
+        NW: gl.constexpr = gl.num_warps()
         for j in range(num_blocks):
-            slot = j % STAGES
-            phase = (j // STAGES) & 1
-            mbarrier.wait(kv_empty.index(slot), phase ^ 1)
-            row = (kv_row_base + n_lo + j * BLOCK_N).to(gl.int32)
-            if HEAD_DIM2 > 0:
-                mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes + k2_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [row, k_col], k_ready.index(slot), k_bufs.index(slot))
-                tma.async_copy_global_to_shared(k2_desc, [row, k_col + HEAD_DIM1], k_ready.index(slot),
-                                                k2_bufs.index(slot))
+            slot = (it0 + j) % STAGES
+            mbarrier.wait(kv_empty.index(slot), (((it0 + j) // STAGES) & 1) ^ 1)
+            start = n_lo + j * BLOCK_N
+            if HEAD_DIM1 == HEAD_DIM_V:  # K and V rows in the same passes
+                _ws_gather_rows((K, V), (k_bufs.index(slot), v_bufs.index(slot)), gather, (k_col, v_col), pt_row,
+                                start, key_end, PAGE_SIZE, NW, True)
             else:
-                mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [row, k_col], k_ready.index(slot), k_bufs.index(slot))
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [row, v_col], v_ready.index(slot), v_bufs.index(slot))
+                _ws_gather_rows((K, K), (k_bufs.index(slot), k_bufs.index(slot)), gather, (k_col, k_col), pt_row,
+                                start, key_end, PAGE_SIZE, NW, False)
+                _ws_gather_rows((V, V), (v_bufs.index(slot), v_bufs.index(slot)), gather_v, (v_col, v_col), pt_row,
+                                start, key_end, PAGE_SIZE, NW, False)
+            if HEAD_DIM2 > 0:
+                _ws_gather_rows((K, K), (k2_bufs.index(slot), k2_bufs.index(slot)), gather, (k_col + HEAD_DIM1, 0),
+                                pt_row, start, key_end, PAGE_SIZE, NW, False)
+            async_copy.commit_group()
+            if j > 0:
+                async_copy.wait_group(1)
+                fence_async_shared()
+                prev = (it0 + j - 1) % STAGES
+                mbarrier.arrive(k_ready.index(prev), count=1)
+                mbarrier.arrive(v_ready.index(prev), count=1)
+        if num_blocks > 0:
+            async_copy.wait_group(0)
+            fence_async_shared()
+            last = (it0 + num_blocks - 1) % STAGES
+            mbarrier.arrive(k_ready.index(last), count=1)
+            mbarrier.arrive(v_ready.index(last), count=1)
 
     @gluon.jit
-    def _ws_softmax(s, m_i, l_i, start, pos, f_lo, f_hi, window, qk_scale, offs_n, HAS_WINDOW: gl.constexpr):
-        """Online softmax of one score block (base 2): returns (p fp32, alpha, m_i, l_i). Blocks
-        outside [f_lo, f_hi) get the causal / window mask by position."""
-        if (start < f_lo) | (start >= f_hi):
-            kpos = start + offs_n
-            visible = gl.expand_dims(kpos, 0) <= gl.expand_dims(pos, 1)
-            if HAS_WINDOW:
-                visible = visible & (gl.expand_dims(kpos, 0) >= gl.expand_dims(pos - window, 1))
-            s = gl.where(visible, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
-        alpha = gl.exp2(m_i - m_use)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        return p, alpha, m_new, l_i
+    def _ws_rounds(sched):
+        """Rounds of a persistent program: ceil(work items / programs); items = tiles x head groups
+        (the tile count read from device memory: static plans)."""
+        total = gl.load(sched[2]) * sched[9]
+        return gl.cdiv(total, gl.num_programs(0))
+
+    @gluon.jit
+    def _ws_work(r, sched):
+        """Work item of round ``r`` for this program: programs walk the (heaviest-first) item list
+        in a snake, left to right on even rounds and right to left on odd ones, which balances
+        the causal tiles' decreasing costs over the programs."""
+        npr = gl.num_programs(0)
+        pid = gl.program_id(0)
+        return r * npr + gl.where(r % 2 == 0, pid, npr - 1 - pid)
+
+    @gluon.jit
+    def _ws_item(w, kv, rows, sched, smem, HAS_WINDOW: gl.constexpr, G_PACK: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                 COPY_ROWS: gl.constexpr, HEAD_DIM2: gl.constexpr):
+        """(kv, rows) of work item ``w`` (tile x head group by L2 sections, as
+        triton_attn._tile_and_head_group; not imported from there: that import would fix
+        triton_attn's interpreter/GPU mode early). Items past the device tile count run no key
+        block and store nothing (slen 0), so every partition agrees without a branch."""
+        (tile_segment, tile_row_offset, NumTiles, seg_seq, seg_row0, seg_len, seg_pos0, seg_stride, cu_kv_lens,
+         num_head_groups, heads_per_section, group_size, PageTable, stride_pt, stride_kh, stride_vh) = sched
+        k_bufs = smem[2]
+        v_bufs = smem[4]
+        BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+        HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
+        HEAD_DIM_V: gl.constexpr = v_bufs.type.shape[2]
+        BLOCK_M: gl.constexpr = smem[0].type.shape[1]
+        ROWS: gl.constexpr = 2 * BLOCK_M // G_PACK
+        window = rows[19]
+        num_tiles = gl.load(NumTiles)
+        live = w < num_tiles * num_head_groups
+        w = gl.where(live, w, 0)
+        per_section = num_tiles * heads_per_section
+        section = w // per_section
+        r = w - section * per_section
+        section_heads = gl.minimum(heads_per_section, num_head_groups - section * heads_per_section)
+        tile = r // section_heads
+        hg = section * heads_per_section + r % section_heads
+        seg = gl.load(tile_segment + tile)
+        roff = gl.load(tile_row_offset + tile)
+        seq = gl.load(seg_seq + seg)
+        row0 = gl.load(seg_row0 + seg)
+        slen = gl.where(live, gl.load(seg_len + seg), 0)
+        pos0 = gl.load(seg_pos0 + seg)
+        pstride = gl.load(seg_stride + seg)
+        last_r = gl.minimum(roff + ROWS, slen) - 1
+        pos_min = pos0 + roff * pstride
+        pos_max = pos0 + last_r * pstride
+        kvh = (hg * G_PACK) // group_size
+        if PAGE_SIZE > 0:
+            kv_row_base = seq * 0
+            pt_row = PageTable + seq.to(gl.int64) * stride_pt
+        else:
+            kv_row_base = gl.load(cu_kv_lens + seq).to(gl.int32)  # TMA coordinates are 32-bit
+            pt_row = PageTable
+        if (PAGE_SIZE > 0) & (COPY_ROWS == 0):  # cp.async gather: element offsets of this KV head
+            k_col = kvh * stride_kh
+            v_col = kvh * stride_vh
+        else:  # TMA: columns of the [rows, Hkv * D] matrices
+            k_col = kvh * (HEAD_DIM + HEAD_DIM2)
+            v_col = kvh * HEAD_DIM_V
+
+        key_end = pos_max + 1
+        if HAS_WINDOW:
+            n_lo = (gl.maximum(pos_min - window, 0) // BLOCK_N) * BLOCK_N
+            f_lo = gl.cdiv(gl.maximum(pos_max - window, 0), BLOCK_N) * BLOCK_N
+        else:
+            n_lo = pos_min * 0
+            f_lo = pos_min * 0
+        f_hi = gl.maximum(((pos_min + 1) // BLOCK_N) * BLOCK_N, f_lo)
+        num_blocks = gl.where(live, gl.cdiv(key_end - n_lo, BLOCK_N), 0)
+        kv = (kv[0], kv[1], kv[2], k_col, v_col, kv_row_base, n_lo, num_blocks, key_end, pt_row, kv[10])
+        rows = (rows[0], rows[1], rows[2], rows[3], rows[4], rows[5], rows[6], rows[7], rows[8], rows[9],
+                roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, rows[18], rows[19], rows[20])
+        return kv, rows
+
+    @gluon.jit
+    def _ws_load_item(smem, kv, it0, HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr):
+        """The K/V blocks of one work item, ring positions it0, it0 + 1, ... (PAGE_SIZE > 0: from a
+        paged cache, COPY_ROWS keys per TMA copy; COPY_ROWS 0: the cp.async gather)."""
+        if (PAGE_SIZE > 0) & (COPY_ROWS == 0):
+            _ws_gather_loader(smem, kv, it0, HEAD_DIM2, PAGE_SIZE)
+        else:
+            _ws_tma_loader(smem, kv, it0, HEAD_DIM2, PAGE_SIZE, COPY_ROWS)
+
+    @gluon.jit
+    def _ws_loader(smem, kv, rows, sched, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+                   RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+                   HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr,
+                   PERSISTENT: gl.constexpr):
+        """Loader partition: 1 warp streams K/V with TMA (4 warps for the cp.async gather)."""
+        if PERSISTENT:
+            it = 0
+            for r in range(_ws_rounds(sched)):
+                kv, rows = _ws_item(_ws_work(r, sched), kv, rows, sched, smem, HAS_WINDOW, G_PACK, PAGE_SIZE,
+                                    COPY_ROWS, HEAD_DIM2)
+                _ws_load_item(smem, kv, it, HEAD_DIM2, PAGE_SIZE, COPY_ROWS)
+                it += kv[7]
+        else:
+            _ws_load_item(smem, kv, 0, HEAD_DIM2, PAGE_SIZE, COPY_ROWS)
+
+    @gluon.jit
+    def _ws_tma_loader(smem, kv, it0, HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr):
+        """1 warp: TMA K/V blocks (packed rows, or per-page copy groups) into the stage ring."""
+        q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, k_ready, v_ready, kv_empty, turn = smem
+        k_desc, k2_desc, v_desc, k_col, v_col, kv_row_base, n_lo, num_blocks, key_end, pt_row, gather = kv
+        STAGES: gl.constexpr = k_bufs.type.shape[0]
+        BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+        HEAD_DIM1: gl.constexpr = k_bufs.type.shape[2]
+        HEAD_DIM_V: gl.constexpr = v_bufs.type.shape[2]
+        for j in range(num_blocks):
+            slot = (it0 + j) % STAGES
+            phase = ((it0 + j) // STAGES) & 1
+            mbarrier.wait(kv_empty.index(slot), phase ^ 1)
+            if PAGE_SIZE > 0:
+                copy_bytes: gl.constexpr = k_desc.block_type.nbytes * (BLOCK_N // COPY_ROWS)
+                mbarrier.expect(k_ready.index(slot), copy_bytes * ((HEAD_DIM1 + HEAD_DIM2) // 64))
+                mbarrier.expect(v_ready.index(slot), copy_bytes * (HEAD_DIM_V // 64))
+                _ws_load_paged(k_desc, v_desc, k_bufs.index(slot), k2_bufs.index(slot), v_bufs.index(slot),
+                               k_ready.index(slot), v_ready.index(slot), pt_row, n_lo + j * BLOCK_N, key_end - 1,
+                               k_col, v_col, HEAD_DIM2, PAGE_SIZE, COPY_ROWS)
+            else:
+                row = (kv_row_base + n_lo + j * BLOCK_N).to(gl.int32)
+                if HEAD_DIM2 > 0:
+                    mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes + k2_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(k_desc, [row, k_col], k_ready.index(slot), k_bufs.index(slot))
+                    tma.async_copy_global_to_shared(k2_desc, [row, k_col + HEAD_DIM1], k_ready.index(slot),
+                                                    k2_bufs.index(slot))
+                else:
+                    mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(k_desc, [row, k_col], k_ready.index(slot), k_bufs.index(slot))
+                mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [row, v_col], v_ready.index(slot), v_bufs.index(slot))
 
     @gluon.jit
     def _ws_qk(q_lo, q_hi, k_lo, k_hi, s_zero, HEAD_DIM2: gl.constexpr):
@@ -143,12 +381,24 @@ if HAVE_GLUON:
         return s
 
     @gluon.jit
-    def _ws_consumer(smem, kv, rows, HALF: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
-                     RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, OVERLAP: gl.constexpr,
-                     PINGPONG: gl.constexpr, HEAD_DIM2: gl.constexpr):
-        """4 warps: rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of the tile."""
+    def _ws_fix_last_v(v_buf, j, num_blocks, n_lo, key_end, COPY_ROWS: gl.constexpr):
+        """Paged: zero the V rows of the last key block past the tile's last key (unused cache
+        slots, or rows clamped to the last page, may hold NaN; P is 0 there but 0 * NaN is not)."""
+        if COPY_ROWS > 0:  # TMA copies; the cp.async gather zero-fills those rows itself
+            BLOCK_N: gl.constexpr = v_buf.type.shape[0]
+            valid = key_end - (n_lo + j * BLOCK_N)
+            if (j == num_blocks - 1) & (valid < BLOCK_N):
+                zero_rows_from(v_buf, valid, 4)
+
+    @gluon.jit
+    def _ws_consumer_item(smem, kv, rows, it0, HALF: gl.constexpr, HAS_WINDOW: gl.constexpr,
+                          HAS_SINKS: gl.constexpr, RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr,
+                          OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, HEAD_DIM2: gl.constexpr,
+                          COPY_ROWS: gl.constexpr):
+        """4 warps: rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of one work item's tile, its key
+        blocks at ring positions it0, it0 + 1, ..."""
         q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, k_ready, v_ready, kv_empty, turn = smem
-        k_desc, k2_desc, v_desc, k_col, v_col, kv_row_base, n_lo, num_blocks = kv
+        k_desc, k2_desc, v_desc, k_col, v_col, kv_row_base, n_lo, num_blocks, key_end, pt_row, gather = kv
         (Q, Out, Lse, Sinks, stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
          roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, qk_scale, window, stride_sink) = rows
         STAGES: gl.constexpr = k_bufs.type.shape[0]
@@ -200,54 +450,57 @@ if HAVE_GLUON:
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
 
         if OVERLAP > 0:
-            # prologue: block 0's scores and probabilities
-            mbarrier.wait(k_ready.index(0), 0)
-            if PINGPONG:
-                mbarrier.wait(turn.index(HALF), HALF ^ 1)
-            s = _ws_qk(q_half, q2_half, k_bufs.index(0), k2_bufs.index(0), s_zero, HEAD_DIM2)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - HALF), count=1)
-            s = warpgroup_mma_wait(0, deps=(s, ))
-            p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, n_lo, pos, f_lo, f_hi, window, qk_scale, offs_n,
-                                             HAS_WINDOW)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)  # bf16 operand now: 32 registers, not 64
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-            for j in range(1, num_blocks):
-                slot = j % STAGES
-                prev = (j - 1) % STAGES
-                # issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; softmax_j overlaps the second
-                mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
-                mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-                if PINGPONG:  # the two consumers take turns issuing their GEMMs
-                    mbarrier.wait(turn.index(HALF), (j & 1) ^ HALF ^ 1)
-                s = _ws_qk(q_half, q2_half, k_bufs.index(slot), k2_bufs.index(slot), s_zero, HEAD_DIM2)
-                acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+            if num_blocks > 0:  # pad tiles have no key block
+                # prologue: block 0's scores and probabilities
+                first = it0 % STAGES
+                mbarrier.wait(k_ready.index(first), (it0 // STAGES) & 1)
+                if PINGPONG:
+                    mbarrier.wait(turn.index(HALF), HALF ^ 1)
+                s = _ws_qk(q_half, q2_half, k_bufs.index(first), k2_bufs.index(first), s_zero, HEAD_DIM2)
                 if PINGPONG:
                     mbarrier.arrive(turn.index(1 - HALF), count=1)
-                # OVERLAP 2: softmax_j runs while P_{j-1} V_{j-1} is in flight; 1: after both GEMMs
-                if OVERLAP == 2:
-                    s, p_op = warpgroup_mma_wait(1, deps=(s, p_op))
-                else:
-                    s, p_op = warpgroup_mma_wait(0, deps=(s, p_op))
-                p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, n_lo + j * BLOCK_N, pos, f_lo, f_hi, window,
-                                                 qk_scale, offs_n, HAS_WINDOW)
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-                mbarrier.arrive(kv_empty.index(prev), count=1)
+                s = warpgroup_mma_wait(0, deps=(s, ))
+                p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, n_lo, pos, f_lo, f_hi, window, qk_scale, offs_n,
+                                                 HAS_WINDOW)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)  # bf16 operand now: 32 registers, not 64
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-            last = (num_blocks - 1) % STAGES
-            mbarrier.wait(v_ready.index(last), ((num_blocks - 1) // STAGES) & 1)
-            if PINGPONG:
-                mbarrier.wait(turn.index(HALF), (num_blocks & 1) ^ HALF ^ 1)
-            acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - HALF), count=1)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(kv_empty.index(last), count=1)
+                for j in range(1, num_blocks):
+                    slot = (it0 + j) % STAGES
+                    prev = (it0 + j - 1) % STAGES
+                    # issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; softmax_j overlaps the second
+                    mbarrier.wait(k_ready.index(slot), ((it0 + j) // STAGES) & 1)
+                    mbarrier.wait(v_ready.index(prev), ((it0 + j - 1) // STAGES) & 1)
+                    if PINGPONG:  # the two consumers take turns issuing their GEMMs
+                        mbarrier.wait(turn.index(HALF), (j & 1) ^ HALF ^ 1)
+                    s = _ws_qk(q_half, q2_half, k_bufs.index(slot), k2_bufs.index(slot), s_zero, HEAD_DIM2)
+                    acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+                    if PINGPONG:
+                        mbarrier.arrive(turn.index(1 - HALF), count=1)
+                    # OVERLAP 2: softmax_j runs while P_{j-1} V_{j-1} is in flight; 1: after both GEMMs
+                    if OVERLAP == 2:
+                        s, p_op = warpgroup_mma_wait(1, deps=(s, p_op))
+                    else:
+                        s, p_op = warpgroup_mma_wait(0, deps=(s, p_op))
+                    p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, n_lo + j * BLOCK_N, pos, f_lo, f_hi, window,
+                                                     qk_scale, offs_n, HAS_WINDOW)
+                    acc = warpgroup_mma_wait(0, deps=(acc, ))
+                    p_op = gl.convert_layout(p.to(dtype), p_layout)
+                    mbarrier.arrive(kv_empty.index(prev), count=1)
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+                last = (it0 + num_blocks - 1) % STAGES
+                mbarrier.wait(v_ready.index(last), ((it0 + num_blocks - 1) // STAGES) & 1)
+                _ws_fix_last_v(v_bufs.index(last), num_blocks - 1, num_blocks, n_lo, key_end, COPY_ROWS)
+                if PINGPONG:
+                    mbarrier.wait(turn.index(HALF), (num_blocks & 1) ^ HALF ^ 1)
+                acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index(1 - HALF), count=1)
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                mbarrier.arrive(kv_empty.index(last), count=1)
         else:
             for j in range(num_blocks):
-                slot = j % STAGES
-                phase = (j // STAGES) & 1
+                slot = (it0 + j) % STAGES
+                phase = ((it0 + j) // STAGES) & 1
                 mbarrier.wait(k_ready.index(slot), phase)
                 s = _ws_qk(q_half, q2_half, k_bufs.index(slot), k2_bufs.index(slot), s_zero, HEAD_DIM2)
                 s = warpgroup_mma_wait(0, deps=(s, ))
@@ -256,6 +509,7 @@ if HAVE_GLUON:
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 mbarrier.wait(v_ready.index(slot), phase)
+                _ws_fix_last_v(v_bufs.index(slot), j, num_blocks, n_lo, key_end, COPY_ROWS)
                 acc = warpgroup_mma(p_op, v_bufs.index(slot), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
                 mbarrier.arrive(kv_empty.index(slot), count=1)
@@ -279,79 +533,66 @@ if HAVE_GLUON:
             head_s = hg * G_PACK + m_s % G_PACK
             gl.store(Lse + (row0 + r_s).to(gl.int64) * stride_lm + head_s * stride_lh, lse, mask=r_s < slen)
 
-    @gluon.jit
-    def _ws_consumer0(smem, kv, rows, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
-                      RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-                      HEAD_DIM2: gl.constexpr):
-        _ws_consumer(smem, kv, rows, 0, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG, HEAD_DIM2)
 
     @gluon.jit
-    def _ws_consumer1(smem, kv, rows, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+    def _ws_consumer(smem, kv, rows, sched, HALF: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+                     RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, OVERLAP: gl.constexpr,
+                     PINGPONG: gl.constexpr, HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                     COPY_ROWS: gl.constexpr, PERSISTENT: gl.constexpr):
+        """Consumer warpgroup HALF: one work item, or (PERSISTENT) every item of this program."""
+        if PERSISTENT:
+            it = 0
+            for r in range(_ws_rounds(sched)):
+                kv, rows = _ws_item(_ws_work(r, sched), kv, rows, sched, smem, HAS_WINDOW, G_PACK, PAGE_SIZE,
+                                    COPY_ROWS, HEAD_DIM2)
+                _ws_consumer_item(smem, kv, rows, it, HALF, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP,
+                                  PINGPONG, HEAD_DIM2, COPY_ROWS)
+                it += kv[7]
+        else:
+            _ws_consumer_item(smem, kv, rows, 0, HALF, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG,
+                              HEAD_DIM2, COPY_ROWS)
+
+    @gluon.jit
+    def _ws_consumer0(smem, kv, rows, sched, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
                       RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-                      HEAD_DIM2: gl.constexpr):
-        _ws_consumer(smem, kv, rows, 1, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG, HEAD_DIM2)
+                      HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr,
+                      PERSISTENT: gl.constexpr):
+        _ws_consumer(smem, kv, rows, sched, 0, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG, HEAD_DIM2,
+                     PAGE_SIZE, COPY_ROWS, PERSISTENT)
+
+    @gluon.jit
+    def _ws_consumer1(smem, kv, rows, sched, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+                      RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+                      HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr,
+                      PERSISTENT: gl.constexpr):
+        _ws_consumer(smem, kv, rows, sched, 1, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG, HEAD_DIM2,
+                     PAGE_SIZE, COPY_ROWS, PERSISTENT)
 
     @gluon.jit
     def _cp_attn_fwd_sm90(
-        Q, k_desc, k2_desc, v_desc, Out, Lse, Sinks,
+        Q, k_desc, k2_desc, v_desc, K, V, Out, Lse, Sinks, PageTable,
         tile_segment, tile_row_offset, NumTiles,
         seg_seq, seg_row0, seg_len, seg_pos0, seg_stride, cu_kv_lens,
         qk_scale, window, num_head_groups, heads_per_section, group_size,
-        stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh, stride_sink,
-        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, G_PACK: gl.constexpr,
+        stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh, stride_sink, stride_pt,
+        stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr,
+        HEAD_DIM_V: gl.constexpr, STAGES: gl.constexpr, G_PACK: gl.constexpr,
         HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, RETURN_LSE: gl.constexpr, OVERLAP: gl.constexpr,
-        PINGPONG: gl.constexpr, Q_SMEM: gl.constexpr, HEAD_DIM2: gl.constexpr, Q2_SMEM: gl.constexpr,
+        PINGPONG: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr,
+        Q_SMEM: gl.constexpr, Q2_SMEM: gl.constexpr, K_SMEM: gl.constexpr, K2_SMEM: gl.constexpr,
+        V_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, LOADER_WARPS: gl.constexpr,
+        PERSISTENT: gl.constexpr,
     ):
-        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-        HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
-        HEAD_DIM_V: gl.constexpr = v_desc.block_type.shape[1]
-        ROWS: gl.constexpr = 2 * BLOCK_M // G_PACK
-        # program -> (tile, head group) by L2 sections, as triton_attn._tile_and_head_group (not
-        # imported from there: that import would fix triton_attn's interpreter/GPU mode early)
-        pid = gl.program_id(0)
-        # tile count from device memory (static plans: a capacity-sized grid); programs past it
-        # run no key block and store nothing (slen 0), so every partition agrees without a branch
-        num_tiles = gl.load(NumTiles)
-        live = pid < num_tiles * num_head_groups
-        pid = gl.where(live, pid, 0)
-        per_section = num_tiles * heads_per_section
-        section = pid // per_section
-        r = pid - section * per_section
-        section_heads = gl.minimum(heads_per_section, num_head_groups - section * heads_per_section)
-        tile = r // section_heads
-        hg = section * heads_per_section + r % section_heads
-        seg = gl.load(tile_segment + tile)
-        roff = gl.load(tile_row_offset + tile)
-        seq = gl.load(seg_seq + seg)
-        row0 = gl.load(seg_row0 + seg)
-        slen = gl.where(live, gl.load(seg_len + seg), 0)
-        pos0 = gl.load(seg_pos0 + seg)
-        pstride = gl.load(seg_stride + seg)
-        last_r = gl.minimum(roff + ROWS, slen) - 1
-        pos_min = pos0 + roff * pstride
-        pos_max = pos0 + last_r * pstride
-        kvh = (hg * G_PACK) // group_size
-        kv_row_base = gl.load(cu_kv_lens + seq).to(gl.int32)  # TMA coordinates are 32-bit
-
-        key_end = pos_max + 1
-        if HAS_WINDOW:
-            n_lo = (gl.maximum(pos_min - window, 0) // BLOCK_N) * BLOCK_N
-            f_lo = gl.cdiv(gl.maximum(pos_max - window, 0), BLOCK_N) * BLOCK_N
-        else:
-            n_lo = pos_min * 0
-            f_lo = pos_min * 0
-        f_hi = gl.maximum(((pos_min + 1) // BLOCK_N) * BLOCK_N, f_lo)
-        num_blocks = gl.where(live, gl.cdiv(key_end - n_lo, BLOCK_N), 0)
-
         q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, BLOCK_M, HEAD_DIM], Q_SMEM)
-        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        k_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DIM], K_SMEM)
         if HEAD_DIM2 > 0:
             q2_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, BLOCK_M, HEAD_DIM2], Q2_SMEM)
-            k2_bufs = gl.allocate_shared_memory(k2_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM2], k2_desc.layout)
+            k2_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DIM2], K2_SMEM)
         else:  # placeholders, never read
             q2_smem = q_smem
             k2_bufs = k_bufs
-        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM_V], v_desc.layout)
+        v_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DIM_V], V_SMEM)
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -363,86 +604,132 @@ if HAVE_GLUON:
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
 
-        # partition arguments (scalars and shared-memory handles only): buffers, K/V stream, rows
+        # partition arguments (scalars and shared-memory handles only): buffers, K/V stream, rows,
+        # and what locates a work item (tile x head group)
         smem = (q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, k_ready, v_ready, kv_empty, turn)
-        kv = (k_desc, k2_desc, v_desc, kvh * (HEAD_DIM + HEAD_DIM2), kvh * HEAD_DIM_V, kv_row_base, n_lo, num_blocks)
+        zero = gl.program_id(0) * 0
+        gather = (K, V, stride_kp, stride_kn, stride_vp, stride_vn)
+        kv = (k_desc, k2_desc, v_desc, zero, zero, zero, zero, zero, zero, PageTable, gather)
         rows = (Q, Out, Lse, Sinks, stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
-                roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, qk_scale, window, stride_sink)
+                zero, zero, zero, zero, zero, zero, zero, zero, qk_scale, window, stride_sink)
+        sched = (tile_segment, tile_row_offset, NumTiles, seg_seq, seg_row0, seg_len, seg_pos0, seg_stride, cu_kv_lens,
+                 num_head_groups, heads_per_section, group_size, PageTable, stride_pt, stride_kh, stride_vh)
+        if not PERSISTENT:  # one work item per program: located once here
+            kv, rows = _ws_item(gl.program_id(0), kv, rows, sched, smem, HAS_WINDOW, G_PACK, PAGE_SIZE, COPY_ROWS,
+                                HEAD_DIM2)
         # the flags go in tuple literals: assigning a tuple to a name would turn its constexprs into
         # runtime values
         gl.warp_specialize([
-            (_ws_consumer0, (smem, kv, rows, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG,
-                              HEAD_DIM2)),
-            (_ws_consumer1, (smem, kv, rows, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG,
-                              HEAD_DIM2)),
-            (_ws_loader, (smem, kv, rows, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG,
-                              HEAD_DIM2)),
-        ], [4, 1], [240, 24])
+            (_ws_consumer0, (smem, kv, rows, sched, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG,
+                              HEAD_DIM2, PAGE_SIZE, COPY_ROWS, PERSISTENT)),
+            (_ws_consumer1, (smem, kv, rows, sched, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG,
+                              HEAD_DIM2, PAGE_SIZE, COPY_ROWS, PERSISTENT)),
+            (_ws_loader, (smem, kv, rows, sched, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG,
+                          HEAD_DIM2, PAGE_SIZE, COPY_ROWS, PERSISTENT)),
+        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
 
 
-def _smem_layout(block: int, cols: int, dtype: torch.dtype):
-    """NVMMA (wgmma / TMA) shared-memory layout of a ``[block, cols]`` bf16/fp16 tile."""
-    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return gl.NVMMASharedLayout.get_default_for([block, cols], gdt)
-
-
-def kv_descriptors(k: Tensor, v: Tensor, block_n: int, k_layout=None, k2_layout=None, v_layout=None):
-    """Host TMA descriptors over packed K/V seen as ``[rows, Hkv * D]`` matrices: K in column
-    splits ``D1`` and ``D2`` (:func:`split_qk_dim`; KV head ``h`` starts at column ``h * D``, the
-    second split at ``h * D + D1``), V in blocks ``[block_n, Dv]``. With ``D2 = 0`` the second K
-    descriptor is the first (never read). The shared-memory layouts may be given (planned once)."""
+def kv_descriptors(k: Tensor, v: Tensor, block_n: int):
+    """Host TMA descriptors over K/V seen as ``[rows, Hkv * D]`` matrices (KV head ``h`` starts at
+    column ``h * D``). Packed ``[rows, Hkv, D]``: K in column splits ``D1`` and ``D2``
+    (:func:`split_qk_dim`; the second at ``h * D + D1``), V in blocks ``[block_n, Dv]`` (with
+    ``D2 = 0`` the second K descriptor is the first, never read). Paged ``[pages, page_size, Hkv,
+    D]`` (rows = pages x page_size): copies of ``[paged_copy_rows(page_size, block_n), 64]`` for
+    both K and V, one descriptor each (the second K descriptor is the first)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    if k.dim() == 4:
+        pages, page, hkv, d = k.shape
+        dv = v.shape[-1]
+        g = paged_copy_rows(page, block_n)
+        layout = _smem_layout(g, TMA_CHUNK, k.dtype)
+        k_desc = TensorDescriptor(k, [pages * page, hkv * d], [k.stride(1), 1], [g, TMA_CHUNK], layout)
+        v_desc = TensorDescriptor(v, [pages * page, hkv * dv], [v.stride(1), 1], [g, TMA_CHUNK], layout)
+        return k_desc, k_desc, v_desc
     n, hkv, d = k.shape
     dv = v.shape[-1]
     d1, d2 = split_qk_dim(d)
-    k_layout = k_layout or _smem_layout(block_n, d1, k.dtype)
-    k_desc = TensorDescriptor(k, [n, hkv * d], [k.stride(0), 1], [block_n, d1], k_layout)
+    k_desc = TensorDescriptor(k, [n, hkv * d], [k.stride(0), 1], [block_n, d1], _smem_layout(block_n, d1, k.dtype))
     k2_desc = k_desc
     if d2:
-        k2_desc = TensorDescriptor(k, [n, hkv * d], [k.stride(0), 1], [block_n, d2],
-                                   k2_layout or _smem_layout(block_n, d2, k.dtype))
-    v_desc = TensorDescriptor(v, [n, hkv * dv], [v.stride(0), 1], [block_n, dv], v_layout or _smem_layout(block_n, dv, v.dtype))
+        k2_desc = TensorDescriptor(k, [n, hkv * d], [k.stride(0), 1], [block_n, d2], _smem_layout(block_n, d2, k.dtype))
+    v_desc = TensorDescriptor(v, [n, hkv * dv], [v.stride(0), 1], [block_n, dv], _smem_layout(block_n, dv, v.dtype))
     return k_desc, k2_desc, v_desc
 
 
-def make_launch(plan_args: dict, d: int, dv: int, dtype: torch.dtype, *, block_n: int = 128, stages: int = 3,
-                overlap: int = 0, pingpong: bool = False):
-    """A :class:`PlannedLaunch` of the warp-specialized kernel with the planned keyword arguments
-    (tile map with its device tile count, segments, G_PACK, L2 section; see ``triton_backend``),
-    whose tiles are ``NUM_CONSUMERS * CONSUMER_ROWS`` rows x heads. ``overlap`` 1 issues
-    ``P_{j-1} V_{j-1}`` and ``Q K_j^T`` back to back, 2 also runs softmax_j under the first;
-    ``pingpong`` (with ``overlap``) makes the two consumers take turns issuing their GEMMs.
-    ``stages`` is capped by shared memory (D192/128 fits 2)."""
+def kernel_constexprs(d: int, dv: int, dtype: torch.dtype, page_size: Optional[int], block_n: int = 128,
+                      stages: int = 3, overlap: int = 0, pingpong: bool = False, gather: bool = False,
+                      persistent: bool = False) -> dict:
+    """The kernel's geometry constexprs (tiles, stages, paging, shared-memory layouts, register
+    split). ``gather``: a paged cache read by the cp.async loader (COPY_ROWS 0)."""
+    d1, d2 = split_qk_dim(d)
+    gather = bool(page_size) and (gather or not paged_copy_rows(page_size, block_n))
+    elem = torch.empty((), dtype=dtype).element_size()
+    return dict(
+        BLOCK_M=CONSUMER_ROWS, BLOCK_N=block_n, HEAD_DIM=d1, HEAD_DIM2=d2, HEAD_DIM_V=dv,
+        STAGES=min(stages, max_stages(d, dv, block_n, elem)), OVERLAP=int(overlap),
+        PINGPONG=bool(pingpong and overlap), PAGE_SIZE=page_size or 0,
+        COPY_ROWS=paged_copy_rows(page_size, block_n) if page_size and not gather else 0,
+        Q_SMEM=_smem_layout(CONSUMER_ROWS, d1, dtype), Q2_SMEM=_smem_layout(CONSUMER_ROWS, max(d2, 16), dtype),
+        K_SMEM=_smem_layout(block_n, d1, dtype), K2_SMEM=_smem_layout(block_n, max(d2, 16), dtype),
+        V_SMEM=_smem_layout(block_n, dv, dtype),
+        **(GATHER_REGS if gather else PAGED_REGS if page_size else PACKED_REGS), PERSISTENT=bool(persistent),
+    )
+
+
+def launch(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tensor], sinks: Optional[Tensor],
+    page_table: Optional[Tensor], *, grid: tuple[int], plan_args: dict, softmax_scale: float, block_n: int = 128,
+    stages: int = 3, overlap: int = 0, pingpong: bool = False, persistent: bool = False,
+    launchers: Optional[dict] = None,
+) -> None:
+    """Launch the warp-specialized kernel into ``out`` / ``lse``: packed K/V ``[rows, Hkv, D]``,
+    or paged caches ``[pages, page_size, Hkv, D]`` with ``page_table`` [B, max_pages] (int32 or
+    int64). ``plan_args``: the planned keyword arguments (tile map with its device tile count,
+    segments, G_PACK, L2 section; see ``triton_backend``), whose tiles are ``NUM_CONSUMERS *
+    CONSUMER_ROWS`` rows x heads. ``overlap`` 1 issues ``P_{j-1} V_{j-1}`` and ``Q K_j^T`` back
+    to back, 2 also runs softmax_j under the first; ``pingpong`` (with ``overlap``) makes the two
+    consumers take turns issuing their GEMMs. ``stages`` is capped by shared memory (D192/128
+    fits 2 at 128-key blocks). ``persistent``: ``grid`` is a number of resident programs that
+    walk all work items (round by round, snake order; no overlap / pingpong), else one item per
+    program. ``launchers``: the plan's :class:`PlannedLaunch` per kernel variant (filled here;
+    None: every call through the JIT)."""
     from ._launch import PlannedLaunch
 
-    d1, d2 = split_qk_dim(d)
-    block_m = CONSUMER_ROWS
-    fixed = dict(
-        plan_args, BLOCK_M=block_m, STAGES=min(stages, max_stages(d, dv, block_n, dtype.itemsize)),
-        OVERLAP=int(overlap), PINGPONG=bool(pingpong and overlap), Q_SMEM=_smem_layout(block_m, d1, dtype),
-        HEAD_DIM2=d2, Q2_SMEM=_smem_layout(block_m, max(d2, 16), dtype), num_warps=4, maxnreg=168,
-    )
-    launcher = PlannedLaunch(_cp_attn_fwd_sm90, fixed)
-    launcher.layouts = (block_n, _smem_layout(block_n, d1, dtype),
-                        _smem_layout(block_n, d2, dtype) if d2 else None, _smem_layout(block_n, dv, dtype))
-    return launcher
-
-
-def launch(launcher, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tensor], sinks: Optional[Tensor], *,
-           grid: tuple[int], softmax_scale: float) -> None:
-    """Launch the warp-specialized kernel into ``out`` / ``lse`` (packed, TMA-compatible K/V)."""
-    k_desc, k2_desc, v_desc = kv_descriptors(k, v, *launcher.layouts)
-    has_sinks, has_lse = sinks is not None, lse is not None
+    d, dv = q.shape[2], v.shape[-1]
+    page_size = k.shape[1] if page_table is not None else None
+    gather = page_size is not None and not paged_tma_ok(k, v, block_n)
+    if gather:  # no descriptors: the loader reads K / V through pointers
+        k_desc = k2_desc = v_desc = k
+    else:
+        k_desc, k2_desc, v_desc = kv_descriptors(k, v, block_n)
+    if page_size is not None:
+        skp, skn, skh, svp, svn, svh = k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)
+    else:
+        skp, skn, skh, svp, svn, svh = 0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1)
+    has_sinks, has_lse, paged = sinks is not None, lse is not None, page_table is not None
     sq, sh, so, soh = q.stride(0), q.stride(1), out.stride(0), out.stride(1)
     slm, slh = (lse.stride(0), lse.stride(1)) if has_lse else (0, 0)
     ssink = sinks.stride(0) if has_sinks else 0
-    args = dict(
-        Q=q, k_desc=k_desc, k2_desc=k2_desc, v_desc=v_desc, Out=out, Lse=lse if has_lse else out,
-        Sinks=sinks if has_sinks else out, qk_scale=float(softmax_scale) * LOG2E, stride_qm=sq, stride_qh=sh,
-        stride_om=so, stride_oh=soh, stride_lm=slm, stride_lh=slh, stride_sink=ssink, HAS_SINKS=has_sinks,
-        RETURN_LSE=has_lse,
+    spt = page_table.stride(0) if paged else 0
+    pt = page_table if paged else q
+    per_call = dict(
+        Q=q, k_desc=k_desc, k2_desc=k2_desc, v_desc=v_desc, K=k, V=v, stride_kp=skp, stride_kn=skn, stride_kh=skh,
+        stride_vp=svp, stride_vn=svn, stride_vh=svh, Out=out, Lse=lse if has_lse else out,
+        Sinks=sinks if has_sinks else out, PageTable=pt, qk_scale=float(softmax_scale) * LOG2E,
+        stride_qm=sq, stride_qh=sh, stride_om=so, stride_oh=soh, stride_lm=slm, stride_lh=slh, stride_sink=ssink,
+        stride_pt=spt, HAS_SINKS=has_sinks, RETURN_LSE=has_lse,
     )
-    key = (q.data_ptr() & 15, out.data_ptr() & 15, lse.data_ptr() & 15 if has_lse else -1,
-           (sinks.dtype, sinks.data_ptr() & 15) if has_sinks else None, sq, sh, so, soh, slm, slh, ssink)
-    launcher(grid, args, key)
+    variant = (page_size, gather)
+    if launchers is None or variant not in launchers:
+        fixed = dict(plan_args, **kernel_constexprs(d, dv, q.dtype, page_size, block_n, stages, overlap, pingpong,
+                                                    gather, persistent), num_warps=4, maxnreg=168)
+        launcher = PlannedLaunch(_cp_attn_fwd_sm90, fixed, enabled=launchers is not None)
+        if launchers is not None:
+            launchers[variant] = launcher
+    else:
+        launcher = launchers[variant]
+    key = (q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, out.data_ptr() & 15,
+           lse.data_ptr() & 15 if has_lse else -1, (sinks.dtype, sinks.data_ptr() & 15) if has_sinks else None,
+           (pt.dtype, pt.data_ptr() & 15), skp, skn, skh, svp, svn, svh, sq, sh, so, soh, slm, slh, ssink, spt)
+    launcher(grid, per_call, key)

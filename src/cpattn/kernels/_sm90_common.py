@@ -1,0 +1,115 @@
+"""Gluon device helpers shared by the Hopper kernel families (:mod:`.triton_sm90` dense,
+:mod:`.triton_mla` absorbed MLA): the online-softmax step, paged-cache row lookup for TMA, and
+zeroing of key rows past a tile's last key. Not a kernel family: holds no kernel and no launch.
+
+``HAVE_GLUON`` is False where Gluon is missing (triton < 3.5) or triton was loaded for the CPU
+interpreter; the families then report themselves unsupported and the portable kernel runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:  # Gluon ships with triton >= 3.5
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
+
+    HAVE_GLUON = True
+except (ImportError, AssertionError):  # triton < 3.5, or triton loaded for the CPU interpreter
+    HAVE_GLUON = False
+
+#: Columns of one TMA copy into a 128-byte-swizzled tile (64 bf16/fp16 = 128 bytes): a wider
+#: box is split by Triton into several copies laid out chunk by chunk, so paged copies of a few
+#: rows are issued per 64-column chunk into their own sub-tile.
+TMA_CHUNK = 64
+#: Rows of the smallest TMA copy that keeps the 128-byte swizzle phase (8 rows x 128 bytes).
+TMA_MIN_ROWS = 8
+
+
+def paged_copy_rows(page_size: int, block_n: int) -> int:
+    """Rows per TMA copy of a key block from a paged cache: ``gcd(page_size, block_n)``, so each
+    copy lies in one page (0 when below :data:`TMA_MIN_ROWS`: no TMA path for that page size)."""
+    g = math.gcd(page_size, block_n)
+    return g if g >= TMA_MIN_ROWS else 0
+
+
+def paged_layout_ok(x: torch.Tensor) -> bool:
+    """A paged cache ``[num_pages, page_size, Hkv, D]`` seen as the 2-D TMA matrix
+    ``[num_pages * page_size, Hkv * D]``: pages evenly spaced by ``page_size`` rows, heads adjacent
+    (or one head), last dim contiguous, 16-byte rows and base."""
+    if x.dim() != 4:
+        return False
+    return (x.stride(-1) == 1 and (x.stride(-2) == x.shape[-1] or x.shape[-2] == 1)
+            and x.stride(0) == x.shape[1] * x.stride(1) and (x.stride(1) * x.element_size()) % 16 == 0
+            and x.data_ptr() % 16 == 0)
+
+
+def packed_layout_ok(x: torch.Tensor) -> bool:
+    """Packed K or V ``[rows, Hkv, D]`` seen as the 2-D TMA matrix ``[rows, Hkv * D]``: heads
+    adjacent (or one head), last dim contiguous, 16-byte rows and base."""
+    if x.dim() != 3:
+        return False
+    return (x.stride(-1) == 1 and (x.stride(-2) == x.shape[-1] or x.shape[-2] == 1)
+            and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0)
+
+
+def smem_layout(block: int, cols: int, dtype: torch.dtype):
+    """NVMMA (wgmma / TMA) shared-memory layout of a ``[block, cols]`` bf16/fp16 tile."""
+    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return gl.NVMMASharedLayout.get_default_for([block, cols], gdt)
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def softmax_block(s, m_i, l_i, start, pos, f_lo, f_hi, window, qk_scale, offs_n, HAS_WINDOW: gl.constexpr):
+        """Online softmax of one score block (base 2): returns (p fp32, alpha, m_i, l_i). Blocks
+        outside [f_lo, f_hi) get the causal / window mask by position (keys past the tile's last
+        position are masked there, whatever their scores: NaN from unused cache slots included)."""
+        if (start < f_lo) | (start >= f_hi):
+            kpos = start + offs_n
+            visible = gl.expand_dims(kpos, 0) <= gl.expand_dims(pos, 1)
+            if HAS_WINDOW:
+                visible = visible & (gl.expand_dims(kpos, 0) >= gl.expand_dims(pos - window, 1))
+            s = gl.where(visible, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return p, alpha, m_new, l_i
+
+    @gluon.jit
+    def page_of(pt_row, p, last_key, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr):
+        """(page, slot) of the copy group starting at key ``p`` (a multiple of COPY_ROWS). Keys past
+        ``last_key`` are clamped to the group holding it, so no page-table entry past the
+        sequence's last page is ever read (those rows are masked / zeroed by the consumers)."""
+        p = gl.minimum(p, last_key)
+        p = p - p % COPY_ROWS
+        return gl.load(pt_row + p // PAGE_SIZE), p % PAGE_SIZE
+
+    @gluon.jit
+    def page_row(page, slot, PAGE_SIZE: gl.constexpr):
+        """TMA row of (page, slot) in the cache seen as ``[pages * PAGE_SIZE, ...]`` (int32)."""
+        return page.to(gl.int32) * PAGE_SIZE + slot
+
+    @gluon.jit
+    def zero_rows_from(buf, valid, NUM_WARPS: gl.constexpr):
+        """Zero rows ``[valid, rows)`` of the shared ``[rows, cols]`` tile ``buf`` (16-row chunks,
+        read-modify-write: rows below ``valid`` are written back unchanged), then make the stores
+        visible to wgmma. Used on a paged cache's last key block, whose tail rows may hold NaN:
+        P is 0 there, but 0 * NaN is NaN."""
+        ROWS: gl.constexpr = buf.type.shape[0]
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+        for c in gl.static_range(ROWS // 16):
+            if (c + 1) * 16 > valid:
+                part = buf.slice(c * 16, 16)
+                x = part.load(layout)
+                r = c * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
+                x = gl.where(gl.expand_dims(r < valid, 1), x, gl.zeros_like(x))
+                part.store(x)
+        fence_async_shared()
+        gl.thread_barrier()

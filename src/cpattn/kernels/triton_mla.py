@@ -1,0 +1,469 @@
+"""Absorbed-MLA prefill on Hopper (sm_90), written in Gluon: one KV head whose key is the
+576-wide latent ``[kv_c (512) | k_pe (64)]`` and whose value is ``kv_c`` itself (``v`` a view of
+``k[..., :512]``), many query heads (DeepSeek-V3: 128), many query rows.
+
+Same contract and tile map as the other Triton families (a program = one query tile of one
+segment x ``G_PACK`` query heads: 64 rows of (position, head), heads fastest). Dv = 512 fp32
+accumulators do not fit one warpgroup, so the two consumer warpgroups share the tile's 64 rows
+and split the output columns (warpgroup ``w`` owns columns ``[256 w, 256 w + 256)``), as FlashMLA
+does on Hopper:
+
+* a 1-warp **loader** streams 64-key blocks of the latent (72 KiB each: columns 0-255, 256-511
+  and 512-575 in three tiles) into two shared-memory stages with TMA; the value block is the
+  first two tiles of the same stage, so V is never loaded separately;
+* block ``j`` is *owned* by warpgroup ``j % 2``: the owner computes ``S = Q K_j^T`` (three
+  wgmmas over the three tiles, 64 x 64 x 576), the online softmax (running max carried from
+  block ``j - 1``), writes ``P_j`` (bf16), the rescale factor and the new max to shared memory,
+  signals the other warpgroup, and adds ``P_j V_j`` to its 256 columns with P from registers;
+  the other warpgroup rescales its columns and adds ``P_j V_j`` with P from shared memory. The
+  running max is one chain through the blocks, alternating between the warpgroups; each
+  warpgroup issues its next ``Q K^T`` before waiting for the other's ``P``, so one warpgroup's
+  softmax runs under the other's tensor-core work. Each warpgroup keeps a partial row sum of the
+  probabilities it produced (both rescaled by every block's factor); the two are added at the end.
+
+Shared memory: Q 72 KiB + 2 stages x 72 KiB + P 8 KiB (+ row vectors, barriers) = 225 KiB.
+Paged caches are read with the dense kernel's scheme (TMA copies of ``gcd(page_size, 64)`` >= 8
+rows per 64-column chunk, rows past the tile's last key clamped to its page and zeroed in each
+warpgroup's value half of the last block). Causal masking, windows, sinks and LSE follow the
+portable kernel exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._sm90_common import HAVE_GLUON, TMA_CHUNK, packed_layout_ok, paged_copy_rows, paged_layout_ok, smem_layout
+from ._tiles import LOG2E
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from ._sm90_common import page_of, page_row, softmax_block, zero_rows_from
+
+#: Latent width (values) and rotary width; D = 576, Dv = 512.
+D_LATENT = 512
+D_ROPE = 64
+#: Output columns per consumer warpgroup (two warpgroups split Dv).
+HALF_V = 256
+#: Query rows x heads per program, keys per block, K stages.
+BLOCK_M = 64
+BLOCK_N = 64
+STAGES = 2
+#: setmaxnreg budget of each consumer warpgroup (the loader gets the rest of the 64512 registers
+#: of a 384-thread launch at 168: 24 at 240, 40 at 232): paged caches with pages of fewer than 64
+#: keys issue a page-table read per copy group and spill at 24.
+CONSUMER_REGS = {"packed": 240, "paged": 240, "paged_small": 232}
+
+
+def unsupported_reason(d: int, dv: int, num_kv_heads: int, dtype: torch.dtype, page_size: Optional[int],
+                       device: torch.device) -> Optional[str]:
+    """Why the absorbed-MLA kernel cannot take this plan (None if it can; that ``v`` is a view of
+    ``k[..., :512]`` and the layout are checked per layer by :func:`kv_layout_ok`)."""
+    if (d, dv) != (D_LATENT + D_ROPE, D_LATENT):
+        return f"head dims D={d}, Dv={dv} (the MLA kernel takes D={D_LATENT + D_ROPE}, Dv={D_LATENT})"
+    if num_kv_heads != 1:
+        return f"num_kv_heads={num_kv_heads} (absorbed MLA has one latent KV head)"
+    if page_size is not None and not paged_copy_rows(page_size, BLOCK_N):
+        return f"paged K/V with page_size={page_size} (TMA copies need gcd(page_size, {BLOCK_N}) >= 8)"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {dtype} (needs bf16 or fp16)"
+    if not HAVE_GLUON:
+        return "Gluon unavailable (needs triton >= 3.5, not in interpreter mode)"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return "not an sm_90 GPU"
+    return None
+
+
+def kv_layout_ok(k: Tensor, v: Tensor) -> bool:
+    """``v`` is ``k[..., :512]`` (same storage and strides) and ``k`` is TMA-compatible (packed
+    ``[rows, 1, 576]`` or paged ``[pages, page_size, 1, 576]``, 16-byte rows)."""
+    if v.data_ptr() != k.data_ptr() or v.stride() != k.stride() or v.shape[:-1] != k.shape[:-1]:
+        return False
+    return (paged_layout_ok if k.dim() == 4 else packed_layout_ok)(k)
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _mla_loader(smem, kv, rows, W: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+                    RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                    COPY_ROWS: gl.constexpr):
+        """1 warp: TMA latent blocks ``n_lo + j * BLOCK_N`` (j < num_blocks) into the two stages."""
+        qa, qb, qr, ka, kb, kr, s_p, s_alpha, s_m, s_l, k_ready, kv_empty, q_bar, p_bar, l_bar = smem
+        k_desc, kr_desc, kv_row_base, n_lo, num_blocks, key_end, pt_row = kv
+        NSTAGE: gl.constexpr = ka.type.shape[0]
+        BN: gl.constexpr = ka.type.shape[1]
+        HALF: gl.constexpr = ka.type.shape[2]
+        for j in range(num_blocks):
+            slot = j % NSTAGE
+            mbarrier.wait(kv_empty.index(slot), ((j // NSTAGE) & 1) ^ 1)
+            if PAGE_SIZE > 0:
+                NG: gl.constexpr = BN // COPY_ROWS
+                CH: gl.constexpr = HALF // 64
+                mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes * NG * (2 * CH + 1))
+                a_pieces = ka.index(slot)._reinterpret(k_desc.dtype, [CH * NG, COPY_ROWS, 64], k_desc.layout)
+                b_pieces = kb.index(slot)._reinterpret(k_desc.dtype, [CH * NG, COPY_ROWS, 64], k_desc.layout)
+                r_pieces = kr.index(slot)._reinterpret(k_desc.dtype, [NG, COPY_ROWS, 64], k_desc.layout)
+                start = n_lo + j * BN
+                page_a, slot_a = page_of(pt_row, start, key_end - 1, PAGE_SIZE, COPY_ROWS)
+                page_b, slot_b = page_of(pt_row, start + COPY_ROWS, key_end - 1, PAGE_SIZE, COPY_ROWS)
+                for g in gl.static_range(NG):
+                    row = page_row(page_a, slot_a, PAGE_SIZE)
+                    page_a, slot_a = page_b, slot_b
+                    if g + 2 < NG:
+                        page_b, slot_b = page_of(pt_row, start + (g + 2) * COPY_ROWS, key_end - 1, PAGE_SIZE,
+                                                 COPY_ROWS)
+                    for c in gl.static_range(CH):
+                        tma.async_copy_global_to_shared(k_desc, [row, c * 64], k_ready.index(slot),
+                                                        a_pieces.index(c * NG + g))
+                    for c in gl.static_range(CH):
+                        tma.async_copy_global_to_shared(k_desc, [row, HALF + c * 64], k_ready.index(slot),
+                                                        b_pieces.index(c * NG + g))
+                    tma.async_copy_global_to_shared(k_desc, [row, 2 * HALF], k_ready.index(slot), r_pieces.index(g))
+            else:
+                row = (kv_row_base + n_lo + j * BN).to(gl.int32)
+                mbarrier.expect(k_ready.index(slot), 2 * k_desc.block_type.nbytes + kr_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(slot), ka.index(slot))
+                tma.async_copy_global_to_shared(k_desc, [row, HALF], k_ready.index(slot), kb.index(slot))
+                tma.async_copy_global_to_shared(kr_desc, [row, 2 * HALF], k_ready.index(slot), kr.index(slot))
+
+    @gluon.jit
+    def _mla_fix_last_v(va_slot, vb_slot, jb, num_blocks, n_lo, key_end, PAGE_SIZE: gl.constexpr):
+        """Paged: zero both value halves of the last block past the tile's last key (unused cache
+        slots may hold NaN; P is 0 there, but 0 * NaN is not)."""
+        if PAGE_SIZE > 0:
+            BN: gl.constexpr = va_slot.type.shape[0]
+            valid = key_end - (n_lo + jb * BN)
+            if (jb == num_blocks - 1) & (valid < BN):
+                zero_rows_from(va_slot, valid, 4)
+                zero_rows_from(vb_slot, valid, 4)
+
+    @gluon.jit
+    def _mla_consumer(smem, kv, rows, W: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+                      RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                      COPY_ROWS: gl.constexpr):
+        """4 warps: output columns [W * 256, W * 256 + 256) of the tile's 64 rows; owns blocks j % 2 == W."""
+        qa, qb, qr, ka, kb, kr, s_p, s_alpha, s_m, s_l, k_ready, kv_empty, q_bar, p_bar, l_bar = smem
+        k_desc, kr_desc, kv_row_base, n_lo, num_blocks, key_end, pt_row = kv
+        (Q, Out, Lse, Sinks, stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
+         roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, qk_scale, window, stride_sink) = rows
+        NSTAGE: gl.constexpr = ka.type.shape[0]
+        BN: gl.constexpr = ka.type.shape[1]
+        HALF: gl.constexpr = ka.type.shape[2]
+        ROPE: gl.constexpr = kr.type.shape[2]
+        BM: gl.constexpr = qa.type.shape[1]
+        dtype: gl.constexpr = ka.type.element_ty
+
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BN, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HALF, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        if W == 0:
+            v_bufs = ka
+        else:
+            v_bufs = kb
+
+        # Q -> shared memory: warpgroup 0 columns 0-255 and 512-575, warpgroup 1 columns 256-511
+        m_q = gl.arange(0, BM, layout=gl.SliceLayout(1, q_layout))
+        r_q = roff + m_q // G_PACK
+        head_q = hg * G_PACK + m_q % G_PACK
+        q_rows = Q + gl.expand_dims((row0 + r_q).to(gl.int64) * stride_qm + head_q * stride_qh, 1)
+        q_mask = gl.expand_dims(r_q < slen, 1)
+        d_half = gl.arange(0, HALF, layout=gl.SliceLayout(0, q_layout))
+        if W == 0:
+            qa.index(0).store(gl.load(q_rows + gl.expand_dims(d_half, 0), mask=q_mask, other=0.0))
+            d_rope = 2 * HALF + gl.arange(0, ROPE, layout=gl.SliceLayout(0, q_layout))
+            qr.index(0).store(gl.load(q_rows + gl.expand_dims(d_rope, 0), mask=q_mask, other=0.0))
+        else:
+            qb.index(0).store(gl.load(q_rows + HALF + gl.expand_dims(d_half, 0), mask=q_mask, other=0.0))
+        fence_async_shared()
+        mbarrier.arrive(q_bar, count=1)
+        mbarrier.wait(q_bar, 0)
+
+        m_s = gl.arange(0, BM, layout=s_rows)
+        pos = pos0 + (roff + m_s // G_PACK) * pstride
+        offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+        if HAS_SINKS:
+            m_i = gl.load(Sinks + (hg * G_PACK + m_s % G_PACK) * stride_sink).to(gl.float32) * 1.4426950408889634
+            l_i = gl.full([BM], 1.0 - W, gl.float32, layout=s_rows)  # the sink's 1 is counted once
+        else:
+            m_i = gl.full([BM], float("-inf"), gl.float32, layout=s_rows)
+            l_i = gl.full([BM], 0.0, gl.float32, layout=s_rows)
+        acc = gl.zeros([BM, HALF], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([BM, BN], gl.float32, layout=s_layout)
+
+        # two stages, blocks alternate: this warpgroup's blocks always sit in stage W, the other's in
+        # stage 1 - W (constant shared-memory addresses: the wgmma descriptors fold to immediates)
+        gl.static_assert(NSTAGE == 2)
+        slot: gl.constexpr = W
+        other: gl.constexpr = 1 - W
+        for j in range(W, num_blocks, 2):
+            mbarrier.wait(k_ready.index(slot), (j // NSTAGE) & 1)
+            # ``j >> 30`` is 0, but not provably so: the 36 Q / K tile descriptors of this block's
+            # Q K^T are then built in the loop instead of hoisted into (spilled) registers
+            z = j >> 30
+            s_f = warpgroup_mma(qa.index(z), ka.index(slot + z).permute((1, 0)), s_zero, use_acc=False,
+                                is_async=True)
+            s_f = warpgroup_mma(qb.index(z), kb.index(slot + z).permute((1, 0)), s_f, is_async=True)
+            s_f = warpgroup_mma(qr.index(z), kr.index(slot + z).permute((1, 0)), s_f, is_async=True)
+            if j > 0:
+                # block j - 1 (the other warpgroup's): rescale, add P_{j-1} V_{j-1} from shared memory,
+                # while this block's scores are computed
+                jr = j - 1
+                mbarrier.wait(p_bar.index(W), (jr // 2) & 1)
+                alpha = s_alpha.load(o_rows)
+                l_i = l_i * s_alpha.load(s_rows)
+                m_i = s_m.load(s_rows)
+                acc = acc * gl.expand_dims(alpha, 1)
+                acc_f = warpgroup_mma(s_p, v_bufs.index(other), acc, is_async=True)
+                acc, s = warpgroup_mma_wait(0, deps=(acc_f, s_f))
+                mbarrier.arrive(kv_empty.index(other), count=1)
+            else:
+                s = warpgroup_mma_wait(0, deps=(s_f, ))
+            p, alpha, m_i, l_i = softmax_block(s, m_i, l_i, n_lo + j * BN, pos, f_lo, f_hi, window, qk_scale, offs_n,
+                                               HAS_WINDOW)
+            # hand P_j, its rescale factor and the running max to the other warpgroup, which writes
+            # P_{j+1} over it once its own P_j V_j is done (so this warpgroup reads P_j from registers)
+            p_lo = p.to(dtype)
+            s_p.store(p_lo)
+            s_alpha.store(alpha)
+            s_m.store(m_i)
+            # paged, last block: zero both value halves past the tile's last key before the other
+            # warpgroup may read its half (after this warpgroup's Q K^T, with S no longer live)
+            _mla_fix_last_v(ka.index(slot), kb.index(slot), j, num_blocks, n_lo, key_end, PAGE_SIZE)
+            fence_async_shared()
+            mbarrier.arrive(p_bar.index(1 - W), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+            acc_f = warpgroup_mma(gl.convert_layout(p_lo, p_layout), v_bufs.index(slot), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc_f, ))
+            mbarrier.arrive(kv_empty.index(slot), count=1)
+
+        # the last block, when it is the other warpgroup's
+        jl = num_blocks - 1
+        if (num_blocks > 0) & (jl % 2 != W):
+            mbarrier.wait(p_bar.index(W), (jl // 2) & 1)
+            alpha = s_alpha.load(o_rows)
+            l_i = l_i * s_alpha.load(s_rows)
+            m_i = s_m.load(s_rows)
+            acc = acc * gl.expand_dims(alpha, 1)
+            acc_f = warpgroup_mma(s_p, v_bufs.index(other), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc_f, ))
+            mbarrier.arrive(kv_empty.index(other), count=1)
+
+        # epilogue: l = both partial sums; O / l (0 / -inf for rows that saw no key), LSE natural log
+        s_l.slice(W * BM, BM).store(l_i)
+        mbarrier.arrive(l_bar, count=1)
+        mbarrier.wait(l_bar, 0)
+        l_o = s_l.slice(0, BM).load(o_rows) + s_l.slice(BM, BM).load(o_rows)
+        has_mass_o = l_o != 0.0
+        out = acc * gl.expand_dims(gl.where(has_mass_o, 1.0 / gl.where(has_mass_o, l_o, 1.0), 0.0), 1)
+        m_o = gl.arange(0, BM, layout=o_rows)
+        r_o = roff + m_o // G_PACK
+        head_o = hg * G_PACK + m_o % G_PACK
+        d_o = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = Out + gl.expand_dims((row0 + r_o).to(gl.int64) * stride_om + head_o * stride_oh, 1) \
+            + gl.expand_dims(d_o, 0)
+        gl.store(o_ptrs, out.to(dtype), mask=gl.expand_dims(r_o < slen, 1))
+        if RETURN_LSE:
+            if W == 0:
+                l_s = s_l.slice(0, BM).load(s_rows) + s_l.slice(BM, BM).load(s_rows)
+                has_mass = l_s != 0.0
+                lse = gl.where(has_mass, (m_i + gl.log2(gl.where(has_mass, l_s, 1.0))) * 0.6931471805599453,
+                               float("-inf"))
+                lse = gl.where(pos < 0, float("-inf"), lse)  # pad rows (pad segment, position -1)
+                r_s = roff + m_s // G_PACK
+                head_s = hg * G_PACK + m_s % G_PACK
+                gl.store(Lse + (row0 + r_s).to(gl.int64) * stride_lm + head_s * stride_lh, lse, mask=r_s < slen)
+
+    @gluon.jit
+    def _mla_consumer0(smem, kv, rows, W: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+                       RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                       COPY_ROWS: gl.constexpr):
+        _mla_consumer(smem, kv, rows, 0, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE, COPY_ROWS)
+
+    @gluon.jit
+    def _mla_consumer1(smem, kv, rows, W: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+                       RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                       COPY_ROWS: gl.constexpr):
+        _mla_consumer(smem, kv, rows, 1, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE, COPY_ROWS)
+
+    @gluon.jit
+    def _mla_fwd_sm90(
+        Q, k_desc, kr_desc, Out, Lse, Sinks, PageTable,
+        tile_segment, tile_row_offset, NumTiles,
+        seg_seq, seg_row0, seg_len, seg_pos0, seg_stride, cu_kv_lens,
+        qk_scale, window, num_head_groups, heads_per_section, group_size,
+        stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh, stride_sink, stride_pt,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, ROPE: gl.constexpr, STAGES: gl.constexpr,
+        G_PACK: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, RETURN_LSE: gl.constexpr,
+        PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr,
+        Q_SMEM: gl.constexpr, QR_SMEM: gl.constexpr, K_SMEM: gl.constexpr, KR_SMEM: gl.constexpr,
+        P_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    ):
+        ROWS: gl.constexpr = BLOCK_M // G_PACK
+        # program -> (tile, head group) by L2 sections (as triton_attn._tile_and_head_group); programs
+        # past the device tile count run no key block and store nothing (slen 0)
+        pid = gl.program_id(0)
+        num_tiles = gl.load(NumTiles)
+        live = pid < num_tiles * num_head_groups
+        pid = gl.where(live, pid, 0)
+        per_section = num_tiles * heads_per_section
+        section = pid // per_section
+        r = pid - section * per_section
+        section_heads = gl.minimum(heads_per_section, num_head_groups - section * heads_per_section)
+        tile = r // section_heads
+        hg = section * heads_per_section + r % section_heads
+        seg = gl.load(tile_segment + tile)
+        roff = gl.load(tile_row_offset + tile)
+        seq = gl.load(seg_seq + seg)
+        row0 = gl.load(seg_row0 + seg)
+        slen = gl.where(live, gl.load(seg_len + seg), 0)
+        pos0 = gl.load(seg_pos0 + seg)
+        pstride = gl.load(seg_stride + seg)
+        last_r = gl.minimum(roff + ROWS, slen) - 1
+        pos_min = pos0 + roff * pstride
+        pos_max = pos0 + last_r * pstride
+        if PAGE_SIZE > 0:
+            kv_row_base = seq * 0
+            pt_row = PageTable + seq.to(gl.int64) * stride_pt
+        else:
+            kv_row_base = gl.load(cu_kv_lens + seq).to(gl.int32)  # TMA coordinates are 32-bit
+            pt_row = PageTable
+
+        key_end = pos_max + 1
+        if HAS_WINDOW:
+            n_lo = (gl.maximum(pos_min - window, 0) // BLOCK_N) * BLOCK_N
+            f_lo = gl.cdiv(gl.maximum(pos_max - window, 0), BLOCK_N) * BLOCK_N
+        else:
+            n_lo = pos_min * 0
+            f_lo = pos_min * 0
+        f_hi = gl.maximum(((pos_min + 1) // BLOCK_N) * BLOCK_N, f_lo)
+        num_blocks = gl.where(live, gl.cdiv(key_end - n_lo, BLOCK_N), 0)
+
+        dt = Q.dtype.element_ty
+        qa = gl.allocate_shared_memory(dt, [1, BLOCK_M, HALF], Q_SMEM)
+        qb = gl.allocate_shared_memory(dt, [1, BLOCK_M, HALF], Q_SMEM)
+        qr = gl.allocate_shared_memory(dt, [1, BLOCK_M, ROPE], QR_SMEM)
+        ka = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, HALF], K_SMEM)
+        kb = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, HALF], K_SMEM)
+        kr = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, ROPE], KR_SMEM)
+        s_p = gl.allocate_shared_memory(dt, [BLOCK_M, BLOCK_N], P_SMEM)
+        vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        s_alpha = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec)
+        s_m = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec)
+        s_l = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], vec)
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        l_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)
+        for i in gl.static_range(2):
+            mbarrier.init(p_bar.index(i), count=1)
+        mbarrier.init(q_bar, count=2)
+        mbarrier.init(l_bar, count=2)
+
+        smem = (qa, qb, qr, ka, kb, kr, s_p, s_alpha, s_m, s_l, k_ready, kv_empty, q_bar, p_bar, l_bar)
+        kv = (k_desc, kr_desc, kv_row_base, n_lo, num_blocks, key_end, pt_row)
+        rows = (Q, Out, Lse, Sinks, stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
+                roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, qk_scale, window, stride_sink)
+        # flags in tuple literals (a tuple assigned to a name turns its constexprs into runtime values)
+        gl.warp_specialize([
+            (_mla_loader, (smem, kv, rows, 0, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE, COPY_ROWS)),
+            (_mla_consumer0, (smem, kv, rows, 0, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE, COPY_ROWS)),
+            (_mla_consumer1, (smem, kv, rows, 1, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE, COPY_ROWS)),
+        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+
+
+def k_descriptors(k: Tensor):
+    """Host TMA descriptors over the latent seen as ``[rows, 576]``: packed ``[rows, 1, 576]``:
+    ``[64, 256]`` blocks (value halves, columns 0 and 256) and ``[64, 64]`` (rotary part, column
+    512); paged ``[pages, page_size, 1, 576]`` (rows = pages x page_size): copies of
+    ``[gcd(page_size, 64), 64]`` for every part (the second descriptor is the first)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    width = D_LATENT + D_ROPE
+    if k.dim() == 4:
+        pages, page = k.shape[0], k.shape[1]
+        g = paged_copy_rows(page, BLOCK_N)
+        desc = TensorDescriptor(k, [pages * page, width], [k.stride(1), 1], [g, TMA_CHUNK],
+                                smem_layout(g, TMA_CHUNK, k.dtype))
+        return desc, desc
+    n = k.shape[0]
+    k_desc = TensorDescriptor(k, [n, width], [k.stride(0), 1], [BLOCK_N, HALF_V], smem_layout(BLOCK_N, HALF_V, k.dtype))
+    kr_desc = TensorDescriptor(k, [n, width], [k.stride(0), 1], [BLOCK_N, D_ROPE], smem_layout(BLOCK_N, D_ROPE, k.dtype))
+    return k_desc, kr_desc
+
+
+def _consumer_regs(page_size: Optional[int]) -> int:
+    if not page_size:
+        return CONSUMER_REGS["packed"]
+    return CONSUMER_REGS["paged" if paged_copy_rows(page_size, BLOCK_N) == BLOCK_N else "paged_small"]
+
+
+def kernel_constexprs(dtype: torch.dtype, page_size: Optional[int]) -> dict:
+    """The kernel's geometry constexprs (tiles, paging, shared-memory layouts, registers)."""
+    return dict(
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HALF=HALF_V, ROPE=D_ROPE, STAGES=STAGES, PAGE_SIZE=page_size or 0,
+        COPY_ROWS=paged_copy_rows(page_size, BLOCK_N) if page_size else 0,
+        Q_SMEM=smem_layout(BLOCK_M, HALF_V, dtype), QR_SMEM=smem_layout(BLOCK_M, D_ROPE, dtype),
+        K_SMEM=smem_layout(BLOCK_N, HALF_V, dtype), KR_SMEM=smem_layout(BLOCK_N, D_ROPE, dtype),
+        P_SMEM=smem_layout(BLOCK_M, BLOCK_N, dtype), CONSUMER_REGS=_consumer_regs(page_size),
+    )
+
+
+def launch(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tensor], sinks: Optional[Tensor],
+    page_table: Optional[Tensor], *, grid: tuple[int], plan_args: dict, softmax_scale: float,
+    launchers: Optional[dict] = None,
+) -> None:
+    """Launch the absorbed-MLA kernel into ``out`` [P, Hq, 512] / ``lse``: q [P, Hq, 576], k the
+    latent (packed ``[rows, 1, 576]`` or paged ``[pages, page_size, 1, 576]`` with
+    ``page_table``), ``v`` = ``k[..., :512]`` (checked by :func:`kv_layout_ok`; never read).
+    ``plan_args``: the planned tile map, segments, G_PACK, L2 section (``triton_backend``), for
+    tiles of :data:`BLOCK_M` rows x heads. ``launchers``: the plan's :class:`PlannedLaunch` per
+    variant (filled here; None: every call through the JIT)."""
+    from ._launch import PlannedLaunch
+
+    page_size = k.shape[1] if page_table is not None else None
+    k_desc, kr_desc = k_descriptors(k)
+    has_sinks, has_lse, paged = sinks is not None, lse is not None, page_table is not None
+    sq, sh, so, soh = q.stride(0), q.stride(1), out.stride(0), out.stride(1)
+    slm, slh = (lse.stride(0), lse.stride(1)) if has_lse else (0, 0)
+    ssink = sinks.stride(0) if has_sinks else 0
+    spt = page_table.stride(0) if paged else 0
+    pt = page_table if paged else q
+    per_call = dict(
+        Q=q, k_desc=k_desc, kr_desc=kr_desc, Out=out, Lse=lse if has_lse else out,
+        Sinks=sinks if has_sinks else out, PageTable=pt, qk_scale=float(softmax_scale) * LOG2E,
+        stride_qm=sq, stride_qh=sh, stride_om=so, stride_oh=soh, stride_lm=slm, stride_lh=slh, stride_sink=ssink,
+        stride_pt=spt, HAS_SINKS=has_sinks, RETURN_LSE=has_lse,
+    )
+    if launchers is None or page_size not in launchers:
+        fixed = dict(plan_args, **kernel_constexprs(q.dtype, page_size), num_warps=4, maxnreg=168)
+        launcher = PlannedLaunch(_mla_fwd_sm90, fixed, enabled=launchers is not None)
+        if launchers is not None:
+            launchers[page_size] = launcher
+    else:
+        launcher = launchers[page_size]
+    key = (q.data_ptr() & 15, out.data_ptr() & 15, lse.data_ptr() & 15 if has_lse else -1,
+           (sinks.dtype, sinks.data_ptr() & 15) if has_sinks else None, (pt.dtype, pt.data_ptr() & 15),
+           sq, sh, so, soh, slm, slh, ssink, spt)
+    launcher(grid, per_call, key)
