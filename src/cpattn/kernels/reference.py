@@ -132,13 +132,15 @@ _SPARSE_GATHER_ELEMS = 1 << 24
 _INDEX_SCORE_ELEMS = 1 << 24
 
 
-def _flat_kv_rows(sel: Tensor, start: Tensor, seq: Tensor, page_table: Optional[Tensor], page_size: int) -> Tensor:
+def _flat_kv_rows(sel: Tensor, valid: Tensor, start: Tensor, seq: Tensor, page_table: Optional[Tensor],
+                  page_size: int) -> Tensor:
     """Rows of the flattened K/V ([num_kv_rows] packed, [num_pages * page_size] paged) holding
-    positions ``sel`` [r, k] (already clamped to valid positions) of each row's sequence."""
+    positions ``sel`` [r, k] of each row's sequence; entries not ``valid`` point at row 0 (the
+    page table is never dereferenced for them: a sequence without keys may have no pages)."""
     if page_table is None:
-        return start[:, None] + sel
+        return torch.where(valid, start[:, None] + sel, 0)
     pages = page_table.long()[seq.long()[:, None], sel // page_size]
-    return pages * page_size + sel % page_size
+    return torch.where(valid, pages * page_size + sel % page_size, 0)
 
 
 class _TorchSparseRun:
@@ -168,7 +170,7 @@ class _TorchSparseRun:
             e = idx[r0:r1].long()
             valid = (e >= 0) & (e <= pos[:, None])  # [r, K]: -1, future and out-of-sequence ignored
             sel = torch.where(valid, e, torch.zeros((), dtype=e.dtype, device=e.device))
-            flat = _flat_kv_rows(sel, self.row_start[r0:r1], self.row_seq[r0:r1], page_table, ps)
+            flat = _flat_kv_rows(sel, valid, self.row_start[r0:r1], self.row_seq[r0:r1], page_table, ps)
             qr = q[r0:r1].to(work).view(r1 - r0, hkv, g, -1)
             scores = torch.empty(r1 - r0, hkv, g, topk, dtype=work, device=q.device)
             for c0 in range(0, topk, key_chunk):
