@@ -176,7 +176,7 @@ def _index_inputs(extend, prefix, h, d, seed, dtype=torch.float32, fp8=False):
     return q, k, w, scale, g
 
 
-def _check_index_topk(batch, name, backend, topk_mode, paged, fp8, seed):
+def _check_index_topk(batch, name, backend, topk_mode, paged, fp8, seed, page_size=4):
     cp, extend, prefix, pad = batch
     s = cpattn.get_strategy(name, cp, pad_multiple=pad)
     h, d = 4, 16
@@ -189,7 +189,7 @@ def _check_index_topk(batch, name, backend, topk_mode, paged, fp8, seed):
     k_all, sc = k, k_scale
     if paged:
         parts = [k.view(torch.uint8) if fp8 else k] + ([k_scale] if k_scale is not None else [])
-        caches, kwargs["page_table"] = _paged(parts, extend, prefix, 4, g)
+        caches, kwargs["page_table"] = _paged(parts, extend, prefix, page_size, g)
         k_all = caches[0].view(FP8) if fp8 else caches[0]
         sc = caches[1] if k_scale is not None else None
     for rank in range(cp):
@@ -220,6 +220,13 @@ def test_index_topk_fp8_keys_with_scale(request, backend, paged):
     if backend == "triton":
         request.getfixturevalue("dsa_interp")
     _check_index_topk((3, [23, 1, 6, 0], [5, 0, 9, 3], 4), "interleave", backend, "below", paged, True, 5)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_index_topk_whole_pages(dsa_interp, fp8):
+    """Pages that hold whole key blocks (page_size 16 = the interpreter's BLOCK_N): the kernel
+    reads each key block as one box of the flattened cache."""
+    _check_index_topk((2, [37, 5, 20], [11, 0, 16], 1), "zigzag", "triton", "below", True, fp8, 2, page_size=16)
 
 
 def test_index_topk_chunks_and_windows(dsa_interp):

@@ -230,14 +230,16 @@ class _TritonIndexRun:
         )
         self.kpp = kpp
         self.buffer_elems = max((rows * w for _, _, _, rows, wins in self.chunks for _, w in wins), default=0)
-        self._launch = triton_index.launch
+        self._launch, self._q_layout_ok = triton_index.launch, triton_index.q_layout_ok
         self.family = "triton_index"
 
     def __call__(self, q_idx, k_idx, weights, k_scale, page_table, softmax_scale, out) -> None:
         out.fill_(-1)
         if not self.chunks:
             return
-        q_idx, k_idx, weights = _contiguous_last(q_idx), _contiguous_last(k_idx), weights
+        q_idx, k_idx = _contiguous_last(q_idx), _contiguous_last(k_idx)
+        if not self._q_layout_ok(q_idx):
+            q_idx = q_idx.contiguous()
         if page_table is not None:
             page_table = _contiguous_last(page_table)
         buf = torch.empty(self.buffer_elems, dtype=torch.float32, device=q_idx.device)
@@ -284,8 +286,8 @@ class TritonIndexBackend:
             return "fp8 index queries need fp8 index keys"
         if spec.q_dtype != spec.k_dtype and spec.k_dtype != _FP8:
             return f"q_idx {spec.q_dtype} and k_idx {spec.k_dtype} must match (or k_idx fp8)"
-        if spec.head_dim > 256:
-            return f"index head dim {spec.head_dim} not supported (<= 256)"
+        if spec.head_dim > 256 or spec.head_dim % 16:
+            return f"index head dim {spec.head_dim} not supported (a multiple of 16, <= 256)"
         return None
 
     def plan(self, spec: IndexTopkSpec, meta: CPMetadata, options: Mapping) -> _TritonIndexRun:

@@ -56,7 +56,7 @@ def _prune_configs(configs, named_args, **kwargs):
         bn, stages, warps = c.kwargs["BLOCK_N"], c.num_stages, c.num_warps
         if kpp % bn:
             continue
-        smem = bn * bd * 2 + stages * bm * bd * 2
+        smem = bn * bd * 2 + stages * bm * bd * 2 + bm * bn * 4  # K block, q stages, score staging
         if smem > SM90_SMEM_PER_BLOCK or 2 * bm * bn // (32 * warps) > 128:
             continue
         kept.append(c)
@@ -67,13 +67,14 @@ def _prune_configs(configs, named_args, **kwargs):
 def _index_scores_fwd(
     Q, K, W, KScale, Scores, PageTable,
     tile_row0, tile_len, tile_pos0, tile_stride, tile_seq, tile_kv_start,
-    tile_base, chunk_row0, p_lo, width, softmax_scale,
+    tile_base, chunk_row0, p_lo, width, softmax_scale, num_rows, num_key_rows,
     stride_qm, stride_qh, stride_wm, stride_wh,
     stride_kp, stride_kn, stride_sp, stride_sn, stride_om, stride_pt,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     KEYS_PER_PROGRAM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_KSCALE: tl.constexpr,
+    K_DESC_OK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, K_TO_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_STAGES: tl.constexpr = 3,
 ):
     t = tile_base + tl.program_id(0)
     split = tl.program_id(1)
@@ -96,10 +97,23 @@ def _index_scores_fwd(
     k_start = p_lo + split * KEYS_PER_PROGRAM
     k_stop = tl.minimum(p_lo + width, k_start + KEYS_PER_PROGRAM)
     c_stop = tl.minimum(k_stop, max_pos + 1)  # keys past the tile's last position: -inf only
-    out_rows = Scores + (rows - chunk_row0)[:, None] * stride_om
+    # the chunk's score rows of this tile as a [tile end, width] matrix: stores clip at the tile's
+    # last row (the next tile's rows follow) and at the chunk's width
+    out_row0 = (row0 - chunk_row0).to(tl.int32)
+    out_desc = tl.make_tensor_descriptor(Scores, shape=[out_row0 + n, width], strides=[stride_om, 1],
+                                         block_shape=[BLOCK_M, BLOCK_N])
     pt_row = PageTable + seq.to(tl.int64) * stride_pt
-    q_rows = Q + rows[:, None] * stride_qm + offs_d[None, :]
+    # q of one head: a [BLOCK_M, D] box of the [P, H, D] tensor (TMA on sm_90; no pointer tensor
+    # kept live across the loops). Rows past P read 0; rows past the tile are computed, not stored.
+    q_desc = tl.make_tensor_descriptor(Q, shape=[num_rows, NUM_HEADS, HEAD_DIM], strides=[stride_qm, stride_qh, 1],
+                                       block_shape=[BLOCK_M, 1, BLOCK_D])
     w_rows = W + rows * stride_wm
+    USE_K_DESC: tl.constexpr = K_DESC_OK and ((not PAGED) or PAGE_SIZE % BLOCK_N == 0)
+    if USE_K_DESC:  # packed rows, or the pages as one [num_pages * page_size, D] matrix
+        k_desc = tl.make_tensor_descriptor(K, shape=[num_key_rows, HEAD_DIM], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        k_desc = q_desc
 
     for kb in range(k_start, c_stop, BLOCK_N):
         kpos = kb + offs_n
@@ -112,7 +126,14 @@ def _index_scores_fwd(
         else:
             k_off = (kv_start + kpos).to(tl.int64) * stride_kn
             s_off = (kv_start + kpos).to(tl.int64) * stride_sn
-        k = tl.load(K + k_off[:, None] + offs_d[None, :], mask=in_key[:, None] & d_ok[None, :], other=0.0)
+        if USE_K_DESC:  # one [BLOCK_N, D] box of consecutive key rows (keys past the range are masked below)
+            if PAGED:
+                first = (tl.load(pt_row + kb // PAGE_SIZE).to(tl.int64) * PAGE_SIZE + kb % PAGE_SIZE).to(tl.int32)
+            else:
+                first = (kv_start + kb).to(tl.int32)
+            k = k_desc.load([first, 0])
+        else:
+            k = tl.load(K + k_off[:, None] + offs_d[None, :], mask=in_key[:, None] & d_ok[None, :], other=0.0)
         if DOT_UPCAST:
             k = k.to(tl.float32)
         elif K_TO_Q:
@@ -123,21 +144,20 @@ def _index_scores_fwd(
         else:
             col_scale = tl.full([BLOCK_N], 1.0, dtype=tl.float32) * softmax_scale
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for h in range(NUM_HEADS):
-            q = tl.load(q_rows + h * stride_qh, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        for h in tl.range(NUM_HEADS, num_stages=HEAD_STAGES):
+            q = tl.reshape(q_desc.load([row0, h, 0]), [BLOCK_M, BLOCK_D])
             if DOT_UPCAST:
                 q = q.to(tl.float32)
             w = tl.load(w_rows + h * stride_wh, mask=m_ok, other=0.0).to(tl.float32)
             s = tl.dot(q, kt, input_precision=DOT_PRECISION) * col_scale[None, :]
             acc += tl.maximum(s, 0.0) * w[:, None]
         acc = tl.where(kpos[None, :] <= pos[:, None], acc, float("-inf"))
-        tl.store(out_rows + (kpos - p_lo)[None, :], acc, mask=m_ok[:, None] & (kpos < k_stop)[None, :])
+        out_desc.store([out_row0, (kb - p_lo).to(tl.int32)], acc)
 
     fill = k_start + tl.cdiv(tl.maximum(c_stop - k_start, 0), BLOCK_N) * BLOCK_N
     neg = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
     for kb in range(fill, k_stop, BLOCK_N):
-        kpos = kb + offs_n
-        tl.store(out_rows + (kpos - p_lo)[None, :], neg, mask=m_ok[:, None] & (kpos < k_stop)[None, :])
+        out_desc.store([out_row0, (kb - p_lo).to(tl.int32)], neg)
 
 
 _index_scores_fwd_tuned = triton.autotune(
@@ -167,12 +187,59 @@ def launch(
     args = dict(
         Q=q, K=k, W=w, KScale=k_scale if k_scale is not None else scores, Scores=scores, PageTable=pt,
         tile_base=tile_base, chunk_row0=chunk_row0, p_lo=p_lo, width=width, softmax_scale=float(softmax_scale),
+        num_rows=q.shape[0], num_key_rows=k.shape[0] * (k.shape[1] if paged else 1), K_DESC_OK=k_layout_ok(k),
         stride_qm=q.stride(0), stride_qh=q.stride(1), stride_wm=w.stride(0), stride_wh=w.stride(1),
         stride_kp=skp, stride_kn=skn, stride_sp=ssp, stride_sn=ssn, stride_om=scores.stride(0), stride_pt=stride_pt,
         HAS_KSCALE=k_scale is not None, **plan_args,
     )
-    if INTERPRETED or config is not None:
-        bn, warps, stages = config if config is not None else (16, 4, 1)
-        _index_scores_fwd[grid](**args, BLOCK_N=bn, num_warps=warps, num_stages=stages)
-    else:
-        _index_scores_fwd_tuned[grid](**args)
+    with scratch_allocator():
+        if INTERPRETED or config is not None:
+            bn, warps, stages = config if config is not None else (16, 4, 1)
+            _index_scores_fwd[grid](**args, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        else:
+            _index_scores_fwd_tuned[grid](**args)
+
+
+def k_layout_ok(k: Tensor) -> bool:
+    """Index keys readable as one [rows, D] matrix through a tensor descriptor: 16-byte aligned
+    base and row stride, pages (paged [num_pages, page_size, D]) adjacent."""
+    elt = k.element_size()
+    if k.dim() == 3 and k.stride(0) != k.shape[1] * k.stride(1):
+        return False
+    return k.data_ptr() % 16 == 0 and (k.stride(-2) * elt) % 16 == 0 and k.stride(-1) == 1 and \
+        k.shape[-1] * elt >= 16
+
+
+def q_layout_ok(q: Tensor) -> bool:
+    """The q tensor descriptor needs a 16-byte aligned base and row / head strides."""
+    elt = q.element_size()
+    return q.data_ptr() % 16 == 0 and (q.stride(0) * elt) % 16 == 0 and (q.stride(1) * elt) % 16 == 0 \
+        and q.stride(2) == 1
+
+
+def _scratch_alloc(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() and not INTERPRETED
+                       else "cpu")
+
+
+class scratch_allocator:
+    """Device-side tensor descriptors need a global scratch allocator: install a torch one for the
+    launches inside (unless the caller set one) and restore the previous one (no process-wide
+    side effect)."""
+
+    def __enter__(self):
+        self._token = None
+        try:
+            from triton.runtime import _allocation
+
+            var = _allocation._allocator
+        except (ImportError, AttributeError):  # another triton: the public setter
+            triton.set_allocator(_scratch_alloc)
+            return self
+        if isinstance(var.get(), _allocation.NullAllocator):
+            self._var, self._token = var, var.set(_scratch_alloc)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._token is not None:
+            self._var.reset(self._token)

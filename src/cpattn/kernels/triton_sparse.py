@@ -100,7 +100,7 @@ def _sparse_attn_fwd(
     BLOCK_DV: tl.constexpr, BLOCK_H: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, V_IS_K: tl.constexpr,
     HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, OFFSET_32: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -150,17 +150,21 @@ def _sparse_attn_fwd(
     n_hi = tl.where(pos >= 0, topk, 0)  # pad rows see nothing
     for start in range(0, n_hi, BLOCK_N):
         offs = start + offs_n
-        e = tl.load(idx_row + offs, mask=offs < topk, other=-1).to(tl.int64)
+        e = tl.load(idx_row + offs, mask=offs < topk, other=-1)
+        if not OFFSET_32:
+            e = e.to(tl.int64)
+        else:
+            e = e.to(tl.int32)
         valid = (e >= 0) & (e <= pos)  # the causal rule: -1, future and out-of-sequence entries drop out
         p_sel = tl.where(valid, e, 0)
         if PAGED:
-            page = tl.load(pt_row + p_sel // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+            page = tl.load(pt_row + p_sel // PAGE_SIZE, mask=valid, other=0).to(e.dtype)
             slot = p_sel % PAGE_SIZE
             k_off = page * stride_kp + slot * stride_kn
             v_off = page * stride_vp + slot * stride_vn
         else:
-            k_off = (kv_start + p_sel) * stride_kn
-            v_off = (kv_start + p_sel) * stride_vn
+            k_off = (kv_start.to(e.dtype) + p_sel) * stride_kn
+            v_off = (kv_start.to(e.dtype) + p_sel) * stride_vn
         k1 = tl.load(k_base + k_off[:, None] + offs_d1[None, :], mask=valid[:, None] & d1_ok[None, :], other=0.0)
         if DOT_UPCAST:
             k1 = k1.to(tl.float32)
@@ -215,6 +219,11 @@ def v_is_k(k: Tensor, v: Tensor, dv: int, block_d1: int) -> bool:
             and v.shape[:-1] == k.shape[:-1])
 
 
+def _max_offset(x: Tensor) -> int:
+    """Largest element offset of ``x`` from its base (int32 offsets when it fits)."""
+    return sum((n - 1) * st for n, st in zip(x.shape, x.stride()) if n > 0) + 1
+
+
 def launch(
     q: Tensor, k: Tensor, v: Tensor, idx: Tensor, out: Tensor, lse: Optional[Tensor], sinks: Optional[Tensor],
     page_table: Optional[Tensor], *, grid: tuple[int], plan_args: dict, softmax_scale: float,
@@ -241,7 +250,8 @@ def launch(
         stride_om=out.stride(0), stride_oh=out.stride(1),
         stride_lm=lse.stride(0) if lse is not None else 0, stride_lh=lse.stride(1) if lse is not None else 0,
         stride_pt=stride_pt, HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None,
-        V_IS_K=v_is_k(k, v, plan_args["HEAD_DIM_V"], plan_args["BLOCK_D1"]), **plan_args,
+        V_IS_K=v_is_k(k, v, plan_args["HEAD_DIM_V"], plan_args["BLOCK_D1"]),
+        OFFSET_32=_max_offset(k) < 2**31 and _max_offset(v) < 2**31, **plan_args,
     )
     if INTERPRETED or config is not None:
         bn, warps, stages = config if config is not None else (16, 4, 1)
