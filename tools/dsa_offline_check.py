@@ -2,8 +2,8 @@
 report what ptxas makes of them (registers, spills, shared memory).
 
 For kernel work on a machine with no GPU, with the triton that matches the GPU machine:
-    PYTHONPATH=src /tmp/t36/bin/python tools/dsa_offline_check.py
-(see tools/sm90_offline_check.py for the set-up). Each variant is one autotuner config of the
+    PYTHONPATH=src /tmp/t36/bin/python tools/dsa_offline_check.py [--all]
+(``--all`` first compiles every constexpr combination the backends launch; see tools/sm90_offline_check.py for the set-up). Each variant is one autotuner config of the
 real-size shapes: absorbed MLA (128 heads, D 576 / Dv 512, v = k[..., :512]), the per-head
 D 192 / 128 form, and the DeepSeek-V3.2 indexer (64 heads x 128, bf16 and fp8 keys).
 """
@@ -32,25 +32,29 @@ def _signature(fn, pointers: dict, floats=(), consts: dict = ()) -> dict:
     return sig
 
 
-def compile_sparse(d, dv, block_h, v_is_k, block_n, warps, stages, paged=False, lse=True, off32=True):
+def compile_sparse(d, dv, block_h, v_is_k, block_n, warps, stages, paged=False, lse=True, off32=True, sinks=False,
+                   dtype="bf16"):
     fn = ts._sparse_attn_fwd
     d1, d2 = ts.split_dim(d)
-    consts = dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D1=d1, BLOCK_D2=d2, BLOCK_DV=dv, BLOCK_H=block_h, PAGED=paged,
-                  PAGE_SIZE=64 if paged else 1, V_IS_K=v_is_k, HAS_SINKS=False, RETURN_LSE=lse,
+    consts = dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D1=d1, BLOCK_D2=d2, BLOCK_DV=max(16, ts._next_pow2(dv)),
+                  BLOCK_H=block_h, PAGED=paged,
+                  PAGE_SIZE=64 if paged else 1, V_IS_K=v_is_k, HAS_SINKS=sinks, RETURN_LSE=lse,
                   DOT_PRECISION="tf32", DOT_UPCAST=False, OFFSET_32=off32, BLOCK_N=block_n)
-    ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", Idx="*i32", Out="*bf16", Lse="*fp32", Sinks="*bf16",
+    e = "*" + dtype
+    ptrs = dict(Q=e, K=e, V=e, Idx="*i32", Out=e, Lse="*fp32", Sinks="*fp32",
                 PageTable="*i32", row_seq="*i32", row_pos="*i32", row_kv_start="*i64")
     sig = _signature(fn, ptrs, ("qk_scale",), consts)
     return triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=warps, num_stages=stages))
 
 
-def compile_index(h, d, block_m, block_n, warps, stages, k_fp8=False, q_fp8=False, head_stages=3):
+def compile_index(h, d, block_m, block_n, warps, stages, k_fp8=False, q_fp8=False, head_stages=3, paged=None,
+                  k_desc=True):
     fn = ti._index_scores_fwd
     q_t = "*fp8e4nv" if q_fp8 else "*bf16"
     k_t = "*fp8e4nv" if k_fp8 else "*bf16"
-    consts = dict(NUM_HEADS=h, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=block_m, KEYS_PER_PROGRAM=1024, PAGED=False,
-                  PAGE_SIZE=1, HAS_KSCALE=k_fp8, K_DESC_OK=True, DOT_PRECISION="tf32", DOT_UPCAST=False,
+    consts = dict(NUM_HEADS=h, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=block_m, KEYS_PER_PROGRAM=1024, PAGED=paged is not None,
+                  PAGE_SIZE=paged or 1, HAS_KSCALE=k_fp8, K_DESC_OK=k_desc, DOT_PRECISION="tf32", DOT_UPCAST=False,
                   K_TO_Q=k_fp8 and not q_fp8, BLOCK_N=block_n, HEAD_STAGES=head_stages)
     ptrs = dict(Q=q_t, K=k_t, W="*fp32", KScale="*fp32", Scores="*fp32", PageTable="*i32", tile_row0="*i32",
                 tile_len="*i32", tile_pos0="*i32", tile_stride="*i32", tile_seq="*i32", tile_kv_start="*i64")
@@ -89,7 +93,28 @@ INDEX = [  # (H, D, BLOCK_M, BLOCK_N, warps, stages, k_fp8, q_fp8)
 ]
 
 
+def compile_matrix() -> int:
+    """Every constexpr combination the backend can launch on sm_90 compiles (no report)."""
+    count = 0
+    for d, dv, bh, vk in ((576, 512, 64, True), (576, 512, 64, False), (192, 128, 16, False), (128, 128, 16, False),
+                          (24, 16, 16, False)):
+        for paged in (False, True):
+            for sinks, lse in ((False, True), (True, False)):
+                for dtype in ("bf16", "fp16"):
+                    compile_sparse(d, dv, bh, vk, 32, 8, 2, paged=paged, lse=lse, sinks=sinks, dtype=dtype)
+                    count += 1
+    for k8, q8 in ((False, False), (True, False), (True, True)):
+        for paged, k_desc in ((None, True), (None, False), (64, True), (16, False)):
+            compile_index(64, 128, 64, 128, 8, 2, k_fp8=k8, q_fp8=q8, paged=paged, k_desc=k_desc)
+            count += 1
+    return count
+
+
 def main() -> None:
+    import sys
+
+    if "--all" in sys.argv:
+        print(f"compiled {compile_matrix()} variants for sm_90", flush=True)
     for v in SPARSE:
         d, dv, bh, vk, bn, w, st = v
         k = compile_sparse(*v)

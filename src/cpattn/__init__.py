@@ -13,14 +13,15 @@ gather hidden states back before the logits::
     h_full = s.gather(h, meta, group)                          # [T, hidden]
 """
 
-from . import padding
+from . import dsa, padding
 from .cache import kv_bytes_per_token, mla_bytes_per_token, read_mla_cache, write_kv_cache, write_mla_cache
 from .collectives import PendingGather, PlanDisagreement, gathered_bytes_per_token
 from .kernels import AttentionSpec, available_backends
 from .kv import pack_kv
 from .metadata import Capacity, CPMetadata
 from .overlap import GatherHandle, start_gather_kv, start_gather_mla_latent
-from .plans import AttentionPlan, StaticPlanner, plan_attention
+from .plans import AttentionPlan, IndexTopkPlan, SparseAttentionPlan, StaticPlanner, plan_attention, plan_index_topk, \
+    plan_sparse_attention
 from .strategies import (
     STRATEGIES,
     ContiguousStrategy,
@@ -40,13 +41,16 @@ __all__ = [
     "Capacity",
     "ContiguousStrategy",
     "GatherHandle",
+    "IndexTopkPlan",
     "InterleaveStrategy",
     "PendingGather",
     "PlanDisagreement",
     "STRATEGIES",
+    "SparseAttentionPlan",
     "StaticPlanner",
     "ZigzagStrategy",
     "available_backends",
+    "dsa",
     "gathered_bytes_per_token",
     "get_strategy",
     "kv_bytes_per_token",
@@ -54,6 +58,8 @@ __all__ = [
     "pack_kv",
     "padding",
     "plan_attention",
+    "plan_index_topk",
+    "plan_sparse_attention",
     "read_mla_cache",
     "resolve_backend",
     "start_gather_kv",

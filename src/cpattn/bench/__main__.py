@@ -1,4 +1,4 @@
-"""``python -m cpattn.bench {metadata,kernel,mla,cp,scaling} [options]``.
+"""``python -m cpattn.bench {metadata,kernel,mla,cp,scaling,sparse} [options]``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``main(args)``;
 modules are imported only when their subcommand runs.
@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "mla": ("mla", "MLA latent all-gather vs full K/V gather, MLA layer at CP=1 vs CP=2 (GPUs)"),
     "cp": ("cp", "end-to-end CP prefill of an attention stack vs peers (torchrun, GPUs)"),
     "scaling": ("scaling", "arithmetic model of CP prefill time for C = 1..64 across nodes (CPU)"),
+    "sparse": ("sparse", "DSA sparse attention and index top-k on one rank's interleave CP work (GPU)"),
 }
 
 
