@@ -467,3 +467,23 @@ def test_strided_views(request, backend):
         o1 = s.sparse_attention(q_pad, ks, vs, meta, il_strided, backend=backend)
         o2 = s.sparse_attention(qsl.contiguous(), ks, vs.contiguous(), meta, il.contiguous(), backend=backend)
         assert torch.allclose(o1, o2, atol=1e-6)
+
+
+def test_bench_sparse_smoke(tmp_path):
+    """``python -m cpattn.bench sparse --small --device cpu``: both ops timed, JSON and PNG written."""
+    import argparse
+    import json
+
+    from cpattn.bench import sparse as bench_sparse
+
+    parser = argparse.ArgumentParser()
+    bench_sparse.add_arguments(parser)
+    out = tmp_path / "sparse"
+    args = parser.parse_args(["--small", "--device", "cpu", "--seqs", "200", "--cp", "2", "--iters", "1",
+                              "--warmup", "0", "--out", str(out)])
+    assert bench_sparse.main(args) == 0
+    rows = json.loads((tmp_path / "sparse.json").read_text())["rows"]
+    assert [r["op"] for r in rows] == ["index_topk", "sparse_attention"]
+    assert all(r["ms"] > 0 and r["work"] > 0 for r in rows)
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "sparse.png").exists()
