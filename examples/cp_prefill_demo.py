@@ -47,7 +47,8 @@ def rank_main(rank: int, args: argparse.Namespace, init_file: str) -> None:
     x, positions, prefix_kv = inputs(args.layers)
 
     strategy = cpattn.get_strategy(args.strategy, args.cp)
-    meta = strategy.build_metadata(EXTEND, PREFIX, rank=rank)  # once per forward, host side
+    # once per forward, host side; group=: the ranks check they planned the same batch (one tiny all-gather)
+    meta = strategy.build_metadata(EXTEND, PREFIX, rank=rank, group=group)
     h_local = strategy.shard(x, meta)  # [P, hidden], pad rows zero
     pos_local = strategy.shard(positions, meta)  # global positions, same placement
     h_local, _ = stack(h_local, pos_local, strategy, meta, group, prefix_kv, backend=args.backend)

@@ -6,7 +6,7 @@ compares the gathered logits with the plain model run one sequence at a time (SD
 mismatch and prints the max difference.
 
     python examples/hf_cp_prefill.py --model llama --cp 2                 # spawns 2 gloo ranks (CPU)
-    python examples/hf_cp_prefill.py --model llama qwen3 deepseek_v3 --cp 3 --strategy interleave
+    python examples/hf_cp_prefill.py --model llama qwen3 deepseek_v3 gpt_oss mimo_v2_flash --cp 3 --strategy interleave
     torchrun --nproc_per_node 2 examples/hf_cp_prefill.py --model qwen3   # NCCL on GPUs, gloo on CPU
 """
 
@@ -17,17 +17,19 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _launch import launch, under_torchrun  # noqa: E402
 
 import cpattn  # noqa: E402
 
-MODELS = ("llama", "qwen3", "deepseek_v3")
+MODELS = ("llama", "qwen3", "deepseek_v3", "gpt_oss", "mimo_v2_flash")
 
 
 def build_model(name: str, seed: int):
-    """A tiny random-weight model of the family ``name`` (fp32, eval mode, SDPA attention)."""
+    """A tiny random-weight model of the family ``name`` (fp32, eval mode; reference attention SDPA,
+    eager for the models with attention sinks, whose SDPA path transformers does not offer)."""
     import transformers as tf
 
     common = dict(
@@ -66,10 +68,41 @@ def build_model(name: str, seed: int):
             **common,
         )
         cls = tf.DeepseekV3ForCausalLM
+    elif name == "gpt_oss":
+        # attention sinks (s_aux) on every layer, layer 0 sliding-window (window 8), MoE (4 experts, top 2).
+        common.update(intermediate_size=64, attn_implementation="eager")
+        cfg = tf.GptOssConfig(
+            num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8, **common
+        )
+        cls = tf.GptOssForCausalLM
+    elif name == "mimo_v2_flash":
+        # The MiMo-V2 architecture (the MiMo seed): hybrid full / sliding-window layers, sinks on the
+        # sliding layers (which have twice the K/V heads), q/k head dim 24 and v head dim 16 (the real
+        # config has D 192 / Dv 128), partial RoPE, layer 1 MoE (4 experts, top 2).
+        common.update(attn_implementation="eager")
+        cfg = tf.MiMoV2FlashConfig(
+            num_key_value_heads=1,
+            head_dim=24,
+            v_head_dim=16,
+            layer_types=["full_attention", "sliding_attention"],
+            mlp_layer_types=["dense", "sparse"],
+            sliding_window=8,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            **common,
+        )
+        cls = tf.MiMoV2FlashForCausalLM
     else:
         raise ValueError(f"model must be one of {MODELS}, got {name!r}")
     torch.manual_seed(seed)
-    return cls(cfg).eval()
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for module in model.modules():  # sinks of unit scale, so they change the softmax visibly
+            sinks = getattr(module, "sinks", None)
+            if isinstance(sinks, torch.nn.Parameter):
+                sinks.normal_(generator=torch.Generator().manual_seed(seed))
+    return model
 
 
 @torch.no_grad()
@@ -80,7 +113,8 @@ def run_rank(rank: int, world_size: int, device, models, strategy_name: str, len
     group = None  # the default process group is the CP group here (None also works at C = 1)
     strategy = cpattn.get_strategy(strategy_name, world_size, pad_multiple=8)
     # Plan once per forward (host), then move the plan to the device.
-    meta = strategy.build_metadata(lens, rank=rank).to(device)
+    # group=: the ranks agree on the plan (one tiny all-gather) or all raise (C > 1)
+    meta = strategy.build_metadata(lens, rank=rank, group=dist.group.WORLD if world_size > 1 else None).to(device)
     gen = torch.Generator().manual_seed(seed + 1)
     input_ids = torch.randint(0, 256, (1, sum(lens)), generator=gen).to(device)  # packed batch [1, T]
     diffs = {}

@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _launch import launch, under_torchrun  # noqa: E402
 
 import cpattn  # noqa: E402
+from cpattn.cache import plan_slots  # noqa: E402
 from cpattn.layers import apply_rope  # noqa: E402
 from cpattn.overlap import start_gather_kv  # noqa: E402
 
@@ -179,11 +180,15 @@ class MiniEngine:
         prefix_lens = [r.cached for r in reqs]
         # [cpattn] Plan once per forward, on the host, from the logical extend and prefix lengths
         # (prefix-cached tokens are never sharded; they only lengthen the key range). Then one
-        # host-to-device copy; nothing on the per-layer path reads it back.
-        meta = strategy.build_metadata(extend_lens, prefix_lens, rank=rank).to(self.device)
+        # host-to-device copy; nothing on the per-layer path reads it back. With group=, the ranks
+        # check (one tiny all-gather) that they all planned this batch, or all raise.
+        meta = strategy.build_metadata(extend_lens, prefix_lens, rank=rank, group=group).to(self.device)
         for r, n in zip(reqs, extend_lens):
             self._reserve(r, r.cached + n)
         page_table, slots = self._page_table_and_slots(reqs, new)  # slots: [T], logical order, real tokens only
+        # [cpattn] Validate the slots ONCE per forward (host: in range, no duplicates, one per token);
+        # every layer's cache write then takes the plan and does no host sync.
+        slot_plan = plan_slots(meta, slots, cfg.num_pages * cfg.page_size)
         ids = torch.tensor([t for toks in new for t in toks], device=self.device)
         positions = torch.cat([torch.arange(r.cached, r.cached + n) for r, n in zip(reqs, extend_lens)]).to(self.device)
 
@@ -206,8 +211,8 @@ class MiniEngine:
             k_ext, v_ext = handle.wait()  # logical [T, Hkv, D] of the whole batch, pad dropped
             # [cpattn] Cache write: every rank writes ALL extend tokens in logical order, so every
             # rank ends the prefill with the full (replicated) cache that decode needs.
-            # (one index_copy_ per cache, at slots[:T]; device-only)
-            cpattn.write_kv_cache(k_ext, v_ext, self.cache.k[layer], self.cache.v[layer], slots)
+            # (one index_copy_ per cache through the slot plan; device-only; all or nothing)
+            cpattn.write_kv_cache(k_ext, v_ext, self.cache.k[layer], self.cache.v[layer], slot_plan)
             # [cpattn] Attention of the local queries against the paged cache (prefix + extend)
             # through the page table; the causal bound of each query comes from the metadata.
             o = strategy.attention(q, self.cache.k[layer], self.cache.v[layer], meta, page_table=page_table)

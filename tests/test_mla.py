@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import cpattn
+from cpattn.cache import plan_slots
 from cpattn.layers.mla import MLAAttention, MLAConfig
 
 from dist_utils import CountCollectives, run_distributed
@@ -90,8 +91,9 @@ def _check_latent_gathers(rank: int, cp: int) -> int:
                 slots = torch.randperm(num_slots, generator=gen)[: t + 5]  # 5 pad entries past T
                 sentinel = torch.full((num_slots, (r + d_rope) * dt_c.itemsize), 0x5A, dtype=torch.uint8)
                 cache_cp, cache_ref = sentinel.clone().view(dt_c), sentinel.clone().view(dt_c)
-                cpattn.write_mla_cache(got_c, got_pe, cache_cp, slots)
-                cpattn.write_mla_cache(kv_c, k_pe, cache_ref, slots)
+                plan = plan_slots(meta, slots, num_slots)  # keeps slots[:T]
+                cpattn.write_mla_cache(got_c, got_pe, cache_cp, plan)
+                cpattn.write_mla_cache(kv_c, k_pe, cache_ref, slots[:t])  # raw: exactly T slots
                 assert torch.equal(_bits(cache_cp), _bits(cache_ref))
                 untouched = torch.ones(num_slots, dtype=torch.bool)
                 untouched[slots[:t]] = False
@@ -131,8 +133,12 @@ def _check_kv_cache_writes(rank: int, cp: int) -> int:
             )
 
         cp_caches, ref_caches = caches(), caches()
-        for (kc, vc, skc, svc), (kk, vv) in ((cp_caches, (k_ext, v_ext)), (ref_caches, (k, v))):
-            cpattn.write_kv_cache(kk, vv, kc, vc, slots, swa_slots=swa_slots, swa_k_cache=skc, swa_v_cache=svc)
+        plan = plan_slots(meta, slots, pages * page_size)  # once per forward; keeps slots[:T]
+        swa_plan = plan_slots(meta, swa_slots, swa_slots_n, name="swa_slots")  # the SWA pool's own plan
+        cpattn.write_kv_cache(k_ext, v_ext, *cp_caches[:2], plan, swa_slots=swa_plan,
+                              swa_k_cache=cp_caches[2], swa_v_cache=cp_caches[3])
+        cpattn.write_kv_cache(k, v, *ref_caches[:2], slots[:t], swa_slots=swa_slots[:t],
+                              swa_k_cache=ref_caches[2], swa_v_cache=ref_caches[3])
         for a, b in zip(cp_caches, ref_caches):
             assert torch.equal(_bits(a), _bits(b))
         kc = _bits(cp_caches[0]).view(pages * page_size, -1)
@@ -309,7 +315,7 @@ def test_write_mla_cache_trims_and_pages():
     kv_c, k_pe = torch.randn(5, 6, generator=gen), torch.randn(5, 2, generator=gen)
     cache = torch.full((3, 4, 8), -1.0)  # [num_pages, page_size, r + d_rope]
     slots = torch.tensor([9, 0, 4, 5, 11, 1, 2], dtype=torch.int32)  # 2 pad entries
-    assert cpattn.write_mla_cache(kv_c, k_pe, cache, slots) is cache
+    assert cpattn.write_mla_cache(kv_c, k_pe, cache, plan_slots(5, slots, 12)) is cache  # plan keeps slots[:5]
     flat = cache.view(12, 8)
     assert torch.equal(flat[slots[:5].long()], torch.cat([kv_c, k_pe], 1))
     assert bool((flat[[1, 2, 3, 6, 7, 8, 10]] == -1).all())
@@ -318,7 +324,7 @@ def test_write_mla_cache_trims_and_pages():
     # raw-byte cache with mixed dtypes: fp8 latent + bf16 rope key
     raw = torch.zeros(12, 6 + 2 * 2, dtype=torch.uint8)
     c8, pe16 = kv_c.to(FP8), k_pe.to(torch.bfloat16)
-    cpattn.write_mla_cache(c8, pe16, raw, slots)
+    cpattn.write_mla_cache(c8, pe16, raw, slots[:5])
     assert torch.equal(raw[slots[:5].long(), :6], c8.view(torch.uint8))
     assert torch.equal(raw[slots[:5].long(), 6:], pe16.view(torch.uint8))
     # T = 0 writes nothing
@@ -388,6 +394,22 @@ def test_layer_bad_inputs():
     _raises(ValueError, "prefix_slots must have sum", model, x, pos, s, meta, cache=cache, slots=slots, prefix_slots=torch.arange(3))
     _raises(TypeError, "prefix_slots must be int32", model, x, pos, s, meta, cache=cache, slots=slots, prefix_slots=torch.zeros(2))
     _raises(ValueError, "not both", model, x, pos, s, meta, prefix_latent=prefix, cache=cache, slots=slots, prefix_slots=torch.arange(2))
+    # slot plans: checked against the cache before the collective; a rejected call writes nothing
+    cache = torch.randn(8, CFG.latent_dim)
+    before = cache.clone()
+    _raises(ValueError, r"slots\[4\] = 8 is out of range", model, x, pos, s, meta, prefix_latent=prefix, cache=cache,
+            slots=torch.tensor([0, 1, 2, 3, 8]))
+    _raises(ValueError, "slots was planned for num_slots=9 but cache has 8", model, x, pos, s, meta,
+            prefix_latent=prefix, cache=cache, slots=plan_slots(meta, slots, 9))
+    _raises(ValueError, "prefix_slots was planned for num_slots=9", model, x, pos, s, meta, cache=cache, slots=slots,
+            prefix_slots=plan_slots(2, torch.arange(2), 9, name="prefix_slots", allow_duplicates=True))
+    _raises(ValueError, "prefix_slots must plan sum", model, x, pos, s, meta, cache=cache, slots=slots,
+            prefix_slots=plan_slots(3, torch.arange(3), 8, name="prefix_slots"))
+    assert torch.equal(cache, before)
+    # a plan gives the same result as raw slots
+    out_raw, _ = model(x, pos, s, meta, prefix_latent=prefix, cache=cache.clone(), slots=slots)
+    out_plan, _ = model(x, pos, s, meta, prefix_latent=prefix, cache=cache, slots=plan_slots(meta, slots, 8))
+    assert torch.equal(out_raw, out_plan)
     s2 = cpattn.ZigzagStrategy(2)
     meta2 = s2.build_metadata([3, 2], rank=0)
     _raises(ValueError, "kv_c_local", s2.gather_mla_latent, torch.zeros(7, 4), torch.zeros(meta2.num_physical_tokens, 2), meta2)

@@ -345,3 +345,201 @@ def test_strategy_bounds_hold():
                 metas = [s.build_metadata(ext, rank=r) for r in range(cp)]
                 assert max(metas[0].num_local_tokens_per_rank) <= s.max_local_tokens(max(sum(ext), 1), b)
                 assert max(m.num_segments for m in metas) <= s.max_segments(b)
+
+
+# ----------------------------------------------------------------------------- GPU: graph replay
+GPU_BATCHES = [([3000, 17, 1, 900], [0, 200, 5, 3000]), ([6000], [100]), ([5, 2500, 700, 64, 1], [0, 0, 40, 900, 7])]
+
+
+def _fill_batch(ext, pre, hq, hkv, d, k_buf, v_buf, x_buf, page, caches, table, gen):
+    """Random logical q and packed K/V of a batch written into the fixed buffers (and into the
+    paged caches through a shuffled page table)."""
+    t, n_kv = sum(ext), sum(e + p for e, p in zip(ext, pre))
+    x_buf.zero_()
+    x_buf[:t].normal_(generator=gen)
+    k_buf.normal_(generator=gen)
+    v_buf.normal_(generator=gen)
+    if page is None:
+        return t, n_kv
+    kc, vc = caches
+    lens = [e + p for e, p in zip(ext, pre)]
+    perm = torch.randperm(kc.shape[0], device=kc.device, generator=gen)
+    table.fill_(0)
+    used, off = 0, 0
+    for b, n in enumerate(lens):
+        pages = -(-n // page)
+        table[b, :pages] = perm[used : used + pages].to(table.dtype)
+        j = torch.arange(n, device=kc.device)
+        kc[table[b, j // page].long(), j % page] = k_buf[off : off + n]
+        vc[table[b, j // page].long(), j % page] = v_buf[off : off + n]
+        used, off = used + pages, off + n
+    return t, n_kv
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["zigzag", "interleave"])
+@pytest.mark.parametrize("page", [None, 64])
+def test_gpu_graph_capture_replays_for_other_batches(name, page):
+    """Capture shard + plan.run once (static plans), then for three different ragged batches:
+    plan into the same buffers, replay, compare with an eager plan of the batch."""
+    dev = torch.device("cuda")
+    cp, rank, hq, hkv, d = 2, 1, 16, 4, 128
+    s = cpattn.get_strategy(name, cp, pad_multiple=64)
+    planner = cpattn.StaticPlanner(s, max_tokens=8192, max_seqs=8, max_kv_tokens=16384, device=dev)
+    cap = planner.capacity
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x_buf = torch.zeros(cap.max_tokens, hq, d, device=dev, dtype=torch.bfloat16)
+    k_buf = torch.zeros(cap.max_kv_tokens, hkv, d, device=dev, dtype=torch.bfloat16)
+    v_buf = torch.zeros_like(k_buf)
+    caches = table = None
+    if page is not None:
+        num_pages = cap.max_kv_tokens // page + cap.max_seqs
+        caches = (torch.full((num_pages, page, hkv, d), float("nan"), device=dev, dtype=torch.bfloat16),
+                  torch.full((num_pages, page, hkv, d), float("nan"), device=dev, dtype=torch.bfloat16))
+        table = torch.zeros(cap.max_seqs, cap.max_kv_tokens // page + 1, device=dev, dtype=torch.int32)
+    out_buf = torch.empty(cap.max_local_tokens, hq, d, device=dev, dtype=torch.bfloat16)
+    lse_buf = torch.empty(cap.max_local_tokens, hq, device=dev, dtype=torch.float32)
+    kv = caches if caches is not None else (k_buf, v_buf)
+
+    def plan_for(ext, pre):
+        meta = planner.plan(ext, pre, rank=rank)
+        plan = s.plan_attention(meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16,
+                                page_size=page, backend="triton")
+        return meta, plan
+
+    ext0, pre0 = GPU_BATCHES[0]
+    _fill_batch(ext0, pre0, hq, hkv, d, k_buf, v_buf, x_buf, page, caches, table, gen)
+    meta, plan = plan_for(ext0, pre0)
+    for _ in range(2):  # warm up (compile) outside the capture
+        plan.run(s.shard(x_buf, meta), *kv, page_table=table, out=out_buf, lse=lse_buf)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(s.shard(x_buf, meta), *kv, page_table=table, out=out_buf, lse=lse_buf)
+    for ext, pre in GPU_BATCHES:
+        t, n_kv = _fill_batch(ext, pre, hq, hkv, d, k_buf, v_buf, x_buf, page, caches, table, gen)
+        meta_b, _ = plan_for(ext, pre)  # rewrites the fixed buffers the graph reads
+        graph.replay()
+        fresh = s.build_metadata(ext, pre, rank=rank).to(dev)
+        q = s.shard(x_buf[:t], fresh)
+        ref, ref_lse = s.attention(q, k_buf[:n_kv], v_buf[:n_kv], fresh, backend="triton", return_lse=True)
+        n = fresh.num_local_tokens
+        assert (out_buf[:n].float() - ref[:n].float()).abs().max().item() < 1e-2
+        assert (lse_buf[:n] - ref_lse[:n]).abs().max().item() < 1e-3
+        assert (out_buf[n:] == 0).all() and torch.isneginf(lse_buf[n:]).all()
+
+
+@pytest.mark.gpu
+def test_gpu_graph_capture_full_layer_path_cp1():
+    """C = 1 (no group needed): shard / gather_kv / plan.run / gather captured once, replayed
+    for three batches, equal to eager."""
+    dev = torch.device("cuda")
+    s = cpattn.ZigzagStrategy(1, pad_multiple=64)
+    planner = cpattn.StaticPlanner(s, max_tokens=8192, max_seqs=8, max_kv_tokens=8192, device=dev)
+    cap = planner.capacity
+    hq, hkv, d = 8, 2, 128
+    gen = torch.Generator(device=dev).manual_seed(1)
+    x = torch.zeros(cap.max_tokens, hq + 2 * hkv, d, device=dev, dtype=torch.bfloat16)
+    y = torch.zeros(cap.max_tokens, hq, d, device=dev, dtype=torch.bfloat16)
+
+    def layer(meta, plan):
+        h = s.shard(x, meta)
+        q, k, v = h[:, :hq], h[:, hq : hq + hkv], h[:, hq + hkv :]
+        k_all, v_all = s.gather_kv(k.contiguous(), v.contiguous(), meta)
+        o = plan.run(q.contiguous(), k_all, v_all)
+        y.copy_(s.gather(o, meta))
+
+    batches = [([1000, 3, 2000], None), ([4096], None), ([7, 7, 7, 7, 900], None)]
+    meta = planner.plan(*batches[0], rank=0)
+    plan = s.plan_attention(meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16, backend="triton")
+    for _ in range(2):
+        layer(meta, plan)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer(meta, plan)
+    for ext, _ in batches:
+        t = sum(ext)
+        x.zero_()
+        x[:t].normal_(generator=gen)
+        m = planner.plan(ext, rank=0)
+        s.plan_attention(m, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16, backend="triton")
+        graph.replay()
+        fresh = s.build_metadata(ext, rank=0).to(dev)
+        xs = x[:t]
+        q_ref = s.shard(xs[:, :hq].contiguous(), fresh)
+        ref = s.attention(q_ref, xs[:, hq : hq + hkv].contiguous(), xs[:, hq + hkv :].contiguous(), fresh,
+                          backend="triton")
+        assert (y[:t].float() - ref[:t].float()).abs().max().item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [None, 64])
+def test_gpu_planned_launch_repeats_and_respecializes(page):
+    """The planned launch (compiled kernel called directly after the first call) gives the JIT
+    call's result, and a call whose arguments specialize differently (an unaligned q view, other
+    sinks strides) goes through the JIT again and is still right."""
+    dev = torch.device("cuda")
+    s = cpattn.ZigzagStrategy(2, pad_multiple=64)
+    ext, pre = [3000, 900], [100, 0]
+    meta = s.build_metadata(ext, pre, rank=1).to(dev)
+    gen = torch.Generator(device=dev).manual_seed(3)
+    n_kv = sum(ext) + sum(pre)
+    q = torch.randn(meta.num_physical_tokens, 16, 128, device=dev, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(n_kv, 4, 128, device=dev, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(n_kv, 4, 128, device=dev, dtype=torch.bfloat16, generator=gen)
+    sinks = torch.randn(32, device=dev, generator=gen)
+    table = None
+    if page is not None:
+        pages = -(-3100 // page) + -(-900 // page)
+        kc = torch.zeros(pages, page, 4, 128, device=dev, dtype=torch.bfloat16)
+        vc = torch.zeros_like(kc)
+        table = torch.zeros(2, -(-3100 // page), device=dev, dtype=torch.int32)
+        used = 0
+        for b, (n, off) in enumerate(((3100, 0), (900, 3100))):
+            p = -(-n // page)
+            table[b, :p] = torch.arange(used, used + p, device=dev)
+            kc.view(-1, 4, 128)[used * page : used * page + n] = k[off : off + n]
+            vc.view(-1, 4, 128)[used * page : used * page + n] = v[off : off + n]
+            used += p
+        k_in, v_in = kc, vc
+    else:
+        k_in, v_in = k, v
+    plan = s.plan_attention(meta, num_q_heads=16, num_kv_heads=4, head_dim=128, dtype=torch.bfloat16,
+                            page_size=page, has_sinks=True, backend="triton")
+    ref = s.attention(q.float(), k.float(), v.float(), meta, sinks=sinks[::2], backend="torch")
+    n = meta.num_local_tokens
+    first = plan.run(q, k_in, v_in, page_table=table, sinks=sinks[::2])
+    second = plan.run(q, k_in, v_in, page_table=table, sinks=sinks[::2])
+    assert torch.equal(first, second)
+    assert (first[:n].float() - ref[:n]).abs().max().item() < 2e-2
+    buf = torch.empty(q.numel() + 1, device=dev, dtype=q.dtype)
+    q_odd = buf[1:].view_as(q)  # base not 16-byte aligned
+    q_odd.copy_(q)
+    third = plan.run(q_odd, k_in, v_in, page_table=table, sinks=sinks[::2].clone())  # sinks stride 1 now
+    assert (third[:n].float() - ref[:n]).abs().max().item() < 2e-2
+
+
+def test_static_slot_plan_writes_only_the_batch():
+    """A static plan's slot plan covers the capacity rows at a fixed address; writing the
+    capacity-sized gathered rows stores exactly the batch's rows (pad rows repeat the last one)."""
+    s = cpattn.ContiguousStrategy(1)
+    planner = cpattn.StaticPlanner(s, max_tokens=32, max_seqs=4, max_kv_tokens=64, device="cpu")
+    ptr = None
+    for ext in ([5, 9], [20, 1, 3]):
+        t = sum(ext)
+        meta = planner.plan(ext, rank=0)
+        slots = torch.randperm(100)[:t]
+        plan = cpattn.plan_slots(meta, slots, 100)
+        assert plan.num_tokens == 32 and plan.index.shape == (32,)
+        ptr = ptr or plan.index.data_ptr()
+        assert plan.index.data_ptr() == ptr
+        k = torch.randn(t, 2, 4)
+        k_rows = torch.zeros(32, 2, 4)
+        k_rows[:t] = k
+        k_rows[t:] = k[-1]  # what gather_kv returns past T under a static plan
+        kc, vc = torch.zeros(100, 2, 4), torch.zeros(100, 2, 4)
+        cpattn.write_kv_cache(k_rows, k_rows, kc, vc, plan)
+        ref = torch.zeros(100, 2, 4)
+        ref[slots] = k
+        assert torch.equal(kc, ref) and torch.equal(vc, ref)

@@ -14,7 +14,15 @@ gather hidden states back before the logits::
 """
 
 from . import dsa, padding
-from .cache import kv_bytes_per_token, mla_bytes_per_token, read_mla_cache, write_kv_cache, write_mla_cache
+from .cache import (
+    SlotPlan,
+    kv_bytes_per_token,
+    mla_bytes_per_token,
+    plan_slots,
+    read_mla_cache,
+    write_kv_cache,
+    write_mla_cache,
+)
 from .collectives import PendingGather, PlanDisagreement, gathered_bytes_per_token
 from .kernels import AttentionSpec, available_backends
 from .kv import pack_kv
@@ -46,6 +54,7 @@ __all__ = [
     "PendingGather",
     "PlanDisagreement",
     "STRATEGIES",
+    "SlotPlan",
     "SparseAttentionPlan",
     "StaticPlanner",
     "ZigzagStrategy",
@@ -59,6 +68,7 @@ __all__ = [
     "padding",
     "plan_attention",
     "plan_index_topk",
+    "plan_slots",
     "plan_sparse_attention",
     "read_mla_cache",
     "resolve_backend",

@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "kernel": ("kernel", "attention kernels (triton, fa4, torch SDPA) on per-rank CP work (GPU)"),
     "mla": ("mla", "MLA latent all-gather vs full K/V gather, MLA layer at CP=1 vs CP=2 (GPUs)"),
     "cp": ("cp", "end-to-end CP prefill of an attention stack vs peers (torchrun, GPUs)"),
+    "plan": ("plan", "host work per attention call: plan.run vs strategy.attention (GPU)"),
     "scaling": ("scaling", "arithmetic model of CP prefill time for C = 1..64 across nodes (CPU)"),
     "sparse": ("sparse", "DSA sparse attention and index top-k on one rank's interleave CP work (GPU)"),
 }

@@ -13,6 +13,15 @@ from typing import Callable
 
 import torch
 
+#: Default output folder of every subcommand (relative to the working directory, git-ignored).
+#: The tracked figures under docs/benchmarks/ are written only when ``--out`` names them.
+DEFAULT_OUT_DIR = "bench-out"
+
+
+def default_out(name: str) -> str:
+    """Default output path ``bench-out/<name>`` of a subcommand (``name``: file or stem)."""
+    return os.path.join(DEFAULT_OUT_DIR, name)
+
 
 def progress(message: str) -> None:
     """One progress line on stderr (benchmarks print results to stdout / files)."""

@@ -58,7 +58,7 @@ from cpattn.kv import pack_kv
 from cpattn.layers import AttentionStack
 from cpattn.layers.rope import apply_rope
 
-from .common import header, progress, write_json
+from .common import default_out, header, progress, write_json
 
 TORCH_BACKEND_MAX_TOKENS = 16 * 1024  # the torch reference backend materializes score chunks
 RAGGED_EXTEND_FRACTIONS = (0.4, 0.3, 0.2, 0.1)
@@ -103,8 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds; cpattn/MLA configs not started by then are skipped (the long sizes run last)")
     parser.add_argument("--long-from", default="256k", help="sizes from here on run after the peer and MLA")
     parser.add_argument("--out", default=None,
-                        help="JSON path (default docs/benchmarks/cp-h200x2.json on GPU, "
-                        "/tmp/cpattn-bench/cp-cpu-small.json on CPU); PNGs are written beside it")
+                        help="JSON path (default bench-out/cp.json on GPU, bench-out/cp-cpu-small.json on CPU); "
+                        "PNGs are written beside it; docs figures: --out docs/benchmarks/cp-h200x2.json")
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -672,7 +672,7 @@ def _defaults(args: argparse.Namespace) -> None:
     args.long_from = _parse_tokens(str(args.long_from))[0]
     args.backend = args.backend or ("torch" if args.device == "cpu" else "auto")
     if args.out is None:
-        args.out = "docs/benchmarks/cp-h200x2.json" if args.device == "cuda" else "/tmp/cpattn-bench/cp-cpu-small.json"
+        args.out = default_out("cp.json" if args.device == "cuda" else "cp-cpu-small.json")
 
 
 def _build_mla(args, device, dtype):

@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .common import header, progress, time_cuda, time_cuda_back_to_back, write_json
+from .common import default_out, header, progress, time_cuda, time_cuda_back_to_back, write_json
 
 SHAPES = {"d128": (32, 8, 128, 128), "d192": (16, 16, 192, 128)}
 BACKENDS = ("triton", "triton-portable", "fa4", "fa4-raw", "sdpa")
@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-paged", action="store_true", help="skip the paged (page 64) workload")
     p.add_argument("--backends", default=",".join(BACKENDS), help="comma list of " + ",".join(BACKENDS))
     p.add_argument("--iters", type=int, default=10, help="timed iterations (fewer for > 100 ms calls)")
-    p.add_argument("--out", default="docs/benchmarks/kernel-h200", help="output path without extension")
+    p.add_argument("--out", default=default_out("kernel"),
+                   help="output path without extension (.json, .png); docs figures: --out docs/benchmarks/kernel-h200")
     p.add_argument("--triton-config", default=None, help="BLOCK_M,BLOCK_N,warps,stages: skip autotuning")
 
 

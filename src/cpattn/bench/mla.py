@@ -38,7 +38,7 @@ import torch.distributed as dist
 import cpattn
 from cpattn.layers.mla import MLAAttention, MLAConfig
 
-from .common import header, progress, time_cuda, time_host, write_json
+from .common import default_out, header, progress, time_cuda, time_host, write_json
 
 #: The torch reference backend materializes fp32 score chunks: do not time it past this size.
 TORCH_BACKEND_MAX_TOKENS = 16 * 1024
@@ -70,9 +70,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-gather", action="store_true", help="skip the gather comparison")
     parser.add_argument("--no-layer", action="store_true", help="skip the layer comparison")
     parser.add_argument("--out", default=None,
-                        help="JSON path (default docs/benchmarks/mla-h200x2.json on GPU, "
-                        "/tmp/cpattn-bench/mla-cpu-small.json on CPU); the PNG is written beside it")
+                        help="JSON path (default bench-out/mla.json on GPU, bench-out/mla-cpu-small.json on "
+                        "CPU); the PNG is written beside it; docs figures: --out docs/benchmarks/mla-h200x2.json")
     parser.add_argument("--no-plot", action="store_true")
+
+
+def default_out_path(device_type: str) -> str:
+    """JSON path used without ``--out`` (an ignored folder; docs figures need an explicit --out)."""
+    return default_out("mla.json" if device_type == "cuda" else "mla-cpu-small.json")
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -312,8 +317,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = MLAConfig() if args.small else MLAConfig.deepseek_v3()
     if args.heads:
         cfg = dataclasses.replace(cfg, num_heads=args.heads)
-    out_path = args.out or ("docs/benchmarks/mla-h200x2.json" if ctx.device.type == "cuda"
-                            else "/tmp/cpattn-bench/mla-cpu-small.json")
+    out_path = args.out or default_out_path(ctx.device.type)
     log(f"mla bench: world={ctx.world} device={ctx.device} dtype={ctx.dtype} tokens={tokens_list} "
         f"forms={forms} strategy={args.strategy} backend={args.backend} config={cfg}")
 

@@ -29,7 +29,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from .common import progress
+from .common import default_out, progress
 
 
 @dataclass(frozen=True)
@@ -233,7 +233,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, default=m.d)
     parser.add_argument("--hidden", type=int, default=m.hidden)
     parser.add_argument("--from-json", default=None, help="measured cpattn.bench cp JSON (replaces the assumptions)")
-    parser.add_argument("--png", default="docs/benchmarks/scaling-model.png")
+    parser.add_argument("--png", default=default_out("scaling-model.png"),
+                        help="figure path (docs figure: --png docs/benchmarks/scaling-model.png)")
     parser.add_argument("--json", default=None, help="also write the table as JSON here")
 
 

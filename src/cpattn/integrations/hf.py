@@ -14,7 +14,7 @@ Adoption, on every rank of the CP group::
     from cpattn.integrations import hf as cphf
 
     s = cpattn.ZigzagStrategy(cp_size)
-    meta = s.build_metadata(extend_lens, rank=rank).to(device)       # plan once per forward
+    meta = s.build_metadata(extend_lens, rank=rank, group=group).to(device)   # plan once per forward
     cphf.enable(model)                                               # attn_implementation="cpattn"
     inputs = cphf.shard_inputs(s, meta, input_ids=ids)               # ids [1, T] -> [1, P]
     with cphf.cp_context(s, meta, group):
@@ -25,19 +25,31 @@ Adoption, on every rank of the CP group::
 ids are global and restart at every sequence (derived from ``meta`` unless given). Pad rows see
 token 0 at position 0; their outputs are dropped by :func:`gather_outputs`.
 
-Limits: batch dim 1 (packed), no HF KV cache (``use_cache=False``; prefix lengths must be 0: an
-engine with a paged cache uses the strategy API directly, see docs/integration.md), no dropout,
-no softcap, no custom 4-D masks. MLA models (DeepseekV3) gather the up-projected per-head K/V that
-the attention function receives; gathering the compressed latent instead needs a change in the
-model's attention module (``strategy.gather_mla_latent`` before ``expand_kv``).
+``use_cache=True`` (one sequence): the returned ``DynamicCache`` holds the whole logical K/V
+``[1, Hkv, T, D]`` of every layer on every rank (the gathered K/V, written into the cache by the
+attention function), so the plain model can decode from it without CP (``model.generate(...,
+cache=out.cache)`` after ``model.set_attn_implementation("sdpa")``).
+
+Refused, with a ValueError before any collective (nothing here can run them exactly):
+:func:`enable` rejects models with token mixers other than full / sliding-window attention
+(``layer_types`` such as ``linear_attention`` or ``conv``, convolution or recurrent mixer modules:
+Qwen3-Next, Lfm2, Mamba hybrids; they mix tokens across the sequence outside attention) and
+attention logit softcapping (Gemma 2); a 2-D ``attention_mask`` containing zeros (padding) is
+rejected by :func:`shard_inputs` and by the forward (all ones is fine). Also: batch dim 1 (packed),
+prefix lengths 0, no dropout, no custom 4-D masks. MLA models (DeepseekV3) gather the up-projected
+per-head K/V that the attention function receives; gathering the compressed latent instead needs a
+change in the model's attention module (``strategy.gather_mla_latent`` before ``expand_kv``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import inspect
 import logging
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import torch
@@ -51,6 +63,8 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "CPContext",
     "cp_context",
+    "SUPPORTED_LAYER_TYPES",
+    "check_model",
     "cpattn_attention_forward",
     "enable",
     "gather_outputs",
@@ -65,6 +79,15 @@ logger = logging.getLogger("cpattn")
 ATTN_IMPLEMENTATION = "cpattn"
 
 
+#: ``layer_types`` entries the plug-in runs exactly (attention over the whole sequence or a window).
+SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+
+#: Class-name pattern of known token mixers that are not attention (recurrent / SSM / conv blocks).
+_MIXER_CLASS = re.compile(
+    r"Mamba|GatedDeltaNet|DeltaNet|LinearAttention|Lightning|ShortConv|Rwkv|RWKV|RecurrentBlock|Rglru|SSM"
+)
+
+
 @dataclass(frozen=True)
 class CPContext:
     """What the attention function needs for one forward: strategy, the rank's plan (on the
@@ -74,6 +97,8 @@ class CPContext:
     meta: CPMetadata
     group: Any = None
     backend: str = "auto"
+    # Per-forward state set by the model's pre-hook (see enable): {"cache": DynamicCache or None}.
+    _forward: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 _CONTEXT: contextvars.ContextVar[Optional[CPContext]] = contextvars.ContextVar("cpattn_hf_context", default=None)
@@ -97,19 +122,177 @@ def register(name: str = ATTN_IMPLEMENTATION) -> str:
     return name
 
 
-def enable(model, name: str = ATTN_IMPLEMENTATION):
-    """Register (if needed) and switch ``model`` to the cpattn attention function; returns model.
+def _configs(model: torch.nn.Module) -> list:
+    config = model.config
+    configs = [config]
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        text = get_text(decoder=True) if "decoder" in inspect.signature(get_text).parameters else get_text()
+        if text is not None and text is not config:
+            configs.append(text)
+    return configs
 
-    Equivalent to building the model with ``attn_implementation="cpattn"`` after :func:`register`.
+
+def check_model(model: torch.nn.Module) -> None:
+    """ValueError unless every token mixer of ``model`` is attention the plug-in runs exactly.
+
+    Checks, without changing the model: ``config.layer_types`` (and ``layers_block_type``) hold
+    only full / sliding-window attention; no convolution (``nn.Conv1d``) or known recurrent /
+    linear-attention mixer module in the decoder (they mix tokens along the sequence outside
+    attention, so rank-local rows would silently give wrong outputs); no attention logit
+    softcapping (``config.attn_logit_softcapping``, Gemma 2). :func:`enable` calls it first.
     """
+    problems = []
+    for config in _configs(model):
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is not None:
+            bad = {i: t for i, t in enumerate(layer_types) if t not in SUPPORTED_LAYER_TYPES}
+            if bad:
+                problems.append(
+                    f"config.layer_types has token mixers other than attention at layers {sorted(bad)}: "
+                    f"{sorted(set(bad.values()))} (supported: {sorted(SUPPORTED_LAYER_TYPES)})"
+                )
+        block_types = getattr(config, "layers_block_type", None)
+        if block_types is not None:
+            bad = sorted({t for t in block_types if t != "attention"})
+            if bad:
+                problems.append(f"config.layers_block_type has non-attention blocks {bad}")
+        softcap = getattr(config, "attn_logit_softcapping", None)
+        if softcap:
+            problems.append(f"config.attn_logit_softcapping={softcap} (attention logit softcapping is not supported)")
+    decoder = _decoder(model)
+    for path, module in decoder.named_modules():
+        kind = type(module).__name__
+        if isinstance(module, torch.nn.Conv1d) or _MIXER_CLASS.search(kind):
+            problems.append(f"module {path or '<root>'} ({kind}) mixes tokens along the sequence outside attention")
+            break
+    if problems:
+        raise ValueError(
+            f"{type(model).__name__} cannot run exactly under cpattn CP (rank-local rows would give wrong "
+            "outputs): " + "; ".join(dict.fromkeys(problems))
+        )
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    get = getattr(model, "get_decoder", None)
+    try:
+        decoder = get() if callable(get) else None
+    except Exception:  # noqa: BLE001 - exotic wrappers raise; the whole model is then checked
+        decoder = None
+    return decoder if isinstance(decoder, torch.nn.Module) else model
+
+
+def enable(model: torch.nn.Module, name: str = ATTN_IMPLEMENTATION) -> torch.nn.Module:
+    """Check ``model`` (:func:`check_model`), register the attention function, switch ``model`` to
+    it and install the input checks / cache hook on its decoder; returns ``model``.
+
+    Raises ValueError, leaving the model unchanged, for models the plug-in cannot run exactly.
+    Idempotent. Switch back with ``model.set_attn_implementation("sdpa")`` (e.g. to decode without
+    CP from the prefill's cache); the hook is inactive then.
+    """
+    check_model(model)
+    previous = getattr(model.config, "_attn_implementation", None)
     register(name)
     model.set_attn_implementation(name)
     if model.config._attn_implementation != name:
+        if previous is not None and previous != model.config._attn_implementation:
+            model.set_attn_implementation(previous)
         raise ValueError(
             f"{type(model).__name__} did not switch to attn_implementation={name!r} "
             f"(it reports {model.config._attn_implementation!r}); it may not use transformers' AttentionInterface"
         )
+    decoder = _decoder(model)
+    if not getattr(decoder, "_cpattn_hooked", False):
+        decoder.register_forward_pre_hook(functools.partial(_before_forward, name=name), with_kwargs=True)
+        decoder.register_forward_hook(_after_forward, always_call=True)
+        decoder._cpattn_hooked = True
     return model
+
+
+def _cache_argument(decoder: torch.nn.Module) -> str:
+    params = inspect.signature(decoder.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _check_mask(mask: Any, where: str) -> None:
+    """A 2-D padding mask is only exact when it is all ones (the plan gives the boundaries)."""
+    if isinstance(mask, Tensor) and mask.dim() == 2 and not bool((mask != 0).all()):
+        zeros = int((mask == 0).sum())
+        raise ValueError(
+            f"{where}: attention_mask of shape {tuple(mask.shape)} has {zeros} zero(s) (padding); cpattn takes the "
+            "sequence boundaries from the plan and cannot mask single tokens: pack the batch without pad tokens "
+            "(give the real lengths as extend_lens) and pass no mask, or an all-ones mask"
+        )
+
+
+def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict, *, name: str) -> Optional[tuple[tuple, dict]]:
+    """Decoder pre-hook (installed by enable): under a CP context with the cpattn attention, reject
+    a 2-D mask with zeros and, for ``use_cache``, hand the model an empty DynamicCache whose layers
+    the attention function fills with the gathered K/V. Runs before any collective."""
+    ctx = _CONTEXT.get()
+    if ctx is None or getattr(module.config, "_attn_implementation", None) != name:
+        return None
+    ctx._forward.clear()
+    try:
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+    except TypeError:
+        return None  # the model raises its own error for bad arguments
+
+    def argument(key: str):
+        value = bound.arguments.get(key)
+        return kwargs.get(key) if value is None or key == "kwargs" else value
+
+    _check_mask(argument("attention_mask"), "the forward")
+    use_cache = argument("use_cache")
+    if use_cache is None:
+        use_cache = bool(getattr(module.config, "use_cache", False))
+    cache_name = _cache_argument(module)
+    cache = argument(cache_name)
+    if cache is None and cache_name != "past_key_values":
+        cache = kwargs.get("past_key_values")  # the deprecated name of the same argument
+    if not use_cache:
+        if cache is not None:
+            raise ValueError("a cache was passed with use_cache=False: pass use_cache=True to fill it under CP")
+        ctx._forward["active"] = True
+        return None
+    transformers = _import_transformers()
+    _check_cache_use(ctx.meta)
+    if cache is None:
+        cache = transformers.DynamicCache(config=module.config)
+        kwargs = {k: v for k, v in kwargs.items() if k != "past_key_values"}
+        kwargs[cache_name] = cache
+    _check_cache_object(cache, transformers)
+    ctx._forward.update(active=True, cache=cache)
+    return args, kwargs
+
+
+def _after_forward(module: torch.nn.Module, args: tuple, output: Any) -> None:
+    ctx = _CONTEXT.get()
+    if ctx is not None:
+        ctx._forward.clear()
+    return None
+
+
+def _check_cache_use(meta: CPMetadata) -> None:
+    if meta.num_seqs != 1:
+        raise ValueError(
+            f"use_cache=True needs a single sequence (a transformers cache holds one contiguous K/V per layer), "
+            f"got {meta.num_seqs} packed sequences; run them one at a time or pass use_cache=False"
+        )
+
+
+def _check_cache_object(cache: Any, transformers: Any) -> None:
+    layer_types = (transformers.cache_utils.DynamicLayer, transformers.cache_utils.DynamicSlidingWindowLayer)
+    if not isinstance(cache, transformers.DynamicCache) or any(type(x) not in layer_types for x in cache.layers):
+        raise ValueError(
+            f"the cache must be an empty transformers.DynamicCache (dynamic full / sliding layers), got "
+            f"{type(cache).__name__}"
+        )
+    if cache.get_seq_length() != 0:
+        raise ValueError(
+            f"the cache already holds {cache.get_seq_length()} tokens: a CP prefill starts from an empty cache "
+            "(prefix_lens must be 0)"
+        )
 
 
 @contextlib.contextmanager
@@ -165,6 +348,8 @@ def shard_inputs(
     input_ids: Optional[Tensor] = None,
     inputs_embeds: Optional[Tensor] = None,
     position_ids: Optional[Tensor] = None,
+    attention_mask: Optional[Tensor] = None,
+    use_cache: bool = False,
 ) -> dict[str, Tensor | bool]:
     """Shard the packed model inputs of the whole batch for this rank.
 
@@ -172,15 +357,29 @@ def shard_inputs(
         input_ids: [1, T] (or [T]) token ids, sequences packed one after another. Or
         inputs_embeds: [1, T, hidden].
         position_ids: [1, T] global positions; default :func:`packed_position_ids`.
+        attention_mask: optional [1, T] (or [T]) padding mask; must be all ones (a zero would
+            mask a token the plan treats as real: ValueError). It is not passed on.
+        use_cache: return a cache (``out.cache``) holding the whole logical K/V; one sequence only.
 
     Returns:
         keyword arguments for ``model(**kwargs)``: ``input_ids`` [1, P] (or ``inputs_embeds``
         [1, P, hidden]), ``position_ids`` [1, P] (pad rows: token 0 / zero embedding, position 0)
-        and ``use_cache=False``.
+        and ``use_cache``.
     """
     strategy.check_metadata(meta)
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids and inputs_embeds")
+    if not isinstance(use_cache, bool):
+        raise TypeError(f"use_cache must be a bool, got {type(use_cache).__name__}")
+    if use_cache:
+        _check_cache_use(meta)
+    if attention_mask is not None:
+        mask = _as_batch_rows(attention_mask, "attention_mask", meta.num_tokens, "num_tokens T")
+        if mask.dim() != 2:
+            raise ValueError(
+                f"attention_mask must be [1, T={meta.num_tokens}], got shape {tuple(attention_mask.shape)}"
+            )
+        _check_mask(mask, "shard_inputs")
     out: dict[str, Tensor | bool] = {}
     if input_ids is not None:
         ids = _as_batch_rows(input_ids, "input_ids", meta.num_tokens, "num_tokens T")
@@ -191,7 +390,7 @@ def shard_inputs(
     pos = packed_position_ids(meta) if position_ids is None else position_ids
     pos = _as_batch_rows(pos, "position_ids", meta.num_tokens, "num_tokens T")
     out["position_ids"] = strategy.shard(pos, meta, dim=1)
-    out["use_cache"] = False
+    out["use_cache"] = use_cache
     return out
 
 
@@ -200,6 +399,13 @@ def gather_outputs(strategy: CPStrategy, meta: CPMetadata, x_local: Tensor, grou
     whole packed batch in logical order, identical on every rank (ONE all-gather; pad dropped)."""
     x_local = _as_batch_rows(x_local, "x_local", meta.num_physical_tokens, "num_physical_tokens P")
     return strategy.gather(x_local, meta, group, dim=1)
+
+
+def _layer_index(module: torch.nn.Module) -> int:
+    idx = getattr(module, "layer_idx", None)
+    if isinstance(idx, bool) or not isinstance(idx, int):
+        raise ValueError(f"{type(module).__name__} has no integer layer_idx: cannot write its K/V into the cache")
+    return idx
 
 
 def cpattn_attention_forward(
@@ -220,13 +426,19 @@ def cpattn_attention_forward(
 
     K/V of all ranks are gathered in one collective; the local queries attend causally within
     their own sequence (from the CP metadata). ``sliding_window`` W (transformers: keys with
-    ``k > q - W``) maps to window_size ``(W - 1, 0)``; ``s_aux`` are attention sinks [Hq].
+    ``k > q - W``) maps to window_size ``(W - 1, 0)``; ``s_aux`` are attention sinks [Hq]. With
+    ``use_cache`` the gathered K/V ``[1, Hkv, T, D]`` replace the rank-local rows in the cache.
     """
     ctx = _CONTEXT.get()
     if ctx is None:
         raise RuntimeError(
             "attn_implementation='cpattn' needs a CP context: run the forward inside "
             "`with cpattn.integrations.hf.cp_context(strategy, meta, group):`"
+        )
+    if not ctx._forward.get("active"):
+        raise RuntimeError(
+            "the model's decoder has no cpattn input hook: prepare the model with "
+            "cpattn.integrations.hf.enable(model) (not only attn_implementation='cpattn')"
         )
     meta = ctx.meta
     rows = meta.num_physical_tokens
@@ -252,6 +464,11 @@ def cpattn_attention_forward(
     # Per layer: ONE all-gather of this rank's K/V -> logical [T, Hkv, D] / [T, Hkv, Dv]. Without
     # prefix, the logical extend K/V is already the packed layout strategy.attention reads.
     k_all, v_all = ctx.strategy.gather_kv(k, v, meta, ctx.group)
+    cache = ctx._forward.get("cache")
+    if cache is not None:  # the model cached its rank-local rows: replace them by the logical K/V
+        layer = cache.layers[_layer_index(module)]
+        layer.reset()
+        layer.update(k_all.transpose(0, 1).unsqueeze(0), v_all.transpose(0, 1).unsqueeze(0))
     out = ctx.strategy.attention(
         q,
         k_all,

@@ -470,14 +470,24 @@ def dot_settings(dtype: torch.dtype) -> dict:
     return dict(DOT_PRECISION="ieee" if dtype == torch.float32 or upcast else "tf32", DOT_UPCAST=upcast)
 
 
+def make_launch(plan_args: dict, config: Optional[tuple[int, int, int]] = None):
+    """A :class:`PlannedLaunch` of the portable kernel with the planned keyword arguments
+    (tile map, tile count, segments, geometry constexprs; see ``triton_backend``). ``config`` =
+    (BLOCK_N, num_warps, num_stages) bypasses the autotuner (the interpreter uses a small one)."""
+    from ._launch import PlannedLaunch
+
+    if INTERPRETED or config is not None:
+        bn, warps, stages = config if config is not None else (16, 4, 1)
+        fixed = dict(plan_args, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        return PlannedLaunch(_cp_attn_fwd, fixed, enabled=not INTERPRETED)
+    return PlannedLaunch(_cp_attn_fwd_tuned, plan_args)
+
+
 def launch(
-    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tensor], sinks: Optional[Tensor],
-    page_table: Optional[Tensor], *, grid: tuple[int], plan_args: dict, softmax_scale: float,
-    config: Optional[tuple[int, int, int]] = None,
+    launcher, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tensor], sinks: Optional[Tensor],
+    page_table: Optional[Tensor], cu_kv_lens: Tensor, *, grid: tuple[int], softmax_scale: float,
 ) -> None:
-    """Launch the portable kernel. ``plan_args`` holds the planned keyword arguments (tile map,
-    tile count, segments, geometry constexprs, see ``triton_backend``); the rest is per layer.
-    ``config`` = (BLOCK_N, num_warps, num_stages) bypasses the autotuner."""
+    """Launch the portable kernel through its planned launcher (:func:`make_launch`)."""
     paged = page_table is not None
     if paged:
         skp, skn, skh = k.stride(0), k.stride(1), k.stride(2)
@@ -486,23 +496,26 @@ def launch(
     else:
         skp, skn, skh = 0, k.stride(0), k.stride(1)
         svp, svn, svh = 0, v.stride(0), v.stride(1)
-        pt, stride_pt = plan_args["cu_kv_lens"], 0
+        pt, stride_pt = cu_kv_lens, 0
     use_tma = not paged and not INTERPRETED and _tma_ok(k, v)
+    has_sinks, has_lse = sinks is not None, lse is not None
+    sq, sh = q.stride(0), q.stride(1)
+    so, soh = out.stride(0), out.stride(1)
+    slm, slh = (lse.stride(0), lse.stride(1)) if has_lse else (0, 0)
+    ssink = sinks.stride(0) if has_sinks else 0
     args = dict(
-        Q=q, K=k, V=v, Out=out, Lse=lse if lse is not None else out, Sinks=sinks if sinks is not None else out,
+        Q=q, K=k, V=v, Out=out, Lse=lse if has_lse else out, Sinks=sinks if has_sinks else out,
         PageTable=pt, qk_scale=float(softmax_scale) * LOG2E, num_kv_rows=k.shape[0],
-        stride_qm=q.stride(0), stride_qh=q.stride(1), stride_sink=sinks.stride(0) if sinks is not None else 0,
-        stride_kp=skp, stride_kn=skn, stride_kh=skh, stride_vp=svp, stride_vn=svn, stride_vh=svh,
-        stride_om=out.stride(0), stride_oh=out.stride(1),
-        stride_lm=lse.stride(0) if lse is not None else 0, stride_lh=lse.stride(1) if lse is not None else 0,
-        stride_pt=stride_pt, HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None, USE_TMA=use_tma,
-        **plan_args,
+        stride_qm=sq, stride_qh=sh, stride_sink=ssink, stride_kp=skp, stride_kn=skn, stride_kh=skh,
+        stride_vp=svp, stride_vn=svn, stride_vh=svh, stride_om=so, stride_oh=soh, stride_lm=slm, stride_lh=slh,
+        stride_pt=stride_pt, HAS_SINKS=has_sinks, RETURN_LSE=has_lse, USE_TMA=use_tma,
     )
-    if INTERPRETED or config is not None:
-        bn, warps, stages = config if config is not None else (16, 4, 1)
-        _cp_attn_fwd[grid](**args, BLOCK_N=bn, num_warps=warps, num_stages=stages)
-    elif use_tma:
+    key = (q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, out.data_ptr() & 15,
+           lse.data_ptr() & 15 if has_lse else -1, (sinks.dtype, sinks.data_ptr() & 15) if has_sinks else None,
+           (pt.dtype, pt.data_ptr() & 15), k.shape[0], sq, sh, ssink, skp, skn, skh, svp, svn, svh, so, soh, slm, slh,
+           stride_pt, use_tma)
+    if use_tma:
         with scratch_allocator():
-            _cp_attn_fwd_tuned[grid](**args)
+            launcher(grid, args, key)
     else:
-        _cp_attn_fwd_tuned[grid](**args)
+        launcher(grid, args, key)

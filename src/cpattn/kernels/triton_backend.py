@@ -11,7 +11,8 @@ launches: O(1) host work. Triton is imported lazily: ``import cpattn`` works wit
 ``backend_options``: ``family`` ("auto", "portable", "sm90": "sm90" raises ValueError where it
 cannot run), ``block_m`` (query rows x packed heads per program), ``config`` ((BLOCK_N,
 num_warps, num_stages) of the portable kernel, bypassing the autotuner), ``sm90`` (a dict of
-:data:`SM90_OPTIONS` overrides). ``CPATTN_TRITON_SM90=0`` in the environment (read at plan time)
+:data:`SM90_OPTIONS` overrides), ``planned_launch`` (default True: after the first call, launch
+the compiled kernel directly, see :mod:`._launch`; False: every call through the JIT). ``CPATTN_TRITON_SM90=0`` in the environment (read at plan time)
 makes "auto" use the portable kernel.
 """
 
@@ -36,7 +37,7 @@ _KERNEL_MODULE = "cpattn.kernels.triton_attn"
 #: on H200; docs/kernels.md has the numbers).
 SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": 0, "pingpong": False}
 
-_OPTION_NAMES = {"family", "block_m", "config", "sm90"}
+_OPTION_NAMES = {"family", "block_m", "config", "sm90", "planned_launch"}
 
 
 def _interpret_env() -> bool:
@@ -91,12 +92,19 @@ class _TritonRun:
             num_head_groups=num_head_groups, heads_per_section=section, group_size=hq // hkv, G_PACK=g_pack,
             HAS_WINDOW=spec.window_left >= 0,
         )
-        self.sm90_args = common
         d1, d2 = triton_attn.split_head_dim(d)
         self.portable_args = dict(
             common, HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D1=d1, BLOCK_D2=d2, BLOCK_M=block_m,
             PAGED=spec.paged, PAGE_SIZE=spec.page_size or 1, **triton_attn.dot_settings(spec.dtype),
         )
+        self.cu_kv_lens = meta.cu_kv_lens
+        self._portable_launch = triton_attn.make_launch(self.portable_args, self.config)
+        self._sm90_launch = triton_sm90.make_launch(common, d, dv, spec.dtype, **self.sm90_options) \
+            if self.use_sm90 else None
+        if not options.get("planned_launch", True):  # every call through the JIT (for comparison)
+            for launcher in (self._portable_launch, self._sm90_launch):
+                if launcher is not None:
+                    launcher._enabled = False
         self._portable, self._sm90 = triton_attn.launch, triton_sm90.launch
         self._contiguous, self._layout_ok = triton_attn.last_dim_contiguous, triton_sm90.kv_layout_ok
         self.family = "sm90" if self.use_sm90 else "portable"
@@ -116,11 +124,10 @@ class _TritonRun:
 
     def _launch(self, q, k, v, page_table, sinks, softmax_scale, out, lse) -> None:
         if self.use_sm90 and self._layout_ok(k, v):
-            self._sm90(q, k, v, out, lse, sinks, grid=self.grid, plan_args=self.sm90_args,
-                       softmax_scale=softmax_scale, **self.sm90_options)
+            self._sm90(self._sm90_launch, q, k, v, out, lse, sinks, grid=self.grid, softmax_scale=softmax_scale)
         else:
-            self._portable(q, k, v, out, lse, sinks, page_table, grid=self.grid, plan_args=self.portable_args,
-                           softmax_scale=softmax_scale, config=self.config)
+            self._portable(self._portable_launch, q, k, v, out, lse, sinks, page_table, self.cu_kv_lens,
+                           grid=self.grid, softmax_scale=softmax_scale)
 
 
 class TritonBackend:

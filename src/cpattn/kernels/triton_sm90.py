@@ -386,48 +386,63 @@ def _smem_layout(block: int, cols: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([block, cols], gdt)
 
 
-def kv_descriptors(k: Tensor, v: Tensor, block_n: int):
+def kv_descriptors(k: Tensor, v: Tensor, block_n: int, k_layout=None, k2_layout=None, v_layout=None):
     """Host TMA descriptors over packed K/V seen as ``[rows, Hkv * D]`` matrices: K in column
     splits ``D1`` and ``D2`` (:func:`split_qk_dim`; KV head ``h`` starts at column ``h * D``, the
     second split at ``h * D + D1``), V in blocks ``[block_n, Dv]``. With ``D2 = 0`` the second K
-    descriptor is the first (never read)."""
+    descriptor is the first (never read). The shared-memory layouts may be given (planned once)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     n, hkv, d = k.shape
     dv = v.shape[-1]
     d1, d2 = split_qk_dim(d)
-    k_desc = TensorDescriptor(k, [n, hkv * d], [k.stride(0), 1], [block_n, d1], _smem_layout(block_n, d1, k.dtype))
+    k_layout = k_layout or _smem_layout(block_n, d1, k.dtype)
+    k_desc = TensorDescriptor(k, [n, hkv * d], [k.stride(0), 1], [block_n, d1], k_layout)
     k2_desc = k_desc
     if d2:
-        k2_desc = TensorDescriptor(k, [n, hkv * d], [k.stride(0), 1], [block_n, d2], _smem_layout(block_n, d2, k.dtype))
-    v_desc = TensorDescriptor(v, [n, hkv * dv], [v.stride(0), 1], [block_n, dv], _smem_layout(block_n, dv, v.dtype))
+        k2_desc = TensorDescriptor(k, [n, hkv * d], [k.stride(0), 1], [block_n, d2],
+                                   k2_layout or _smem_layout(block_n, d2, k.dtype))
+    v_desc = TensorDescriptor(v, [n, hkv * dv], [v.stride(0), 1], [block_n, dv], v_layout or _smem_layout(block_n, dv, v.dtype))
     return k_desc, k2_desc, v_desc
 
 
-def launch(
-    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tensor], sinks: Optional[Tensor], *,
-    grid: tuple[int], plan_args: dict, softmax_scale: float, block_n: int = 128, stages: int = 3,
-    overlap: int = 0, pingpong: bool = False,
-) -> None:
-    """Launch the warp-specialized kernel into ``out`` / ``lse`` (packed K/V). ``plan_args``:
-    the planned keyword arguments (tile map with its device tile count, segments, G_PACK, L2
-    section; see ``triton_backend``), whose tiles are ``NUM_CONSUMERS * CONSUMER_ROWS`` rows x
-    heads. ``overlap`` 1 issues ``P_{j-1} V_{j-1}`` and ``Q K_j^T`` back to back, 2 also runs
-    softmax_j under the first; ``pingpong`` (with ``overlap``) makes the two consumers take
-    turns issuing their GEMMs. ``stages`` is capped by shared memory (D192/128 fits 2)."""
-    d, dv = q.shape[2], v.shape[-1]
+def make_launch(plan_args: dict, d: int, dv: int, dtype: torch.dtype, *, block_n: int = 128, stages: int = 3,
+                overlap: int = 0, pingpong: bool = False):
+    """A :class:`PlannedLaunch` of the warp-specialized kernel with the planned keyword arguments
+    (tile map with its device tile count, segments, G_PACK, L2 section; see ``triton_backend``),
+    whose tiles are ``NUM_CONSUMERS * CONSUMER_ROWS`` rows x heads. ``overlap`` 1 issues
+    ``P_{j-1} V_{j-1}`` and ``Q K_j^T`` back to back, 2 also runs softmax_j under the first;
+    ``pingpong`` (with ``overlap``) makes the two consumers take turns issuing their GEMMs.
+    ``stages`` is capped by shared memory (D192/128 fits 2)."""
+    from ._launch import PlannedLaunch
+
     d1, d2 = split_qk_dim(d)
     block_m = CONSUMER_ROWS
-    stages = min(stages, max_stages(d, dv, block_n, q.element_size()))
-    k_desc, k2_desc, v_desc = kv_descriptors(k, v, block_n)
-    _cp_attn_fwd_sm90[grid](
-        Q=q, k_desc=k_desc, k2_desc=k2_desc, v_desc=v_desc, Out=out, Lse=lse if lse is not None else out,
-        Sinks=sinks if sinks is not None else out, qk_scale=float(softmax_scale) * LOG2E,
-        stride_qm=q.stride(0), stride_qh=q.stride(1), stride_om=out.stride(0), stride_oh=out.stride(1),
-        stride_lm=lse.stride(0) if lse is not None else 0, stride_lh=lse.stride(1) if lse is not None else 0,
-        stride_sink=sinks.stride(0) if sinks is not None else 0,
-        BLOCK_M=block_m, STAGES=stages, HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None,
-        OVERLAP=int(overlap), PINGPONG=bool(pingpong and overlap), Q_SMEM=_smem_layout(block_m, d1, q.dtype),
-        HEAD_DIM2=d2, Q2_SMEM=_smem_layout(block_m, max(d2, 16), q.dtype), num_warps=4, maxnreg=168,
-        **plan_args,
+    fixed = dict(
+        plan_args, BLOCK_M=block_m, STAGES=min(stages, max_stages(d, dv, block_n, dtype.itemsize)),
+        OVERLAP=int(overlap), PINGPONG=bool(pingpong and overlap), Q_SMEM=_smem_layout(block_m, d1, dtype),
+        HEAD_DIM2=d2, Q2_SMEM=_smem_layout(block_m, max(d2, 16), dtype), num_warps=4, maxnreg=168,
     )
+    launcher = PlannedLaunch(_cp_attn_fwd_sm90, fixed)
+    launcher.layouts = (block_n, _smem_layout(block_n, d1, dtype),
+                        _smem_layout(block_n, d2, dtype) if d2 else None, _smem_layout(block_n, dv, dtype))
+    return launcher
+
+
+def launch(launcher, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tensor], sinks: Optional[Tensor], *,
+           grid: tuple[int], softmax_scale: float) -> None:
+    """Launch the warp-specialized kernel into ``out`` / ``lse`` (packed, TMA-compatible K/V)."""
+    k_desc, k2_desc, v_desc = kv_descriptors(k, v, *launcher.layouts)
+    has_sinks, has_lse = sinks is not None, lse is not None
+    sq, sh, so, soh = q.stride(0), q.stride(1), out.stride(0), out.stride(1)
+    slm, slh = (lse.stride(0), lse.stride(1)) if has_lse else (0, 0)
+    ssink = sinks.stride(0) if has_sinks else 0
+    args = dict(
+        Q=q, k_desc=k_desc, k2_desc=k2_desc, v_desc=v_desc, Out=out, Lse=lse if has_lse else out,
+        Sinks=sinks if has_sinks else out, qk_scale=float(softmax_scale) * LOG2E, stride_qm=sq, stride_qh=sh,
+        stride_om=so, stride_oh=soh, stride_lm=slm, stride_lh=slh, stride_sink=ssink, HAS_SINKS=has_sinks,
+        RETURN_LSE=has_lse,
+    )
+    key = (q.data_ptr() & 15, out.data_ptr() & 15, lse.data_ptr() & 15 if has_lse else -1,
+           (sinks.dtype, sinks.data_ptr() & 15) if has_sinks else None, sq, sh, so, soh, slm, slh, ssink)
+    launcher(grid, args, key)

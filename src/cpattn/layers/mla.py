@@ -27,13 +27,20 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ..cache import _check_mla_write, _slot_index, read_mla_cache, write_mla_cache
+from ..cache import SlotPlan, _check_mla_write, _resolve_slots, plan_slots, read_mla_cache, write_mla_cache
 from ..kv import pack_kv
 from ..metadata import CPMetadata
 from ..strategies import CPStrategy
 from .rope import apply_rope
 
 __all__ = ["MLAConfig", "MLAAttention"]
+
+
+def _num_slots(cache: Tensor) -> int:
+    """Slots of a flat [num_slots, row] or paged [num_pages, page_size, row] cache (host ints)."""
+    if not isinstance(cache, Tensor):
+        raise TypeError(f"cache must be a torch.Tensor, got {type(cache).__name__}")
+    return cache.shape[0] * cache.shape[1] if cache.dim() == 3 else cache.shape[0]
 
 
 @dataclass(frozen=True)
@@ -204,8 +211,8 @@ class MLAAttention(nn.Module):
         *,
         prefix_latent: Optional[tuple[Tensor, Tensor]] = None,
         cache: Optional[Tensor] = None,
-        slots: Optional[Tensor] = None,
-        prefix_slots: Optional[Tensor] = None,
+        slots: Optional[Tensor | SlotPlan] = None,
+        prefix_slots: Optional[Tensor | SlotPlan] = None,
         absorb: bool = False,
         backend: str = "auto",
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
@@ -217,9 +224,14 @@ class MLAAttention(nn.Module):
             strategy, meta, group: the CP plan and process group (cp_size 1: single process).
             prefix_latent: cached prefix latent (kv_c [sum(prefix_lens), r], k_pe [.., d_rope]),
                 packed per sequence; or give ``cache`` + ``prefix_slots`` to read it from the cache.
-            cache: MLA latent cache (see :func:`cpattn.write_mla_cache`); with ``slots`` ([>= T]
-                logical order) the gathered extend latent is written there.
-            prefix_slots: [sum(prefix_lens)] cache slots of the prefix tokens, packed per sequence.
+            cache: MLA latent cache (see :func:`cpattn.write_mla_cache`); with ``slots`` the gathered
+                extend latent is written there.
+            slots: a :class:`cpattn.cache.SlotPlan` from ``plan_slots(meta, slots, num_slots)``
+                (validated once per forward; the layer then does no host sync), or a raw [>= T]
+                int tensor in logical order (planned here: one host sync per call).
+            prefix_slots: cache slots of the prefix tokens, packed per sequence: a SlotPlan of
+                sum(prefix_lens) rows (``plan_slots(n, ..., allow_duplicates=True)`` for shared
+                pages), or a raw [sum(prefix_lens)] int tensor (checked here: one host sync).
             absorb: run attention in the latent space (D = r + d_rope, Dv = r, one KV head).
             backend: attention backend ("auto", "torch", "triton", "fa4").
 
@@ -253,15 +265,28 @@ class MLAAttention(nn.Module):
                     )
 
         if cache is not None:  # validated before the collective: a bad cache raises on every rank
+            if not isinstance(slots, SlotPlan):
+                slots = plan_slots(meta, slots, _num_slots(cache))
             _check_mla_write(
                 cache, slots, meta.num_tokens, c.kv_lora_rank, c.qk_rope_head_dim, x.dtype, x.dtype, x.device
             )
         if prefix_slots is not None:
-            _slot_index(prefix_slots, num_prefix, x.device, "prefix_slots")  # type / dtype / device checks
-            if prefix_slots.shape[0] != num_prefix:
-                raise ValueError(
-                    f"prefix_slots must have sum(prefix_lens)={num_prefix} entries, got {prefix_slots.shape[0]}"
+            if isinstance(prefix_slots, SlotPlan):
+                if prefix_slots.num_tokens != num_prefix:
+                    raise ValueError(
+                        f"prefix_slots must plan sum(prefix_lens)={num_prefix} rows, got {prefix_slots.num_tokens}"
+                    )
+            else:
+                if isinstance(prefix_slots, Tensor) and prefix_slots.dim() == 1 and prefix_slots.shape[0] != num_prefix:
+                    raise ValueError(
+                        f"prefix_slots must have sum(prefix_lens)={num_prefix} entries, got {prefix_slots.shape[0]}"
+                    )
+                prefix_slots = plan_slots(
+                    num_prefix, prefix_slots, _num_slots(cache), name="prefix_slots", allow_duplicates=True
                 )
+            # the read comes after the collective: check it against the cache now
+            _resolve_slots(prefix_slots, "prefix_slots", num_prefix, "the prefix", _num_slots(cache), "cache",
+                           cache.device, write=False)
 
         kv_c, k_pe = self._latent(x, positions)
         pending = strategy.gather_mla_latent(kv_c, k_pe, meta, group, async_op=True)
