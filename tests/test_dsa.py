@@ -229,23 +229,29 @@ def test_index_topk_whole_pages(dsa_interp, fp8):
     _check_index_topk((2, [37, 5, 20], [11, 0, 16], 1), "zigzag", "triton", "below", True, fp8, 2, page_size=16)
 
 
-def test_index_topk_chunks_and_windows(dsa_interp):
+@pytest.mark.parametrize("page_size,block_n", [(None, 16), (16, 16), (64, 64), (5, 16)])
+def test_index_topk_chunks_and_windows(dsa_interp, page_size, block_n):
     """Tiny score budgets force many row chunks and key windows merged by the running top-k:
-    the selection is the same as one chunk."""
-    extend, prefix = [45, 3, 30], [20, 0, 7]
+    the selection is the same as one chunk (packed, whole-block pages, partial pages; key windows
+    start BLOCK_N-aligned, so a block read as one box of a 64-key page never straddles pages)."""
+    extend, prefix = [45, 3, 30], [20, 0, 77]
     s = cpattn.InterleaveStrategy(2)
-    q, k, w, _, _ = _index_inputs(extend, prefix, 2, 16, 3)
+    q, k, w, _, g = _index_inputs(extend, prefix, 2, 16, 3)
     oracle = index_scores_oracle(q, k, w, extend, prefix, 16**-0.5)
+    kw, k_in = {}, k
+    if page_size:
+        (k_in,), kw["page_table"] = _paged([k], extend, prefix, page_size, g)
     for rank in range(2):
         meta = s.build_metadata(extend, prefix, rank=rank)
         ql, wl = s.shard(q, meta), s.shard(w, meta)
         for budget in (16 * 16, 16 * 48, 1 << 16):
             plan = cpattn.plans.plan_index_topk(meta, num_heads=2, head_dim=16, q_dtype=q.dtype, k_dtype=k.dtype,
-                                                topk=9, backend="triton",
-                                                backend_options={"max_score_elems": budget, "block_m": 16})
+                                                topk=9, page_size=page_size, backend="triton",
+                                                backend_options={"max_score_elems": budget, "block_m": 16,
+                                                                 "config": (block_n, 4, 1)})
             if budget == 16 * 16:
                 assert max(len(c[4]) for c in plan._impl.chunks) > 1  # key windows exercised
-            check_selection(plan.run(ql, k, wl), meta, oracle, 9, 1e-4)
+            check_selection(plan.run(ql, k_in, wl, **kw), meta, oracle, 9, 1e-4)
 
 
 # ----------------------------------------------------------------------------- sparse attention

@@ -23,12 +23,11 @@ index_topk >= 300 TF/s. Writes JSON rows {workload, op, backend, ms, tflops, wor
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Callable
 
 import torch
 
-from .common import header, progress, time_cuda_back_to_back, time_host, write_json
+from .common import default_out, header, progress, time_cuda_back_to_back, time_host, write_json
 
 TARGETS = {"sparse_attention": 450.0, "index_topk": 300.0}
 
@@ -45,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8", action="store_true", help="also time index_topk with fp8 keys + fp32 scales")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--out", default=None, help="output path without extension (default bench-out/sparse-<device>)")
+    p.add_argument("--out", default=default_out("sparse"), help="output path without extension (JSON + PNG)")
     p.add_argument("--no-plot", action="store_true")
 
 
@@ -162,7 +161,7 @@ def main(args: argparse.Namespace) -> int:
     for r in rows:
         print(f"{r['workload']:34s} {r['op']:17s} {r['variant']:17s} {r['backend']:8s} {r['ms']:10.3f} "
               f"{r['tflops']:8.1f} {TARGETS[r['op']]:7.0f}")
-    out = args.out or os.path.join("bench-out", f"sparse-{device.type}{'-small' if args.small else ''}")
+    out = args.out
     payload = {**header("python -m cpattn.bench sparse"), "shapes": shp, "strategy": args.strategy, "cp": args.cp,
                "rank": args.rank, "targets_tflops": TARGETS, "rows": rows}
     write_json(out + ".json", payload)

@@ -29,6 +29,7 @@ path builds them too); the engine path (``cpattn.dsa.index_topk``) never materia
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional
 
 import torch
@@ -106,11 +107,13 @@ def prepare_forward(module, ctx, bound, kwargs: dict, cache_name: str, cache: Op
             raise ValueError(f"the cache must be an empty transformers.DynamicCache, got {type(inner).__name__} "
                              f"holding {inner.get_seq_length() if hasattr(inner, 'get_seq_length') else '?'} tokens")
     mask = _dsa_mask(ctx.meta)
-    new_kwargs = {}
-    for name, value in bound.arguments.items():
-        if name == "kwargs" and isinstance(value, dict) and bound.signature.parameters[name].kind == \
-                bound.signature.parameters[name].VAR_KEYWORD:
+    new_args, new_kwargs = (), {}
+    for name, value in bound.arguments.items():  # every argument by name (positional ones too)
+        kind = bound.signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
             new_kwargs.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            new_args = tuple(value)
         else:
             new_kwargs[name] = value
     new_kwargs.pop("past_key_values", None)
@@ -118,7 +121,7 @@ def prepare_forward(module, ctx, bound, kwargs: dict, cache_name: str, cache: Op
     new_kwargs["attention_mask"] = {DSA_LAYER_TYPE: mask}
     new_kwargs["use_cache"] = use_cache
     ctx._forward.update(active=True, dsa_mask=mask, dsa_cache=inner)
-    return (), new_kwargs
+    return new_args, new_kwargs
 
 
 def finish_forward(ctx, output: Any) -> None:

@@ -167,9 +167,11 @@ def _row_order_tiles(meta: CPMetadata, block_m: int) -> dict[str, Tensor]:
     }
 
 
-def _chunks(tiles: dict[str, Tensor], budget: int, align: int) -> list[tuple[int, int, int, int, list]]:
+def _chunks(tiles: dict[str, Tensor], budget: int, align: int, window_align: int) -> list[tuple]:
     """Greedy chunks of consecutive tiles: (first tile, num tiles, first row, rows, windows) with
-    windows [(p_lo, width)] covering [0, the chunk's largest key count) under ``budget`` values."""
+    windows [(p_lo, width)] covering [0, the chunk's largest key count rounded up to ``align``)
+    under ``budget`` values. Window starts are multiples of ``window_align`` (the kernel's keys per
+    program, a multiple of every BLOCK_N), so key blocks stay BLOCK_N-aligned (inside one page)."""
     row0, length, keys = tiles["row0"].tolist(), tiles["len"].tolist(), tiles["keys"].tolist()
     out = []
     i, n = 0, len(row0)
@@ -182,8 +184,8 @@ def _chunks(tiles: dict[str, Tensor], budget: int, align: int) -> list[tuple[int
                 break
             width, j = max(width, keys[j]), j + 1
         rows = row0[j - 1] + length[j - 1] - row0[i]
-        window = max(align, (budget // max(rows, 1)) // align * align)
         width = -(-width // align) * align
+        window = max(window_align, (budget // max(rows, 1)) // window_align * window_align)
         windows = [(p, min(window, width - p)) for p in range(0, width, window)]
         out.append((i, j - i, row0[i], rows, windows))
         i = j
@@ -205,7 +207,7 @@ class _TritonIndexRun:
             raise ValueError(f"backend_options block_m / keys_per_program must be powers of two >= 16, got "
                              f"{block_m} / {kpp}")
         tiles = _row_order_tiles(meta, block_m)
-        self.chunks = _chunks(tiles, int(budget), 16)
+        self.chunks = _chunks(tiles, int(budget), 16, kpp)
         self.topk = spec.topk
         self.config = options.get("config")
         size = tiles["row0"].numel()
