@@ -120,6 +120,18 @@ def _run_workload(s_len: int, args, shp: dict, backends: list[str], device: torc
     return rows
 
 
+def _tuned() -> dict:
+    """Autotuner choices of the DSA kernels in this run (GPU; empty under the interpreter)."""
+    import sys
+
+    out = {}
+    for name in ("triton_sparse", "triton_index"):
+        mod = sys.modules.get(f"cpattn.kernels.{name}")
+        if mod is not None:
+            out[name] = mod.tuned_configs()
+    return out
+
+
 def _plot(rows: list[dict], path: str) -> None:
     try:
         import matplotlib
@@ -163,7 +175,7 @@ def main(args: argparse.Namespace) -> int:
               f"{r['tflops']:8.1f} {TARGETS[r['op']]:7.0f}")
     out = args.out
     payload = {**header("python -m cpattn.bench sparse"), "shapes": shp, "strategy": args.strategy, "cp": args.cp,
-               "rank": args.rank, "targets_tflops": TARGETS, "rows": rows}
+               "rank": args.rank, "targets_tflops": TARGETS, "rows": rows, "tuned_configs": _tuned()}
     write_json(out + ".json", payload)
     if not args.no_plot:
         _plot(rows, out + ".png")

@@ -43,12 +43,18 @@ def dot_settings(q_dtype: torch.dtype, k_dtype: torch.dtype) -> dict:
 
 def _configs() -> list:
     return [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bn in (128, 64, 256) for w in (4, 8) for s in (3, 2, 4)]
+            for bn in (128, 256) for w in (8, 4) for s in (2, 3)]
+
+
+def _autotune_enabled() -> bool:
+    return os.environ.get("CPATTN_TRITON_AUTOTUNE", "1") != "0"
 
 
 def _prune_configs(configs, named_args, **kwargs):
     """Keep configs whose K block, q stages and score accumulators fit (shared memory and
-    <= 128 fp32 accumulator registers per thread for the two [BLOCK_M, BLOCK_N] tiles)."""
+    <= 128 fp32 accumulator registers per thread for the two [BLOCK_M, BLOCK_N] tiles). Without
+    autotuning (``CPATTN_TRITON_AUTOTUNE=0``) the first one kept: (128, 8 warps, 2 stages), 127
+    registers and no spills at 64 rows on sm_90."""
     arg = lambda name: named_args.get(name, kwargs.get(name))  # noqa: E731
     bd, bm, kpp = arg("BLOCK_D"), arg("BLOCK_M"), arg("KEYS_PER_PROGRAM")
     kept = []
@@ -60,7 +66,8 @@ def _prune_configs(configs, named_args, **kwargs):
         if smem > SM90_SMEM_PER_BLOCK or 2 * bm * bn // (32 * warps) > 128:
             continue
         kept.append(c)
-    return kept or [min(configs, key=lambda c: (c.kwargs["BLOCK_N"], c.num_stages))]
+    kept = kept or [min(configs, key=lambda c: (c.kwargs["BLOCK_N"], c.num_stages))]
+    return kept if _autotune_enabled() else kept[:1]
 
 
 @triton.jit
@@ -165,6 +172,11 @@ _index_scores_fwd_tuned = triton.autotune(
     key=["NUM_HEADS", "HEAD_DIM", "BLOCK_M", "KEYS_PER_PROGRAM", "PAGED", "PAGE_SIZE", "HAS_KSCALE"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_index_scores_fwd)
+
+
+def tuned_configs() -> dict:
+    """The autotuner's choice per key so far (for benchmarks and notes)."""
+    return {str(key): str(cfg) for key, cfg in getattr(_index_scores_fwd_tuned, "cache", {}).items()}
 
 
 def launch(

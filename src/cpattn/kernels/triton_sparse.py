@@ -65,15 +65,23 @@ def dot_settings(dtype: torch.dtype) -> dict:
 
 def _configs() -> list:
     return [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bn in (64, 32, 16) for w in (8, 4) for s in (2, 3, 1)]
+            for bn in (64, 32) for w in (8, 4) for s in (2, 3)]
+
+
+def _autotune_enabled() -> bool:
+    return os.environ.get("CPATTN_TRITON_AUTOTUNE", "1") != "0"
 
 
 def _prune_configs(configs, named_args, **kwargs):
     """Keep configs whose K/V stages and q fit in shared memory and whose accumulator fits in
-    registers (BLOCK_H x Dv fp32 over the warps' threads <= 128 per thread)."""
+    registers (BLOCK_H x Dv fp32 over the warps' threads <= 128 per thread). Without autotuning
+    (``CPATTN_TRITON_AUTOTUNE=0``) the first one kept: (32, 8 warps, 2 stages) for the absorbed
+    576 / 512 form (fewest spills on sm_90, tools/dsa_offline_check.py)."""
     arg = lambda name: named_args.get(name, kwargs.get(name))  # noqa: E731
     d1, d2, dv, bh = arg("BLOCK_D1"), arg("BLOCK_D2"), arg("BLOCK_DV"), arg("BLOCK_H")
     v_is_k = arg("V_IS_K")
+    if bh * dv > 8192:  # large accumulators: smaller key blocks first (fewer spills)
+        configs = sorted(configs, key=lambda c: (c.kwargs["BLOCK_N"], -c.num_warps, c.num_stages))
     kept = []
     for c in configs:
         bn, stages, warps = c.kwargs["BLOCK_N"], c.num_stages, c.num_warps
@@ -83,7 +91,8 @@ def _prune_configs(configs, named_args, **kwargs):
         if bh * dv // (32 * warps) > 128:
             continue
         kept.append(c)
-    return kept or [min(configs, key=lambda c: (c.kwargs["BLOCK_N"], c.num_stages, -c.num_warps))]
+    kept = kept or [min(configs, key=lambda c: (c.kwargs["BLOCK_N"], c.num_stages, -c.num_warps))]
+    return kept if _autotune_enabled() else kept[:1]
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -209,6 +218,11 @@ _sparse_attn_fwd_tuned = triton.autotune(
     key=["topk", "HEAD_DIM", "HEAD_DIM_V", "BLOCK_H", "PAGED", "PAGE_SIZE", "V_IS_K"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_sparse_attn_fwd)
+
+
+def tuned_configs() -> dict:
+    """The autotuner's choice per key so far (for benchmarks and notes)."""
+    return {str(key): str(cfg) for key, cfg in getattr(_sparse_attn_fwd_tuned, "cache", {}).items()}
 
 
 # ----------------------------------------------------------------------------- host launcher
