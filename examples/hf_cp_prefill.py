@@ -7,6 +7,7 @@ mismatch and prints the max difference.
 
     python examples/hf_cp_prefill.py --model llama --cp 2                 # spawns 2 gloo ranks (CPU)
     python examples/hf_cp_prefill.py --model llama qwen3 deepseek_v3 gpt_oss mimo_v2_flash --cp 3 --strategy interleave
+    python examples/hf_cp_prefill.py --model glm_moe_dsa deepseek_v32 --cp 2 --strategy interleave   # DSA
     torchrun --nproc_per_node 2 examples/hf_cp_prefill.py --model qwen3   # NCCL on GPUs, gloo on CPU
 """
 
@@ -24,12 +25,13 @@ from _launch import launch, under_torchrun  # noqa: E402
 
 import cpattn  # noqa: E402
 
-MODELS = ("llama", "qwen3", "deepseek_v3", "gpt_oss", "mimo_v2_flash")
+MODELS = ("llama", "qwen3", "deepseek_v3", "gpt_oss", "mimo_v2_flash", "glm_moe_dsa", "deepseek_v32")
 
 
-def build_model(name: str, seed: int):
+def build_model(name: str, seed: int, index_topk: int = 8):
     """A tiny random-weight model of the family ``name`` (fp32, eval mode; reference attention SDPA,
-    eager for the models with attention sinks, whose SDPA path transformers does not offer)."""
+    eager for the models with attention sinks, whose SDPA path transformers does not offer).
+    ``index_topk``: keys each query of the DSA models (glm_moe_dsa, deepseek_v32) attends."""
     import transformers as tf
 
     common = dict(
@@ -93,6 +95,21 @@ def build_model(name: str, seed: int):
             **common,
         )
         cls = tf.MiMoV2FlashForCausalLM
+    elif name in ("glm_moe_dsa", "deepseek_v32"):
+        # DSA: MLA (q/k 16 + 8 rope, v 16) + a lightning indexer of 16 heads x 16 selecting top-k keys;
+        # glm_moe_dsa's layer 1 reuses layer 0's selection ("shared"); layers 1-2 MoE (4 experts, top 2).
+        dsa = dict(
+            num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
+            v_head_dim=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+            n_group=1, topk_group=1, first_k_dense_replace=1, index_topk=index_topk, index_head_dim=16,
+            index_n_heads=16,
+        )
+        common.update(num_hidden_layers=3)
+        if name == "glm_moe_dsa":
+            cfg, cls = tf.GlmMoeDsaConfig(indexer_types=["full", "shared", "full"], **dsa, **common), \
+                tf.GlmMoeDsaForCausalLM
+        else:
+            cfg, cls = tf.DeepseekV32Config(**dsa, **common), tf.DeepseekV32ForCausalLM
     else:
         raise ValueError(f"model must be one of {MODELS}, got {name!r}")
     torch.manual_seed(seed)
@@ -106,7 +123,8 @@ def build_model(name: str, seed: int):
 
 
 @torch.no_grad()
-def run_rank(rank: int, world_size: int, device, models, strategy_name: str, lens, seed: int) -> dict:
+def run_rank(rank: int, world_size: int, device, models, strategy_name: str, lens, seed: int,
+             index_topk: int = 8) -> dict:
     """Every rank: plain logits vs CP logits for each model; returns {model: max |diff|}."""
     from cpattn.integrations import hf as cphf
 
@@ -119,7 +137,7 @@ def run_rank(rank: int, world_size: int, device, models, strategy_name: str, len
     input_ids = torch.randint(0, 256, (1, sum(lens)), generator=gen).to(device)  # packed batch [1, T]
     diffs = {}
     for name in models:
-        model = build_model(name, seed).to(device)
+        model = build_model(name, seed, index_topk=index_topk).to(device)
         # Reference: the unmodified model, one sequence at a time.
         ref = torch.cat([model(input_ids=x, use_cache=False).logits for x in input_ids.split(list(lens), 1)], dim=1)
 
@@ -141,12 +159,13 @@ def main(argv=None) -> int:
     p.add_argument("--strategy", default="zigzag", choices=sorted(cpattn.STRATEGIES))
     p.add_argument("--lens", default="37,1,20,9", help="comma-separated sequence lengths of the batch")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--index-topk", type=int, default=8, help="top-k of the DSA models' indexer")
     p.add_argument("--atol", type=float, default=1e-4)
     p.add_argument("--cpu", action="store_true", help="use CPU/gloo even if CUDA is available")
     args = p.parse_args(argv)
     lens = [int(x) for x in args.lens.split(",")]
     use_cuda = torch.cuda.is_available() and not args.cpu
-    results = launch(run_rank, args.cp, args.model, args.strategy, lens, args.seed, use_cuda=use_cuda)
+    results = launch(run_rank, args.cp, args.model, args.strategy, lens, args.seed, args.index_topk, use_cuda=use_cuda)
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.cp
     ok = True
     for rank_offset, diffs in enumerate(results):

@@ -62,3 +62,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def dsa_interp():
+    """Triton interpreter for the DSA kernels (CPU-only machines); skips when a DSA kernel
+    module was imported for the GPU before."""
+    if CUDA:
+        pytest.skip("interpreter tests run on CPU-only machines (GPU machines run -m gpu)")
+    pytest.importorskip("triton")
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        mods = [importlib.import_module(f"cpattn.kernels.{m}") for m in ("triton_sparse", "triton_index")]
+        if not all(m.INTERPRETED for m in mods):
+            pytest.skip("the DSA triton kernels were imported for the GPU before this module")
+        yield mods
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old

@@ -17,7 +17,7 @@ parallelism (``shard_attention`` + ``merge_partials``, one collective) and exten
 prefix (``plan_sharded_extend``: pass-KV or pass-Q); see docs/sharded-kv.md.
 """
 
-from . import padding
+from . import dsa, padding
 from .cache import (
     SlotPlan,
     kv_bytes_per_token,
@@ -45,7 +45,18 @@ from .kv_sharding import (
 from .merge import merge_partials, merge_states
 from .metadata import Capacity, CPMetadata
 from .overlap import GatherHandle, start_gather_kv, start_gather_mla_latent
-from .plans import AttentionPlan, ShardAttentionPlan, StaticPlanner, plan_attention, plan_shard_attention, shard_attention
+from .plans import (
+    AttentionPlan,
+    IndexTopkPlan,
+    ShardAttentionPlan,
+    SparseAttentionPlan,
+    StaticPlanner,
+    plan_attention,
+    plan_index_topk,
+    plan_shard_attention,
+    plan_sparse_attention,
+    shard_attention,
+)
 from .plans.sharded_extend import ShardedExtendPlan, plan_sharded_extend
 from .strategies import (
     STRATEGIES,
@@ -69,6 +80,7 @@ __all__ = [
     "DecodeMetadata",
     "ExtendCostModel",
     "GatherHandle",
+    "IndexTopkPlan",
     "InterleaveStrategy",
     "KVSharding",
     "PendingGather",
@@ -83,6 +95,11 @@ __all__ = [
     "ZigzagStrategy",
     "available_backends",
     "choose_extend_algorithm",
+    "SparseAttentionPlan",
+    "StaticPlanner",
+    "ZigzagStrategy",
+    "available_backends",
+    "dsa",
     "gathered_bytes_per_token",
     "get_strategy",
     "kv_bytes_per_token",
@@ -92,10 +109,12 @@ __all__ = [
     "pack_kv",
     "padding",
     "plan_attention",
+    "plan_index_topk",
     "plan_slots",
     "plan_shard_attention",
     "plan_shard_writes",
     "plan_sharded_extend",
+    "plan_sparse_attention",
     "read_mla_cache",
     "resolve_backend",
     "shard_attention",

@@ -1,4 +1,4 @@
-"""``python -m cpattn.bench {metadata,kernel,mla,cp,scaling,decode} [options]``.
+"""``python -m cpattn.bench {metadata,kernel,plan,mla,cp,scaling,decode,sparse} [options]``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``main(args)``;
 modules are imported only when their subcommand runs.
@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "plan": ("plan", "host work per attention call: plan.run vs strategy.attention (GPU)"),
     "scaling": ("scaling", "arithmetic model of CP prefill time for C = 1..64 across nodes (CPU)"),
     "decode": ("decode", "decode over a sharded KV cache (split-KV + merge) and the pass-KV / pass-Q crossover (GPU)"),
+    "sparse": ("sparse", "DSA sparse attention and index top-k on one rank's interleave CP work (GPU)"),
 }
 
 

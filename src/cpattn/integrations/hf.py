@@ -30,6 +30,11 @@ token 0 at position 0; their outputs are dropped by :func:`gather_outputs`.
 attention function), so the plain model can decode from it without CP (``model.generate(...,
 cache=out.cache)`` after ``model.set_attn_implementation("sdpa")``).
 
+DSA models (transformers' ``deepseek_v32``, ``glm_moe_dsa``: ``"indexed_attention"`` layers) run
+through :mod:`cpattn.integrations.hf_dsa`: their latent and index keys are gathered in the cache
+hooks, the indexer's mask comes from the plan, and the attention function runs
+``strategy.sparse_attention`` over the model's top-k ``indices``.
+
 Refused, with a ValueError before any collective (nothing here can run them exactly):
 :func:`enable` rejects models with token mixers other than full / sliding-window attention
 (``layer_types`` such as ``linear_attention`` or ``conv``, convolution or recurrent mixer modules:
@@ -58,6 +63,7 @@ from torch import Tensor
 from ..collectives import check_group
 from ..metadata import CPMetadata
 from ..strategies import CPStrategy
+from . import hf_dsa
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -79,8 +85,9 @@ logger = logging.getLogger("cpattn")
 ATTN_IMPLEMENTATION = "cpattn"
 
 
-#: ``layer_types`` entries the plug-in runs exactly (attention over the whole sequence or a window).
-SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+#: ``layer_types`` entries the plug-in runs exactly (attention over the whole sequence or a window;
+#: DSA sparse attention through :mod:`cpattn.integrations.hf_dsa`).
+SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", hf_dsa.DSA_LAYER_TYPE})
 
 #: Class-name pattern of known token mixers that are not attention (recurrent / SSM / conv blocks).
 _MIXER_CLASS = re.compile(
@@ -250,13 +257,16 @@ def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict, *, name:
     cache = argument(cache_name)
     if cache is None and cache_name != "past_key_values":
         cache = kwargs.get("past_key_values")  # the deprecated name of the same argument
+    if not use_cache and cache is not None:
+        raise ValueError("a cache was passed with use_cache=False: pass use_cache=True to fill it under CP")
+    if use_cache:
+        _check_cache_use(ctx.meta)
+    if hf_dsa.is_dsa_config(module.config):  # DSA: a gathering cache + the CP mask (hf_dsa)
+        return hf_dsa.prepare_forward(module, ctx, bound, kwargs, cache_name, cache, use_cache, _import_transformers())
     if not use_cache:
-        if cache is not None:
-            raise ValueError("a cache was passed with use_cache=False: pass use_cache=True to fill it under CP")
         ctx._forward["active"] = True
         return None
     transformers = _import_transformers()
-    _check_cache_use(ctx.meta)
     if cache is None:
         cache = transformers.DynamicCache(config=module.config)
         kwargs = {k: v for k, v in kwargs.items() if k != "past_key_values"}
@@ -269,6 +279,7 @@ def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict, *, name:
 def _after_forward(module: torch.nn.Module, args: tuple, output: Any) -> None:
     ctx = _CONTEXT.get()
     if ctx is not None:
+        hf_dsa.finish_forward(ctx, output)
         ctx._forward.clear()
     return None
 
@@ -440,6 +451,9 @@ def cpattn_attention_forward(
             "the model's decoder has no cpattn input hook: prepare the model with "
             "cpattn.integrations.hf.enable(model) (not only attn_implementation='cpattn')"
         )
+    if kwargs.get("indices") is not None:  # a DSA layer: sparse attention over the model's top-k (hf_dsa)
+        return hf_dsa.sparse_attention_forward(ctx, module, query, key, value, attention_mask, kwargs["indices"],
+                                               scaling, dropout)
     meta = ctx.meta
     rows = meta.num_physical_tokens
     for name, t in (("query", query), ("key", key), ("value", value)):

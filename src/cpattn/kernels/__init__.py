@@ -29,6 +29,8 @@ __all__ = [
     "AttentionBackend",
     "AttentionSpec",
     "BackendRun",
+    "IndexTopkSpec",
+    "SparseAttentionSpec",
     "available_backends",
     "get_backend",
     "register_backend",
@@ -66,6 +68,50 @@ class AttentionSpec:
         return self.num_q_heads // self.num_kv_heads
 
 
+@dataclass(frozen=True)
+class SparseAttentionSpec:
+    """The layer-kind facts a sparse (DSA) attention plan is bound to (validated by
+    ``cpattn.plans.sparse``): Hq, Hkv (Hq % Hkv == 0), D, Dv, dtype of q/k/v, ``topk`` (columns
+    K of the index tensor), page_size (None: packed K/V), has_sinks."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    dtype: torch.dtype
+    topk: int
+    page_size: Optional[int] = None
+    has_sinks: bool = False
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size is not None
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.num_q_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class IndexTopkSpec:
+    """The facts an index top-k plan (DSA lightning indexer) is bound to: indexer heads H_i,
+    index head dim D_i, dtypes of q_idx and k_idx, ``topk``, page_size (None: packed index keys),
+    has_k_scale (a float32 scale per index key, e.g. fp8 keys)."""
+
+    num_heads: int
+    head_dim: int
+    q_dtype: torch.dtype
+    k_dtype: torch.dtype
+    topk: int
+    page_size: Optional[int] = None
+    has_k_scale: bool = False
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size is not None
+
+
 class BackendRun(Protocol):
     """One planned attention launch: ``run(q, k, v, page_table, sinks, softmax_scale, out, lse)``
     writes ``out`` [P, Hq, Dv] (pad rows 0) and, if ``lse`` is not None, ``lse`` [P, Hq] float32
@@ -90,12 +136,15 @@ class AttentionBackend(Protocol):
 
 #: Plan kinds: "dense" (causal attention of local queries, :func:`cpattn.plan_attention`),
 #: "shard" (attention over one rank's key shard of a sharded KV cache,
-#: :func:`cpattn.plan_shard_attention`); the sparse (DSA) plans register their own kind beside them.
+#: :func:`cpattn.plan_shard_attention`), "sparse" (DSA attention over selected keys,
+#: :func:`cpattn.plans.plan_sparse_attention`) and "index" (DSA index top-k,
+#: :func:`cpattn.dsa.index_topk`).
 _REGISTRY: dict[tuple[str, str], Callable[[], AttentionBackend]] = {}
 _INSTANCES: dict[tuple[str, str], AttentionBackend] = {}
 
 #: Preference of ``backend="auto"`` per plan kind.
-AUTO_ORDER: dict[str, tuple[str, ...]] = {"dense": ("fa4", "triton", "torch")}
+AUTO_ORDER: dict[str, tuple[str, ...]] = {"dense": ("fa4", "triton", "torch"), "sparse": ("triton", "torch"),
+                                          "index": ("triton", "torch")}
 
 
 def register_backend(name: str, factory: Callable[[], AttentionBackend], kind: str = "dense",
@@ -184,3 +233,9 @@ register_backend("torch", _lazy(".reference", "TorchReferenceBackend"))
 # shard plans (attention over one rank's key shard of a sharded KV cache: cpattn.plans.shard)
 register_backend("triton", _lazy(".decode_backend", "TritonShardBackend"), kind="shard")
 register_backend("torch", _lazy(".reference", "TorchShardBackend"), kind="shard")
+
+# DSA: sparse attention and index top-k (kernels/dsa_backend.py picks the Triton families)
+register_backend("triton", _lazy(".dsa_backend", "TritonSparseBackend"), kind="sparse")
+register_backend("torch", _lazy(".reference", "TorchSparseBackend"), kind="sparse")
+register_backend("triton", _lazy(".dsa_backend", "TritonIndexBackend"), kind="index")
+register_backend("torch", _lazy(".reference", "TorchIndexBackend"), kind="index")

@@ -17,7 +17,8 @@ from typing import Mapping, Optional
 import torch
 from torch import Tensor
 
-from . import AttentionSpec
+from . import AttentionSpec, IndexTopkSpec, SparseAttentionSpec
+from ._dsa_rows import device_rows
 from ..metadata import CPMetadata
 
 _ROW_CHUNK = 512  # query rows per score matrix (bounds memory to chunk * keys * Hq floats)
@@ -172,3 +173,169 @@ class TorchShardBackend:
         if options:
             raise ValueError(f"backend 'torch' takes no backend_options, got {sorted(options)}")
         return _TorchShardRun(spec, dmeta)
+
+
+# =============================================================================================
+# DSA (DeepSeek sparse attention) torch references: sparse attention over selected keys and the
+# lightning indexer's top-k. Self-contained section (kinds "sparse" and "index" of the registry).
+# =============================================================================================
+
+
+#: Gathered K/V elements per step of the sparse reference (bounds its memory: 16M floats).
+_SPARSE_GATHER_ELEMS = 1 << 24
+#: Score elements (rows x heads x keys) per step of the index reference (16M floats).
+_INDEX_SCORE_ELEMS = 1 << 24
+
+
+def _flat_kv_rows(sel: Tensor, valid: Tensor, start: Tensor, seq: Tensor, page_table: Optional[Tensor],
+                  page_size: int) -> Tensor:
+    """Rows of the flattened K/V ([num_kv_rows] packed, [num_pages * page_size] paged) holding
+    positions ``sel`` [r, k] of each row's sequence; entries not ``valid`` point at row 0 (the
+    page table is never dereferenced for them: a sequence without keys may have no pages)."""
+    if page_table is None:
+        return torch.where(valid, start[:, None] + sel, 0)
+    pages = page_table.long()[seq.long()[:, None], sel // page_size]
+    return torch.where(valid, pages * page_size + sel % page_size, 0)
+
+
+class _TorchSparseRun:
+    """Sparse attention by gathering each row's selected keys (exact masked softmax, fp32; fp64
+    for fp64 inputs). Rows are processed in chunks on the host (eager only: not for graphs)."""
+
+    def __init__(self, spec: SparseAttentionSpec, meta: CPMetadata) -> None:
+        self.spec = spec
+        rows = device_rows(meta)
+        self.row_seq, self.row_pos, self.row_start = rows["row_seq"], rows["row_pos"], rows["row_kv_start"]
+        self.num_rows = meta.num_physical_tokens
+
+    def __call__(self, q, k, v, idx, page_table, sinks, softmax_scale, out, lse) -> None:
+        spec = self.spec
+        work = torch.float64 if q.dtype == torch.float64 else torch.float32
+        hq, hkv, g = spec.num_q_heads, spec.num_kv_heads, spec.group_size
+        ps = spec.page_size or 1
+        k_flat = k.flatten(0, 1) if spec.paged else k
+        v_flat = v.flatten(0, 1) if spec.paged else v
+        topk = idx.shape[1]
+        per_key = hkv * (spec.head_dim + spec.head_dim_v)
+        key_chunk = max(1, min(topk, _SPARSE_GATHER_ELEMS // per_key))
+        row_chunk = max(1, min(self.num_rows, _SPARSE_GATHER_ELEMS // (per_key * key_chunk)))
+        for r0 in range(0, self.num_rows, row_chunk):
+            r1 = min(self.num_rows, r0 + row_chunk)
+            pos = self.row_pos[r0:r1].long()
+            e = idx[r0:r1].long()
+            valid = (e >= 0) & (e <= pos[:, None])  # [r, K]: -1, future and out-of-sequence ignored
+            sel = torch.where(valid, e, torch.zeros((), dtype=e.dtype, device=e.device))
+            flat = _flat_kv_rows(sel, valid, self.row_start[r0:r1], self.row_seq[r0:r1], page_table, ps)
+            qr = q[r0:r1].to(work).view(r1 - r0, hkv, g, -1)
+            scores = torch.empty(r1 - r0, hkv, g, topk, dtype=work, device=q.device)
+            for c0 in range(0, topk, key_chunk):
+                c1 = min(topk, c0 + key_chunk)
+                keys = k_flat[flat[:, c0:c1]].to(work)  # [r, kc, Hkv, D]
+                scores[..., c0:c1] = torch.einsum("rhgd,rkhd->rhgk", qr, keys) * softmax_scale
+            scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+            if sinks is not None:
+                sink = sinks.to(work).view(1, hkv, g, 1).expand(r1 - r0, hkv, g, 1)
+                row_lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1)
+            else:
+                row_lse = torch.logsumexp(scores, dim=-1)
+            empty = torch.isneginf(row_lse)
+            probs = torch.exp(scores - torch.where(empty, 0.0, row_lse)[..., None])
+            acc = torch.zeros(r1 - r0, hkv, g, spec.head_dim_v, dtype=work, device=q.device)
+            for c0 in range(0, topk, key_chunk):
+                c1 = min(topk, c0 + key_chunk)
+                vals = v_flat[flat[:, c0:c1]].to(work)  # [r, kc, Hkv, Dv]
+                vals = vals.masked_fill(~valid[:, c0:c1, None, None], 0.0)  # masked keys: not even 0 * NaN
+                acc += torch.einsum("rhgk,rkhd->rhgd", probs[..., c0:c1], vals)
+            pad = (pos < 0)[:, None]
+            out[r0:r1] = acc.reshape(r1 - r0, hq, -1).masked_fill(pad[..., None], 0.0).to(out.dtype)
+            if lse is not None:
+                lse[r0:r1] = row_lse.reshape(r1 - r0, hq).masked_fill(pad, float("-inf")).to(torch.float32)
+
+
+class TorchSparseBackend:
+    name = "torch"
+
+    def available(self) -> Optional[str]:
+        return None
+
+    def unsupported_reason(self, spec: SparseAttentionSpec, meta: CPMetadata) -> Optional[str]:
+        return None
+
+    def plan(self, spec: SparseAttentionSpec, meta: CPMetadata, options: Mapping) -> _TorchSparseRun:
+        if options:
+            raise ValueError(f"backend 'torch' takes no backend_options, got {sorted(options)}")
+        return _TorchSparseRun(spec, meta)
+
+
+def index_scores(q_idx: Tensor, keys: Tensor, weights: Tensor, softmax_scale: float) -> Tensor:
+    """DSA index scores ``sum_h w[t, h] * relu(scale * q[t, h] . k[s])``: q_idx [r, H, D] and
+    weights [r, H] of r rows, keys [m, D] (already dequantized) -> [r, m] in the keys' dtype."""
+    s = torch.einsum("rhd,md->rhm", q_idx, keys) * softmax_scale
+    return torch.einsum("rh,rhm->rm", weights, torch.relu(s))
+
+
+class _TorchIndexRun:
+    """Index top-k one segment at a time (host loop over the plan's segments), over key chunks
+    with a running top-k merge: memory stays bounded at any context length."""
+
+    def __init__(self, spec: IndexTopkSpec, meta: CPMetadata) -> None:
+        host = meta.host if meta.host is not None else meta
+        self.spec = spec
+        self.segments = meta.host_segments
+        self.cu_kv = host.cu_kv_lens.tolist()
+
+    def __call__(self, q_idx, k_idx, weights, k_scale, page_table, softmax_scale, out) -> None:
+        spec = self.spec
+        work = torch.float64 if torch.float64 in (q_idx.dtype, k_idx.dtype) else torch.float32
+        topk, h = spec.topk, spec.num_heads
+        out.fill_(-1)
+        row_chunk = 64
+        key_chunk = max(256, _INDEX_SCORE_ELEMS // (row_chunk * h))
+        dev = q_idx.device
+        for seq, row0, length, pos0, stride in self.segments:
+            for c0 in range(0, length, row_chunk):
+                c1 = min(length, c0 + row_chunk)
+                rows = slice(row0 + c0, row0 + c1)
+                pos = torch.arange(pos0 + c0 * stride, pos0 + (c1 - 1) * stride + 1, stride, device=dev)
+                last = pos0 + (c1 - 1) * stride
+                qr, wr = q_idx[rows].to(work), weights[rows].to(work)
+                best_v = torch.full((c1 - c0, topk), float("-inf"), dtype=work, device=dev)
+                best_p = torch.full((c1 - c0, topk), -1, dtype=torch.int64, device=dev)
+                for k0 in range(0, last + 1, key_chunk):
+                    k1 = min(last + 1, k0 + key_chunk)
+                    key_pos = torch.arange(k0, k1, device=dev)
+                    keys = self._keys(k_idx, k_scale, page_table, seq, key_pos, work)
+                    s = index_scores(qr, keys, wr, softmax_scale)
+                    s = s.masked_fill(key_pos[None, :] > pos[:, None], float("-inf"))
+                    cand_v = torch.cat([best_v, s], dim=1)
+                    cand_p = torch.cat([best_p, key_pos[None, :].expand(c1 - c0, -1)], dim=1)
+                    best_v, at = torch.topk(cand_v, topk, dim=1, sorted=False)
+                    best_p = cand_p.gather(1, at)
+                best_p = best_p.masked_fill(torch.isneginf(best_v), -1)
+                out[rows] = best_p.to(out.dtype)
+
+    def _keys(self, k_idx, k_scale, page_table, seq, key_pos, work) -> Tensor:
+        if page_table is None:
+            rows = self.cu_kv[seq] + key_pos
+            keys, scale = k_idx[rows].to(work), (k_scale[rows] if k_scale is not None else None)
+        else:
+            ps = k_idx.shape[1]
+            flat = page_table[seq].long()[key_pos // ps] * ps + key_pos % ps
+            keys = k_idx.flatten(0, 1)[flat].to(work)
+            scale = k_scale.flatten(0, 1)[flat] if k_scale is not None else None
+        return keys if scale is None else keys * scale.to(work)[:, None]
+
+
+class TorchIndexBackend:
+    name = "torch"
+
+    def available(self) -> Optional[str]:
+        return None
+
+    def unsupported_reason(self, spec: IndexTopkSpec, meta: CPMetadata) -> Optional[str]:
+        return None
+
+    def plan(self, spec: IndexTopkSpec, meta: CPMetadata, options: Mapping) -> _TorchIndexRun:
+        if options:
+            raise ValueError(f"backend 'torch' takes no backend_options, got {sorted(options)}")
+        return _TorchIndexRun(spec, meta)

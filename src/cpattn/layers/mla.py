@@ -150,16 +150,21 @@ class MLAAttention(nn.Module):
         k_pe = apply_rope(kv[:, c.kv_lora_rank :].reshape(n, 1, -1), positions, c.rope_theta).view(n, -1)
         return kv_c, k_pe
 
-    def _query(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    def _query(self, x: Tensor, positions: Tensor, q_resid: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
         c, n = self.config, x.shape[0]
-        q = self._q(x).view(n, c.num_heads, c.qk_head_dim)
+        q = self._q(x, q_resid).view(n, c.num_heads, c.qk_head_dim)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         return q_nope, apply_rope(q_pe, positions, c.rope_theta)
 
-    def _q(self, x: Tensor) -> Tensor:
+    def _q(self, x: Tensor, q_resid: Optional[Tensor] = None) -> Tensor:
         if self.config.q_lora_rank is None:
             return self.q_proj(x)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return self.q_b_proj(self._q_resid(x) if q_resid is None else q_resid)
+
+    def _q_resid(self, x: Tensor) -> Tensor:
+        """The normalized low-rank query ``q_a_layernorm(q_a_proj(x))`` [N, q_lora_rank] (the
+        DSA indexer projects its queries from it too)."""
+        return self.q_a_layernorm(self.q_a_proj(x))
 
     def _w_uk_uv(self) -> tuple[Tensor, Tensor]:
         """kv_b_proj split per head: W_UK [H, d_nope, r], W_UV [H, d_v, r]."""

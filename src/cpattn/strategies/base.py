@@ -21,6 +21,7 @@ from .._validation import check_int, check_tensor
 from ..collectives import PendingGather, PlanDisagreement, agree_on_plan, all_gather_rows, check_group
 from ..metadata import CPMetadata, LengthsLike, build_metadata
 from ..plans import AttentionPlan, plan_attention
+from ..plans.sparse import SparseAttentionPlan, check_index, plan_sparse_attention
 from ..plans import window_left as window_left_of
 
 __all__ = ["CPStrategy", "block_of", "rotation_offsets"]
@@ -363,6 +364,104 @@ class CPStrategy(ABC):
                 meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=q.shape[-1], head_dim_v=v.shape[-1],
                 dtype=q.dtype, window_size=(window_left, 0), page_size=k.shape[1] if paged else None,
                 has_sinks=sinks is not None, backend=backend,
+            )
+            meta.plan_cache[key] = plan
+        return plan
+
+    # ------------------------------------------------------------------ DSA
+    def plan_sparse_attention(
+        self,
+        meta: CPMetadata,
+        *,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        head_dim_v: Optional[int] = None,
+        dtype: torch.dtype,
+        topk: int,
+        page_size: Optional[int] = None,
+        has_sinks: bool = False,
+        backend: str = "auto",
+        backend_options=None,
+    ) -> SparseAttentionPlan:
+        """Plan one layer kind's sparse (DSA) attention over ``meta`` (host, once per forward):
+        see :func:`cpattn.plans.plan_sparse_attention`. Per layer: ``plan.run(q, k, v, idx)``."""
+        self.check_metadata(meta)
+        return plan_sparse_attention(
+            meta, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, head_dim_v=head_dim_v,
+            dtype=dtype, topk=topk, page_size=page_size, has_sinks=has_sinks, backend=backend,
+            backend_options=backend_options,
+        )
+
+    def sparse_attention(
+        self,
+        q_local: Tensor,
+        k: Tensor,
+        v: Tensor,
+        meta: CPMetadata,
+        idx: Tensor,
+        *,
+        page_table: Optional[Tensor] = None,
+        softmax_scale: Optional[float] = None,
+        sinks: Optional[Tensor] = None,
+        backend: str = "auto",
+        return_lse: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Sparse (DSA) attention: each local row attends the keys of its own sequence whose
+        positions appear in its row of ``idx`` and are ``<=`` its position (-1, future and
+        out-of-sequence entries are ignored, so a selection without a causal mask stays causal).
+
+        The convenience form of ``plan_sparse_attention(...).run(...)``: plans once per (meta,
+        layer kind, backend) and caches the plan on ``meta``.
+
+        Args:
+            q_local: [P, Hq, D]. Absorbed MLA: D = 576 (latent 512 + rope 64).
+            k, v: packed per sequence (prefix then extend) [num_kv_tokens, Hkv, D] /
+                [.., Dv], or paged [num_pages, page_size, Hkv, D] / [.., Dv] with ``page_table``
+                [B, max_pages]. Absorbed MLA: Hkv = 1 and ``v = k[..., :512]`` (a view); per-head
+                form: Hkv = Hq or GQA (e.g. transformers' expanded K/V).
+            idx: [P, topk] int32/int64 key positions per row (index in the sequence, prefix
+                counted), e.g. :func:`cpattn.dsa.index_topk`.
+            softmax_scale: default D ** -0.5. sinks: [Hq] float logits (denominator only).
+            backend: "auto" (triton, then torch), "triton" or "torch".
+            return_lse: also return lse [P, Hq] float32, natural log (sinks counted), -inf on
+                pad rows and on real rows with no valid key (without sinks).
+
+        Returns:
+            out [P, Hq, Dv] in q's dtype (pad rows and rows with no valid key exactly 0); with
+            return_lse, (out, lse).
+        """
+        plan = self._cached_sparse_plan(q_local, k, v, meta, idx, page_table, sinks, backend)
+        return plan.run(q_local, k, v, idx, page_table=page_table, sinks=sinks, softmax_scale=softmax_scale,
+                        return_lse=return_lse)
+
+    def _cached_sparse_plan(self, q, k, v, meta, idx, page_table, sinks, backend) -> SparseAttentionPlan:
+        self.check_metadata(meta)
+        for name, t in (("q_local", q), ("k", k), ("v", v)):
+            check_tensor(t, name)
+        if q.dim() != 3:
+            raise ValueError(f"q_local must be [P, Hq, D], got shape {tuple(q.shape)}")
+        if not q.dtype.is_floating_point:
+            raise TypeError(f"q_local must be a floating tensor, got {q.dtype}")
+        topk = check_index(idx, meta.num_physical_tokens)
+        paged = page_table is not None
+        if k.dim() != (4 if paged else 3) or v.dim() != k.dim():
+            layout = "[num_pages, page_size, Hkv, D]" if paged else "[num_kv_tokens, Hkv, D]"
+            raise ValueError(f"k and v must be {layout}, got shapes {tuple(k.shape)} and {tuple(v.shape)}")
+        if k.shape[-1] != q.shape[-1]:
+            raise ValueError(f"k head dim {k.shape[-1]} != q head dim {q.shape[-1]}")
+        if k.shape[:-1] != v.shape[:-1]:
+            raise ValueError(f"k shape {tuple(k.shape)} and v shape {tuple(v.shape)} differ before the last dim")
+        hq, hkv = q.shape[1], k.shape[-2]
+        if hkv == 0 or hq % hkv != 0:
+            raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
+        key = ("sparse", q.dtype, hq, hkv, q.shape[-1], v.shape[-1], topk, k.shape[1] if paged else None,
+               sinks is not None, backend)
+        plan = meta.plan_cache.get(key)
+        if plan is None:
+            plan = plan_sparse_attention(
+                meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=q.shape[-1], head_dim_v=v.shape[-1], dtype=q.dtype,
+                topk=topk, page_size=k.shape[1] if paged else None, has_sinks=sinks is not None, backend=backend,
             )
             meta.plan_cache[key] = plan
         return plan

@@ -1,0 +1,296 @@
+"""``backend="triton"`` for the DSA plan kinds: sparse attention (:mod:`.triton_sparse`) and the
+index top-k (:mod:`.triton_index` scores + ``torch.topk``).
+
+Sparse attention plans a grid of P rows x head blocks over the per-row table
+(:mod:`._dsa_rows`); the per-layer call checks strides, detects ``v = k[..., :Dv]`` and launches
+once (O(1) host work; graph-replayable, static plans included).
+
+The index top-k plans, once per forward, query tiles of one segment each (``BLOCK_M`` rows, in row
+order) and groups consecutive tiles into **chunks** whose score buffer ``[rows, width]`` (width =
+the chunk's largest key count) stays under ``max_score_elems`` float32 values; a chunk wider than
+that is cut into key windows merged by a running top-k. Per layer and chunk: one score launch
+(tiles x key splits), one ``torch.topk(sorted=False)``, one write of the positions. The host loop
+runs over chunks (a handful at 128k tokens), never over sequences, and never syncs; the chunk
+geometry comes from the batch, so a graph captured over ``index_topk`` replays only that batch.
+
+``backend_options``: sparse: ``block_h`` (heads per program), ``config`` ((BLOCK_N, num_warps,
+num_stages), bypassing the autotuner); index: ``block_m`` (rows per tile), ``keys_per_program``,
+``max_score_elems``, ``config``. Triton is imported lazily.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Mapping, Optional
+
+import torch
+from torch import Tensor
+
+from . import IndexTopkSpec, SparseAttentionSpec, module_available
+from .. import _buffers
+from ..metadata import CPMetadata
+from ._dsa_rows import device_rows
+
+_SPARSE_MODULE = "cpattn.kernels.triton_sparse"
+_INDEX_MODULE = "cpattn.kernels.triton_index"
+_FP8 = torch.float8_e4m3fn
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _interpret_env() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _device_reason(meta: CPMetadata, module: str) -> Optional[str]:
+    """Why a Triton DSA kernel cannot run on ``meta``'s device in this process (None if it can)."""
+    loaded = sys.modules.get(module)
+    device = meta.device
+    if device.type == "cuda":
+        if loaded is not None and loaded.INTERPRETED:
+            return "the triton kernel was built for the CPU interpreter in this process"
+    elif device.type == "cpu":
+        if not _interpret_env():
+            return "CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter)"
+        if loaded is not None and not loaded.INTERPRETED:
+            return "the triton kernel was built for the GPU in this process (TRITON_INTERPRET set too late)"
+    else:
+        return f"device {device} not supported"
+    return None
+
+
+def _available() -> Optional[str]:
+    if not module_available("triton"):
+        return "triton is not installed (pip install cpattn[triton])"
+    if not torch.cuda.is_available() and not _interpret_env():
+        return "no CUDA device (CPU tensors need TRITON_INTERPRET=1, the Triton interpreter)"
+    return None
+
+
+def _check_options(options: Mapping, known: set[str]) -> None:
+    unknown = set(options) - known
+    if unknown:
+        raise ValueError(f"unknown triton backend_options {sorted(unknown)} (known: {sorted(known)})")
+
+
+def _contiguous_last(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _launch_on(device: torch.device, fn) -> None:
+    """Run ``fn`` with ``device`` current (tensors on a non-current GPU)."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            fn()
+    else:
+        fn()
+
+
+# ----------------------------------------------------------------------------- sparse attention
+class _TritonSparseRun:
+    """A planned sparse-attention launch (see the module docstring); called once per layer."""
+
+    def __init__(self, spec: SparseAttentionSpec, meta: CPMetadata, options: Mapping) -> None:
+        from . import triton_sparse
+
+        _check_options(options, {"block_h", "config"})
+        g = spec.group_size
+        block_h = options.get("block_h") or triton_sparse.block_heads(g)
+        if block_h < 16 or block_h & (block_h - 1):
+            raise ValueError(f"backend_options block_h must be a power of two >= 16, got {block_h}")
+        d1, d2 = triton_sparse.split_dim(spec.head_dim)
+        per_kv = -(-g // block_h)
+        rows = device_rows(meta)
+        self.config = options.get("config")
+        self.grid = (meta.num_physical_tokens * spec.num_kv_heads * per_kv,)
+        self.plan_args = dict(
+            row_seq=rows["row_seq"], row_pos=rows["row_pos"], row_kv_start=rows["row_kv_start"],
+            num_head_blocks=spec.num_kv_heads * per_kv, head_blocks_per_kv=per_kv, group_size=g,
+            HEAD_DIM=spec.head_dim, HEAD_DIM_V=spec.head_dim_v, BLOCK_D1=d1, BLOCK_D2=d2,
+            BLOCK_DV=max(16, triton_sparse._next_pow2(spec.head_dim_v)), BLOCK_H=block_h,
+            PAGED=spec.paged, PAGE_SIZE=spec.page_size or 1, **triton_sparse.dot_settings(spec.dtype),
+        )
+        self._launch = triton_sparse.launch
+        self.family = "triton_sparse"
+
+    def __call__(self, q, k, v, idx, page_table, sinks, softmax_scale, out, lse) -> None:
+        q, k, v, idx = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v), _contiguous_last(idx)
+        if page_table is not None:
+            page_table = _contiguous_last(page_table)
+        if self.grid[0] == 0:
+            return
+        _launch_on(q.device, lambda: self._launch(q, k, v, idx, out, lse, sinks, page_table, grid=self.grid,
+                                                  plan_args=self.plan_args, softmax_scale=softmax_scale,
+                                                  config=self.config))
+
+
+class TritonSparseBackend:
+    name = "triton"
+
+    def available(self) -> Optional[str]:
+        return _available()
+
+    def unsupported_reason(self, spec: SparseAttentionSpec, meta: CPMetadata) -> Optional[str]:
+        reason = _device_reason(meta, _SPARSE_MODULE)
+        if reason is not None:
+            return reason
+        if spec.dtype not in (*_HALF, torch.float32):
+            return f"dtype {spec.dtype} not supported (bf16, fp16; fp32 under the interpreter)"
+        if spec.dtype == torch.float32 and meta.device.type == "cuda":
+            return "fp32 runs only under the interpreter (use bf16/fp16 on the GPU)"
+        if spec.head_dim > 1024 or spec.head_dim_v > 512:
+            return f"head dims D={spec.head_dim}, Dv={spec.head_dim_v} not supported (D <= 1024, Dv <= 512)"
+        return None
+
+    def plan(self, spec: SparseAttentionSpec, meta: CPMetadata, options: Mapping) -> _TritonSparseRun:
+        return _TritonSparseRun(spec, meta, options)
+
+
+# ----------------------------------------------------------------------------- index top-k
+def _row_order_tiles(meta: CPMetadata, block_m: int) -> dict[str, Tensor]:
+    """Tiles of ``block_m`` rows of one segment each, in row order (host int tensors)."""
+    host = meta.host if meta.host is not None else meta
+    s = meta.num_segments
+    seg_len = host.seg_len[:s].long()
+    counts = (seg_len + block_m - 1) // block_m
+    num = int(counts.sum())
+    seg = torch.repeat_interleave(torch.arange(s), counts, output_size=num)
+    first = torch.cumsum(counts, 0) - counts
+    off = (torch.arange(num) - first[seg]) * block_m
+    length = torch.minimum(seg_len[seg] - off, torch.tensor(block_m))
+    stride = host.seg_stride[:s].long()[seg]
+    pos0 = host.seg_pos0[:s].long()[seg] + off * stride
+    seq = host.seg_seq[:s].long()[seg]
+    return {
+        "row0": host.seg_row0[:s].long()[seg] + off, "len": length, "pos0": pos0, "stride": stride, "seq": seq,
+        "kv_start": host.cu_kv_lens[seq], "keys": pos0 + (length - 1) * stride + 1,
+    }
+
+
+def _chunks(tiles: dict[str, Tensor], budget: int, align: int, window_align: int) -> list[tuple]:
+    """Greedy chunks of consecutive tiles: (first tile, num tiles, first row, rows, windows) with
+    windows [(p_lo, width)] covering [0, the chunk's largest key count rounded up to ``align``)
+    under ``budget`` values. Window starts are multiples of ``window_align`` (the kernel's keys per
+    program, a multiple of every BLOCK_N), so key blocks stay BLOCK_N-aligned (inside one page)."""
+    row0, length, keys = tiles["row0"].tolist(), tiles["len"].tolist(), tiles["keys"].tolist()
+    out = []
+    i, n = 0, len(row0)
+    while i < n:
+        j, width = i, 0
+        while j < n:
+            w = -(-max(width, keys[j]) // align) * align
+            rows = row0[j] + length[j] - row0[i]
+            if j > i and rows * w > budget:
+                break
+            width, j = max(width, keys[j]), j + 1
+        rows = row0[j - 1] + length[j - 1] - row0[i]
+        width = -(-width // align) * align
+        window = max(window_align, (budget // max(rows, 1)) // window_align * window_align)
+        windows = [(p, min(window, width - p)) for p in range(0, width, window)]
+        out.append((i, j - i, row0[i], rows, windows))
+        i = j
+    return out
+
+
+class _TritonIndexRun:
+    """A planned index top-k (see the module docstring); called once per layer."""
+
+    def __init__(self, spec: IndexTopkSpec, meta: CPMetadata, options: Mapping) -> None:
+        from . import triton_index
+
+        _check_options(options, {"block_m", "keys_per_program", "max_score_elems", "config"})
+        interp = triton_index.INTERPRETED
+        block_m = options.get("block_m") or (16 if interp else 64)
+        kpp = options.get("keys_per_program") or (64 if interp else 1024)
+        budget = options.get("max_score_elems") or (1 << 16 if interp else 1 << 27)
+        if block_m < 16 or block_m & (block_m - 1) or kpp < 16 or kpp & (kpp - 1):
+            raise ValueError(f"backend_options block_m / keys_per_program must be powers of two >= 16, got "
+                             f"{block_m} / {kpp}")
+        tiles = _row_order_tiles(meta, block_m)
+        self.chunks = _chunks(tiles, int(budget), 16, kpp)
+        self.topk = spec.topk
+        self.config = options.get("config")
+        size = tiles["row0"].numel()
+        if meta.is_static:  # fixed arena shapes: pad to the capacity's tile bound
+            from ._tiles import max_tiles
+
+            size = max(size, max_tiles(meta, block_m))
+        i32 = {}
+        for name in ("row0", "len", "pos0", "stride", "seq"):
+            padded = torch.zeros(max(size, 1), dtype=torch.int32)
+            padded[: tiles[name].numel()] = tiles[name].to(torch.int32)
+            i32["tile_" + name] = padded
+        start = torch.zeros(max(size, 1), dtype=torch.int64)
+        start[: tiles["kv_start"].numel()] = tiles["kv_start"]
+        dev = _buffers.upload(meta, ("dsa-index-tiles", block_m), {**i32, "tile_kv_start": start})
+        self.plan_args = dict(
+            tile_row0=dev["tile_row0"], tile_len=dev["tile_len"], tile_pos0=dev["tile_pos0"],
+            tile_stride=dev["tile_stride"], tile_seq=dev["tile_seq"], tile_kv_start=dev["tile_kv_start"],
+            NUM_HEADS=spec.num_heads, HEAD_DIM=spec.head_dim,
+            BLOCK_D=max(16, 1 << max(0, (spec.head_dim - 1).bit_length())), BLOCK_M=block_m, KEYS_PER_PROGRAM=kpp,
+            PAGED=spec.paged, PAGE_SIZE=spec.page_size or 1, **triton_index.dot_settings(spec.q_dtype, spec.k_dtype),
+        )
+        self.kpp = kpp
+        self.buffer_elems = max((rows * w for _, _, _, rows, wins in self.chunks for _, w in wins), default=0)
+        self._launch, self._q_layout_ok = triton_index.launch, triton_index.q_layout_ok
+        self.family = "triton_index"
+
+    def __call__(self, q_idx, k_idx, weights, k_scale, page_table, softmax_scale, out) -> None:
+        out.fill_(-1)
+        if not self.chunks:
+            return
+        q_idx, k_idx = _contiguous_last(q_idx), _contiguous_last(k_idx)
+        if not self._q_layout_ok(q_idx):
+            q_idx = q_idx.contiguous()
+        if page_table is not None:
+            page_table = _contiguous_last(page_table)
+        buf = torch.empty(self.buffer_elems, dtype=torch.float32, device=q_idx.device)
+        _launch_on(q_idx.device, lambda: self._run(q_idx, k_idx, weights, k_scale, page_table, softmax_scale, out, buf))
+
+    def _run(self, q_idx, k_idx, weights, k_scale, page_table, softmax_scale, out, buf) -> None:
+        topk = self.topk
+        for t0, nt, r0, rows, windows in self.chunks:
+            best_v = best_p = None
+            for p_lo, width in windows:
+                scores = buf[: rows * width].view(rows, width)
+                self._launch(q_idx, k_idx, weights, k_scale, scores, page_table, grid=(nt, -(-width // self.kpp)),
+                             plan_args=self.plan_args, tile_base=t0, chunk_row0=r0, p_lo=p_lo, width=width,
+                             softmax_scale=softmax_scale, config=self.config)
+                vals, at = torch.topk(scores, min(topk, width), dim=1, sorted=False)
+                at = at + p_lo
+                if best_v is None:
+                    best_v, best_p = vals, at
+                else:
+                    cand_v, cand_p = torch.cat([best_v, vals], 1), torch.cat([best_p, at], 1)
+                    best_v, sel = torch.topk(cand_v, min(topk, cand_v.shape[1]), dim=1, sorted=False)
+                    best_p = cand_p.gather(1, sel)
+            best_p = best_p.masked_fill(torch.isneginf(best_v), -1)
+            out[r0 : r0 + rows, : best_p.shape[1]] = best_p.to(torch.int32)
+
+
+class TritonIndexBackend:
+    name = "triton"
+
+    def available(self) -> Optional[str]:
+        return _available()
+
+    def unsupported_reason(self, spec: IndexTopkSpec, meta: CPMetadata) -> Optional[str]:
+        reason = _device_reason(meta, _INDEX_MODULE)
+        if reason is not None:
+            return reason
+        gpu = meta.device.type == "cuda"
+        q_ok = (*_HALF, _FP8) + (() if gpu else (torch.float32,))
+        k_ok = (*_HALF, _FP8) + (() if gpu else (torch.float32,))
+        if spec.q_dtype not in q_ok or spec.k_dtype not in k_ok:
+            return (f"dtypes q {spec.q_dtype} / k {spec.k_dtype} not supported (bf16, fp16, fp8 e4m3; "
+                    "fp32 under the interpreter)")
+        if spec.q_dtype == _FP8 and spec.k_dtype != _FP8:
+            return "fp8 index queries need fp8 index keys"
+        if spec.q_dtype != spec.k_dtype and spec.k_dtype != _FP8:
+            return f"q_idx {spec.q_dtype} and k_idx {spec.k_dtype} must match (or k_idx fp8)"
+        if spec.head_dim > 256 or spec.head_dim % 16:
+            return f"index head dim {spec.head_dim} not supported (a multiple of 16, <= 256)"
+        return None
+
+    def plan(self, spec: IndexTopkSpec, meta: CPMetadata, options: Mapping) -> _TritonIndexRun:
+        return _TritonIndexRun(spec, meta, options)

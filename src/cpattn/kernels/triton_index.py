@@ -1,0 +1,257 @@
+"""Triton DSA index scores: the lightning indexer's logits for a chunk of local rows.
+
+For query row ``t`` (position ``p``) and key position ``s`` of its sequence the kernel writes
+``sum_h w[t, h] * relu(scale * k_scale[s] * q[t, h] . k[s])`` into a float32 score buffer
+``[rows, width]`` whose column ``j`` is key position ``p_lo + j`` (``-inf`` where ``s > p``: the
+causal rule), then the backend (:mod:`.dsa_backend`) takes ``torch.topk`` of each row. A program
+handles one query tile (``BLOCK_M`` consecutive rows of one segment, so they share a sequence
+and one key block serves them all) and ``KEYS_PER_PROGRAM`` key positions: per key block it loads
+K once, then for each indexer head a ``[BLOCK_M, D] x [D, BLOCK_N]`` dot whose relu, weighted by
+the head's per-row weights, accumulates into the block's scores (no cross-warp reduction: heads
+are a loop, rows are M). Key blocks past the tile's last position are not computed, only filled
+with ``-inf``. Index keys are packed (``cu_kv_lens[seq] + s``) or paged; bf16 / fp16 (fp32 in
+the interpreter), and fp8 e4m3 keys (dequantized by ``k_scale``) with fp8 (fp8 dot) or
+bf16 / fp16 queries (keys converted in registers).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ._tiles import SM90_SMEM_PER_BLOCK
+
+#: True when the kernels were built for the CPU interpreter (TRITON_INTERPRET=1 at import).
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+FP8 = torch.float8_e4m3fn
+
+
+def dot_settings(q_dtype: torch.dtype, k_dtype: torch.dtype) -> dict:
+    """DOT_PRECISION / DOT_UPCAST / K_TO_Q: fp32 is exact ("ieee"); under the interpreter bf16
+    and fp8 operands are upcast to fp32 (its narrow dots are wrong; the products are exact);
+    fp8 keys with bf16 / fp16 queries are converted to the query dtype (K_TO_Q)."""
+    upcast = INTERPRETED and (q_dtype in (torch.bfloat16, FP8) or k_dtype in (torch.bfloat16, FP8))
+    exact = upcast or q_dtype == torch.float32
+    return dict(DOT_PRECISION="ieee" if exact else "tf32", DOT_UPCAST=upcast,
+                K_TO_Q=not upcast and k_dtype != q_dtype)
+
+
+def _configs() -> list:
+    return [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bn in (128, 256) for w in (8, 4) for s in (2, 3)]
+
+
+def _autotune_enabled() -> bool:
+    return os.environ.get("CPATTN_TRITON_AUTOTUNE", "1") != "0"
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Keep configs whose K block, q stages and score accumulators fit (shared memory and
+    <= 128 fp32 accumulator registers per thread for the two [BLOCK_M, BLOCK_N] tiles). Without
+    autotuning (``CPATTN_TRITON_AUTOTUNE=0``) the first one kept: (128, 8 warps, 2 stages), 127
+    registers and no spills at 64 rows on sm_90."""
+    arg = lambda name: named_args.get(name, kwargs.get(name))  # noqa: E731
+    bd, bm, kpp = arg("BLOCK_D"), arg("BLOCK_M"), arg("KEYS_PER_PROGRAM")
+    kept = []
+    for c in configs:
+        bn, stages, warps = c.kwargs["BLOCK_N"], c.num_stages, c.num_warps
+        if kpp % bn:
+            continue
+        smem = bn * bd * 2 + stages * bm * bd * 2 + bm * bn * 4  # K block, q stages, score staging
+        if smem > SM90_SMEM_PER_BLOCK or 2 * bm * bn // (32 * warps) > 128:
+            continue
+        kept.append(c)
+    kept = kept or [min(configs, key=lambda c: (c.kwargs["BLOCK_N"], c.num_stages))]
+    return kept if _autotune_enabled() else kept[:1]
+
+
+@triton.jit
+def _index_scores_fwd(
+    Q, K, W, KScale, Scores, PageTable,
+    tile_row0, tile_len, tile_pos0, tile_stride, tile_seq, tile_kv_start,
+    tile_base, chunk_row0, p_lo, width, softmax_scale, num_rows, num_key_rows,
+    stride_qm, stride_qh, stride_wm, stride_wh,
+    stride_kp, stride_kn, stride_sp, stride_sn, stride_om, stride_pt,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    KEYS_PER_PROGRAM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_KSCALE: tl.constexpr,
+    K_DESC_OK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, K_TO_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_STAGES: tl.constexpr = 3,
+):
+    t = tile_base + tl.program_id(0)
+    split = tl.program_id(1)
+    row0 = tl.load(tile_row0 + t)
+    n = tl.load(tile_len + t)
+    pos0 = tl.load(tile_pos0 + t)
+    pstride = tl.load(tile_stride + t)
+    seq = tl.load(tile_seq + t)
+    kv_start = tl.load(tile_kv_start + t)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < n
+    d_ok = offs_d < HEAD_DIM
+    rows = (row0 + offs_m).to(tl.int64)
+    pos = pos0 + offs_m * pstride
+    max_pos = pos0 + (n - 1) * pstride
+
+    k_start = p_lo + split * KEYS_PER_PROGRAM
+    k_stop = tl.minimum(p_lo + width, k_start + KEYS_PER_PROGRAM)
+    c_stop = tl.minimum(k_stop, max_pos + 1)  # keys past the tile's last position: -inf only
+    # the chunk's score rows of this tile as a [tile end, width] matrix: stores clip at the tile's
+    # last row (the next tile's rows follow) and at the chunk's width
+    out_row0 = (row0 - chunk_row0).to(tl.int32)
+    out_desc = tl.make_tensor_descriptor(Scores, shape=[out_row0 + n, width], strides=[stride_om, 1],
+                                         block_shape=[BLOCK_M, BLOCK_N])
+    pt_row = PageTable + seq.to(tl.int64) * stride_pt
+    # q of one head: a [BLOCK_M, D] box of the [P, H, D] tensor (TMA on sm_90; no pointer tensor
+    # kept live across the loops). Rows past P read 0; rows past the tile are computed, not stored.
+    q_desc = tl.make_tensor_descriptor(Q, shape=[num_rows, NUM_HEADS, HEAD_DIM], strides=[stride_qm, stride_qh, 1],
+                                       block_shape=[BLOCK_M, 1, BLOCK_D])
+    w_rows = W + rows * stride_wm
+    USE_K_DESC: tl.constexpr = K_DESC_OK and ((not PAGED) or PAGE_SIZE % BLOCK_N == 0)
+    if USE_K_DESC:  # packed rows, or the pages as one [num_pages * page_size, D] matrix
+        k_desc = tl.make_tensor_descriptor(K, shape=[num_key_rows, HEAD_DIM], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        k_desc = q_desc
+
+    for kb in range(k_start, c_stop, BLOCK_N):
+        kpos = kb + offs_n
+        in_key = kpos < c_stop
+        if PAGED:
+            page = tl.load(pt_row + kpos // PAGE_SIZE, mask=in_key, other=0).to(tl.int64)
+            slot = (kpos % PAGE_SIZE).to(tl.int64)
+            k_off = page * stride_kp + slot * stride_kn
+            s_off = page * stride_sp + slot * stride_sn
+        else:
+            k_off = (kv_start + kpos).to(tl.int64) * stride_kn
+            s_off = (kv_start + kpos).to(tl.int64) * stride_sn
+        if USE_K_DESC:  # one [BLOCK_N, D] box of consecutive key rows (keys past the range are masked below)
+            if PAGED:
+                first = (tl.load(pt_row + kb // PAGE_SIZE).to(tl.int64) * PAGE_SIZE + kb % PAGE_SIZE).to(tl.int32)
+            else:
+                first = (kv_start + kb).to(tl.int32)
+            k = k_desc.load([first, 0])
+        else:
+            k = tl.load(K + k_off[:, None] + offs_d[None, :], mask=in_key[:, None] & d_ok[None, :], other=0.0)
+        if DOT_UPCAST:
+            k = k.to(tl.float32)
+        elif K_TO_Q:
+            k = k.to(Q.dtype.element_ty)
+        kt = tl.trans(k)
+        if HAS_KSCALE:
+            col_scale = tl.load(KScale + s_off, mask=in_key, other=0.0).to(tl.float32) * softmax_scale
+        else:
+            col_scale = tl.full([BLOCK_N], 1.0, dtype=tl.float32) * softmax_scale
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for h in tl.range(NUM_HEADS, num_stages=HEAD_STAGES):
+            q = tl.reshape(q_desc.load([row0, h, 0]), [BLOCK_M, BLOCK_D])
+            if DOT_UPCAST:
+                q = q.to(tl.float32)
+            w = tl.load(w_rows + h * stride_wh, mask=m_ok, other=0.0).to(tl.float32)
+            s = tl.dot(q, kt, input_precision=DOT_PRECISION) * col_scale[None, :]
+            acc += tl.maximum(s, 0.0) * w[:, None]
+        acc = tl.where(kpos[None, :] <= pos[:, None], acc, float("-inf"))
+        out_desc.store([out_row0, (kb - p_lo).to(tl.int32)], acc)
+
+    fill = k_start + tl.cdiv(tl.maximum(c_stop - k_start, 0), BLOCK_N) * BLOCK_N
+    neg = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
+    for kb in range(fill, k_stop, BLOCK_N):
+        out_desc.store([out_row0, (kb - p_lo).to(tl.int32)], neg)
+
+
+_index_scores_fwd_tuned = triton.autotune(
+    configs=_configs(),
+    key=["NUM_HEADS", "HEAD_DIM", "BLOCK_M", "KEYS_PER_PROGRAM", "PAGED", "PAGE_SIZE", "HAS_KSCALE"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+)(_index_scores_fwd)
+
+
+def tuned_configs() -> dict:
+    """The autotuner's choice per key so far (for benchmarks and notes)."""
+    return {str(key): str(cfg) for key, cfg in getattr(_index_scores_fwd_tuned, "cache", {}).items()}
+
+
+def launch(
+    q: Tensor, k: Tensor, w: Tensor, k_scale, scores: Tensor, page_table, *, grid: tuple[int, int],
+    plan_args: dict, tile_base: int, chunk_row0: int, p_lo: int, width: int, softmax_scale: float,
+    config=None,
+) -> None:
+    """Scores of one chunk's tiles ``[tile_base, tile_base + grid[0])`` over key positions
+    ``[p_lo, p_lo + width)`` into ``scores`` [rows, width] (row ``r`` = physical row
+    ``chunk_row0 + r``). ``config`` = (BLOCK_N, num_warps, num_stages) bypasses the autotuner."""
+    paged = page_table is not None
+    if paged:
+        skp, skn = k.stride(0), k.stride(1)
+        ssp, ssn = (k_scale.stride(0), k_scale.stride(1)) if k_scale is not None else (0, 0)
+        pt, stride_pt = page_table, page_table.stride(0)
+    else:
+        skp, skn = 0, k.stride(0)
+        ssp, ssn = (0, k_scale.stride(0)) if k_scale is not None else (0, 0)
+        pt, stride_pt = plan_args["tile_seq"], 0
+    args = dict(
+        Q=q, K=k, W=w, KScale=k_scale if k_scale is not None else scores, Scores=scores, PageTable=pt,
+        tile_base=tile_base, chunk_row0=chunk_row0, p_lo=p_lo, width=width, softmax_scale=float(softmax_scale),
+        num_rows=q.shape[0], num_key_rows=k.shape[0] * (k.shape[1] if paged else 1), K_DESC_OK=k_layout_ok(k),
+        stride_qm=q.stride(0), stride_qh=q.stride(1), stride_wm=w.stride(0), stride_wh=w.stride(1),
+        stride_kp=skp, stride_kn=skn, stride_sp=ssp, stride_sn=ssn, stride_om=scores.stride(0), stride_pt=stride_pt,
+        HAS_KSCALE=k_scale is not None, **plan_args,
+    )
+    with scratch_allocator():
+        if INTERPRETED or config is not None:
+            bn, warps, stages = config if config is not None else (16, 4, 1)
+            _index_scores_fwd[grid](**args, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        else:
+            _index_scores_fwd_tuned[grid](**args)
+
+
+def k_layout_ok(k: Tensor) -> bool:
+    """Index keys readable as one [rows, D] matrix through a tensor descriptor: 16-byte aligned
+    base and row stride, pages (paged [num_pages, page_size, D]) adjacent."""
+    elt = k.element_size()
+    if k.dim() == 3 and k.stride(0) != k.shape[1] * k.stride(1):
+        return False
+    return k.data_ptr() % 16 == 0 and (k.stride(-2) * elt) % 16 == 0 and k.stride(-1) == 1 and \
+        k.shape[-1] * elt >= 16
+
+
+def q_layout_ok(q: Tensor) -> bool:
+    """The q tensor descriptor needs a 16-byte aligned base and row / head strides."""
+    elt = q.element_size()
+    return q.data_ptr() % 16 == 0 and (q.stride(0) * elt) % 16 == 0 and (q.stride(1) * elt) % 16 == 0 \
+        and q.stride(2) == 1
+
+
+def _scratch_alloc(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() and not INTERPRETED
+                       else "cpu")
+
+
+class scratch_allocator:
+    """Device-side tensor descriptors need a global scratch allocator: install a torch one for the
+    launches inside (unless the caller set one) and restore the previous one (no process-wide
+    side effect)."""
+
+    def __enter__(self):
+        self._token = None
+        try:
+            from triton.runtime import _allocation
+
+            var = _allocation._allocator
+        except (ImportError, AttributeError):  # another triton: the public setter
+            triton.set_allocator(_scratch_alloc)
+            return self
+        if isinstance(var.get(), _allocation.NullAllocator):
+            self._var, self._token = var, var.set(_scratch_alloc)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._token is not None:
+            self._var.reset(self._token)

@@ -1,0 +1,388 @@
+"""DSA plans: sparse attention over selected keys, and the lightning indexer's top-k (plan once
+per forward, run per layer).
+
+:func:`plan_sparse_attention` binds a placement plan to heads, head dims, dtype, top-k width,
+page size, sinks and a backend (kind ``"sparse"`` of the registry); :func:`plan_index_topk` binds
+it to the indexer's heads, dims, dtypes and top-k (kind ``"index"``). Both upload what their
+kernels read once (the per-row table of :mod:`cpattn.kernels._dsa_rows`: sequence, position, first
+K/V row of every physical row). ``run`` checks only per-layer facts (shapes, dtypes, devices), then
+launches.
+
+The causal rule of sparse attention: a row at position ``p`` of sequence ``b`` attends the keys
+of ``b`` whose positions appear in its row of ``idx`` and are ``<= p``; negative entries (-1
+padding), future entries and positions past the sequence are ignored. So a selection computed
+without a causal mask (e.g. every key of a sequence shorter than top-k) stays causal.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+from torch import Tensor
+
+from .._validation import check_int, check_tensor
+from ..kernels import IndexTopkSpec, SparseAttentionSpec, select_backend
+from ..metadata import CPMetadata
+from .dense import check_group_rank
+
+__all__ = [
+    "IndexTopkPlan",
+    "SparseAttentionPlan",
+    "check_index",
+    "make_index_spec",
+    "make_sparse_spec",
+    "plan_index_topk",
+    "plan_sparse_attention",
+]
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+# ----------------------------------------------------------------------------- specs
+def _check_page_size(page_size) -> Optional[int]:
+    if page_size is None:
+        return None
+    page_size = check_int(page_size, "page_size", 1)
+    if page_size > 256:
+        raise ValueError(f"page_size must be in [1, 256], got {page_size}")
+    return page_size
+
+
+def make_sparse_spec(
+    *, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: Optional[int] = None, dtype: torch.dtype,
+    topk: int, page_size: Optional[int] = None, has_sinks: bool = False,
+) -> SparseAttentionSpec:
+    """Validate layer-kind facts of sparse attention (TypeError / ValueError naming the argument)."""
+    hq = check_int(num_q_heads, "num_q_heads", 1)
+    hkv = check_int(num_kv_heads, "num_kv_heads", 1)
+    if hq % hkv:
+        raise ValueError(f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv}")
+    d = check_int(head_dim, "head_dim", 1)
+    dv = d if head_dim_v is None else check_int(head_dim_v, "head_dim_v", 1)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    k = check_int(topk, "topk", 1)
+    if not isinstance(has_sinks, bool):
+        raise TypeError(f"has_sinks must be a bool, got {type(has_sinks).__name__}")
+    return SparseAttentionSpec(hq, hkv, d, dv, dtype, k, _check_page_size(page_size), has_sinks)
+
+
+def make_index_spec(
+    *, num_heads: int, head_dim: int, q_dtype: torch.dtype, k_dtype: torch.dtype, topk: int,
+    page_size: Optional[int] = None, has_k_scale: bool = False,
+) -> IndexTopkSpec:
+    """Validate the facts of an index top-k plan (TypeError / ValueError naming the argument)."""
+    h = check_int(num_heads, "num_heads", 1)
+    d = check_int(head_dim, "head_dim", 1)
+    for name, dt in (("q_dtype", q_dtype), ("k_dtype", k_dtype)):
+        if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+            raise TypeError(f"{name} must be a floating torch.dtype, got {dt!r}")
+    k = check_int(topk, "topk", 1)
+    if not isinstance(has_k_scale, bool):
+        raise TypeError(f"has_k_scale must be a bool, got {type(has_k_scale).__name__}")
+    return IndexTopkSpec(h, d, q_dtype, k_dtype, k, _check_page_size(page_size), has_k_scale)
+
+
+def check_index(idx, rows: int) -> int:
+    """TypeError / ValueError unless ``idx`` is an int32/int64 ``[rows, K]`` tensor with K >= 1;
+    returns K."""
+    check_tensor(idx, "idx")
+    if idx.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"idx must be int32 or int64, got {idx.dtype}")
+    if idx.dim() != 2 or idx.shape[0] != rows:
+        raise ValueError(f"idx must be [P={rows}, topk], got shape {list(idx.shape)}")
+    if idx.shape[1] < 1:
+        raise ValueError(f"topk (idx.shape[1]) must be >= 1, got {idx.shape[1]}")
+    return idx.shape[1]
+
+
+def _check_device(t: Tensor, name: str, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the plan is on {device} (use meta.to(device))")
+
+
+def _check_page_table(page_table, meta: CPMetadata, page_size: int) -> None:
+    check_tensor(page_table, "page_table")
+    if page_table.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"page_table must be int32 or int64, got {page_table.dtype}")
+    if page_table.dim() != 2 or page_table.shape[0] != meta.num_seq_rows:
+        raise ValueError(f"page_table must be [B={meta.num_seq_rows}, max_pages], got {list(page_table.shape)}")
+    _check_device(page_table, "page_table", meta.device)
+    if page_table.shape[1] * page_size < meta.max_kv_len:
+        raise ValueError(
+            f"page_table holds {page_table.shape[1]} pages of {page_size} = {page_table.shape[1] * page_size} keys, "
+            f"fewer than the longest sequence ({meta.max_kv_len})"
+        )
+
+
+# ----------------------------------------------------------------------------- sparse attention
+class SparseAttentionPlan:
+    """Sparse (DSA) attention of a rank's local queries over the keys each row selected, bound to
+    one placement plan and layer kind. ``backend``: "triton" or "torch"; ``spec``: the bound
+    :class:`SparseAttentionSpec`. Build with :func:`plan_sparse_attention`."""
+
+    def __init__(self, meta: CPMetadata, spec: SparseAttentionSpec, backend: str, run_impl) -> None:
+        self.meta, self.spec, self.backend = meta, spec, backend
+        self._impl = run_impl
+        p = meta.num_physical_tokens
+        self._q_shape = (p, spec.num_q_heads, spec.head_dim)
+        self._idx_shape = (p, spec.topk)
+        self._out_shape = (p, spec.num_q_heads, spec.head_dim_v)
+        self._lse_shape = (p, spec.num_q_heads)
+        if spec.paged:
+            self._k_tail = (spec.page_size, spec.num_kv_heads, spec.head_dim)
+            self._v_tail = (spec.page_size, spec.num_kv_heads, spec.head_dim_v)
+        else:
+            self._k_shape = (meta.num_kv_rows, spec.num_kv_heads, spec.head_dim)
+            self._v_shape = (meta.num_kv_rows, spec.num_kv_heads, spec.head_dim_v)
+        self._scale = spec.head_dim**-0.5
+
+    def __repr__(self) -> str:
+        return f"SparseAttentionPlan(backend={self.backend!r}, {self.spec}, P={self.meta.num_physical_tokens})"
+
+    def run(
+        self,
+        q_local: Tensor,
+        k: Tensor,
+        v: Tensor,
+        idx: Tensor,
+        *,
+        page_table: Optional[Tensor] = None,
+        sinks: Optional[Tensor] = None,
+        softmax_scale: Optional[float] = None,
+        out: Optional[Tensor] = None,
+        lse: Optional[Tensor] = None,
+        return_lse: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Each local row attends the keys of its sequence whose positions are in its row of
+        ``idx`` and ``<= its position`` (per layer, device-only; see the module docstring).
+
+        Args:
+            q_local: [P, Hq, D] in the plan's dtype (pad rows ignored).
+            k, v: packed [num_kv_rows, Hkv, D] / [.., Dv] (prefix then extend of each sequence),
+                or paged caches [num_pages, page_size, Hkv, D] / [.., Dv] with ``page_table``
+                [num_seq_rows, max_pages] int32/int64. Any row strides; ``v`` may be a view of
+                ``k[..., :Dv]`` (absorbed MLA: the kernel then reads each latent row once).
+            idx: [P, topk] int32/int64 key positions (index in the row's sequence, prefix
+                counted); negative, future and out-of-sequence entries are ignored. A position
+                should appear at most once per row (it counts once per occurrence).
+            sinks: [Hq] float when the plan has sinks. softmax_scale: default D ** -0.5.
+            out: [P, Hq, Dv] buffer (q's dtype, contiguous last dim); lse: [P, Hq] float32.
+            return_lse: also return lse (natural log, float32, sinks counted: a real row with no
+                valid key has lse = its sink, or -inf without sinks).
+
+        Returns:
+            out [P, Hq, Dv] (pad rows and rows with no valid key exactly 0), or (out, lse); pad
+            rows have lse -inf.
+        """
+        spec, meta = self.spec, self.meta
+        device = meta.device
+        for name, t in (("q_local", q_local), ("k", k), ("v", v)):
+            check_tensor(t, name)
+            if t.dtype != spec.dtype:
+                raise TypeError(f"{name} dtype {t.dtype} != the plan's dtype {spec.dtype}")
+            _check_device(t, name, device)
+        if q_local.shape != self._q_shape:
+            raise ValueError(f"q_local must be [P, Hq, D] = {list(self._q_shape)}, got {list(q_local.shape)}")
+        check_index(idx, meta.num_physical_tokens)
+        if idx.shape != self._idx_shape:
+            raise ValueError(f"idx must be [P, topk] = {list(self._idx_shape)} (the plan's topk), got {list(idx.shape)}")
+        _check_device(idx, "idx", device)
+        if spec.paged:
+            if page_table is None:
+                raise ValueError(f"the plan is paged (page_size={spec.page_size}): pass page_table")
+            if k.dim() != 4 or k.shape[1:] != self._k_tail or v.dim() != 4 or v.shape[1:] != self._v_tail \
+                    or v.shape[0] != k.shape[0]:
+                raise ValueError(
+                    f"paged k/v must be [num_pages, {', '.join(map(str, self._k_tail))}] / "
+                    f"[num_pages, {', '.join(map(str, self._v_tail))}], got {list(k.shape)} / {list(v.shape)}"
+                )
+            _check_page_table(page_table, meta, spec.page_size)
+        else:
+            if page_table is not None:
+                raise ValueError("page_table given but the plan is for packed K/V (plan with page_size=)")
+            if k.shape != self._k_shape or v.shape != self._v_shape:
+                raise ValueError(
+                    f"packed k/v must be {list(self._k_shape)} / {list(self._v_shape)} "
+                    f"(rows = sum(prefix_lens + extend_lens)), got {list(k.shape)} / {list(v.shape)}"
+                )
+        if (sinks is not None) != spec.has_sinks:
+            raise ValueError(f"the plan was built with has_sinks={spec.has_sinks}; "
+                             f"got sinks={'a tensor' if sinks is not None else None}")
+        if sinks is not None:
+            check_tensor(sinks, "sinks")
+            if sinks.shape != (spec.num_q_heads,) or not sinks.dtype.is_floating_point or sinks.device != device:
+                raise ValueError(f"sinks must be a float [Hq={spec.num_q_heads}] tensor on {device}, got "
+                                 f"{sinks.dtype} {list(sinks.shape)} on {sinks.device}")
+        if out is None:
+            out = torch.empty(self._out_shape, dtype=spec.dtype, device=device)
+        else:
+            check_tensor(out, "out")
+            if out.shape != self._out_shape or out.dtype != spec.dtype or out.device != device or out.stride(-1) != 1:
+                raise ValueError(f"out must be [P, Hq, Dv] = {list(self._out_shape)} {spec.dtype} on {device} with a "
+                                 f"contiguous last dim, got {list(out.shape)} {out.dtype} on {out.device}")
+        if lse is None:
+            if return_lse:
+                lse = torch.empty(self._lse_shape, dtype=torch.float32, device=device)
+        else:
+            check_tensor(lse, "lse")
+            if lse.shape != self._lse_shape or lse.dtype != torch.float32 or lse.device != device:
+                raise ValueError(f"lse must be [P, Hq] = {list(self._lse_shape)} float32 on {device}, got "
+                                 f"{list(lse.shape)} {lse.dtype} on {lse.device}")
+        scale = self._scale if softmax_scale is None else float(softmax_scale)
+        self._impl(q_local, k, v, idx, page_table, sinks, scale, out, lse)
+        return (out, lse) if return_lse else out
+
+
+def plan_sparse_attention(
+    meta: CPMetadata,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    head_dim_v: Optional[int] = None,
+    dtype: torch.dtype,
+    topk: int,
+    page_size: Optional[int] = None,
+    has_sinks: bool = False,
+    backend: str = "auto",
+    backend_options: Optional[Mapping] = None,
+) -> SparseAttentionPlan:
+    """Plan one layer kind's sparse (DSA) attention over ``meta`` (host, once per forward; may
+    copy once).
+
+    Args:
+        meta: the placement plan (on the device the layers run on).
+        num_q_heads, num_kv_heads, head_dim, head_dim_v (default head_dim), dtype: of q / k / v.
+            Absorbed MLA: Hkv = 1, D = 576, Dv = 512; per-head: Hkv = Hq (or GQA).
+        topk: columns of the ``idx`` tensors ``run`` takes.
+        page_size: tokens per page of a paged K/V cache (1..256), None for packed K/V.
+        has_sinks: the layer passes attention sinks ([Hq] float logits) to ``run``.
+        backend: "auto" (triton, then torch), "triton" or "torch" (NotImplementedError naming
+            the reason when the named one cannot run it).
+        backend_options: backend knobs (see ``cpattn.kernels.dsa_backend``).
+
+    Example::
+
+        plan = cpattn.plan_sparse_attention(meta, num_q_heads=128, num_kv_heads=1, head_dim=576,
+                                            head_dim_v=512, dtype=torch.bfloat16, topk=2048)
+        out = plan.run(q, latent, latent[..., :512], idx)
+    """
+    if not isinstance(meta, CPMetadata):
+        raise TypeError(f"meta must be a CPMetadata, got {type(meta).__name__}")
+    spec = make_sparse_spec(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                            head_dim_v=head_dim_v, dtype=dtype, topk=topk, page_size=page_size, has_sinks=has_sinks)
+    options = dict(backend_options or {})
+    check_group_rank(meta)
+    chosen = select_backend(spec, meta, backend, kind="sparse")
+    return SparseAttentionPlan(meta, spec, chosen.name, chosen.plan(spec, meta, options))
+
+
+# ----------------------------------------------------------------------------- index top-k
+class IndexTopkPlan:
+    """The DSA lightning indexer's top-k selection for a rank's local rows, bound to one
+    placement plan. Build with :func:`plan_index_topk`; ``run`` per layer."""
+
+    def __init__(self, meta: CPMetadata, spec: IndexTopkSpec, backend: str, run_impl) -> None:
+        self.meta, self.spec, self.backend = meta, spec, backend
+        self._impl = run_impl
+        p = meta.num_physical_tokens
+        self._q_shape = (p, spec.num_heads, spec.head_dim)
+        self._w_shape = (p, spec.num_heads)
+        self._out_shape = (p, spec.topk)
+        self._scale = spec.head_dim**-0.5
+
+    def __repr__(self) -> str:
+        return f"IndexTopkPlan(backend={self.backend!r}, {self.spec}, P={self.meta.num_physical_tokens})"
+
+    def run(
+        self,
+        q_idx: Tensor,
+        k_idx: Tensor,
+        weights: Tensor,
+        *,
+        k_scale: Optional[Tensor] = None,
+        page_table: Optional[Tensor] = None,
+        softmax_scale: Optional[float] = None,
+        out: Optional[Tensor] = None,
+    ) -> Tensor:
+        """Top-k key positions per local row (see :func:`cpattn.dsa.index_topk` for the
+        arguments); ``out``: an int32 [P, topk] buffer to write. Device work plus a host loop
+        over the plan's score chunks (no host sync)."""
+        spec, meta = self.spec, self.meta
+        device = meta.device
+        check_tensor(q_idx, "q_idx")
+        check_tensor(k_idx, "k_idx")
+        check_tensor(weights, "weights")
+        if q_idx.dtype != spec.q_dtype or k_idx.dtype != spec.k_dtype:
+            raise TypeError(f"q_idx / k_idx dtypes {q_idx.dtype} / {k_idx.dtype} != the plan's "
+                            f"{spec.q_dtype} / {spec.k_dtype}")
+        if q_idx.shape != self._q_shape:
+            raise ValueError(f"q_idx must be [P, H_i, D_i] = {list(self._q_shape)}, got {list(q_idx.shape)}")
+        if weights.shape != self._w_shape or not weights.dtype.is_floating_point:
+            raise ValueError(f"weights must be a float [P, H_i] = {list(self._w_shape)} tensor, got "
+                             f"{weights.dtype} {list(weights.shape)}")
+        if spec.paged:
+            if page_table is None:
+                raise ValueError(f"the plan is paged (page_size={spec.page_size}): pass page_table")
+            want = f"[num_pages, {spec.page_size}, {spec.head_dim}]"
+            if k_idx.dim() != 3 or k_idx.shape[1:] != (spec.page_size, spec.head_dim):
+                raise ValueError(f"paged k_idx must be {want}, got {list(k_idx.shape)}")
+            _check_page_table(page_table, meta, spec.page_size)
+            scale_shape = tuple(k_idx.shape[:2])
+        else:
+            if page_table is not None:
+                raise ValueError("page_table given but the plan is for packed index keys (plan with page_size=)")
+            if k_idx.shape != (meta.num_kv_rows, spec.head_dim):
+                raise ValueError(f"k_idx must be [num_kv_tokens, D_i] = {[meta.num_kv_rows, spec.head_dim]} "
+                                 f"(rows = sum(prefix_lens + extend_lens)), got {list(k_idx.shape)}")
+            scale_shape = (meta.num_kv_rows,)
+        if (k_scale is not None) != spec.has_k_scale:
+            raise ValueError(f"the plan was built with has_k_scale={spec.has_k_scale}; "
+                             f"got k_scale={'a tensor' if k_scale is not None else None}")
+        if k_scale is not None:
+            check_tensor(k_scale, "k_scale")
+            if tuple(k_scale.shape) != scale_shape or k_scale.dtype != torch.float32:
+                raise ValueError(f"k_scale must be float32 {list(scale_shape)} (one scale per index key), got "
+                                 f"{k_scale.dtype} {list(k_scale.shape)}")
+        for name, t in (("q_idx", q_idx), ("k_idx", k_idx), ("weights", weights), ("k_scale", k_scale)):
+            if t is not None:
+                _check_device(t, name, device)
+        if out is None:
+            out = torch.empty(self._out_shape, dtype=torch.int32, device=device)
+        else:
+            check_tensor(out, "out")
+            if out.shape != self._out_shape or out.dtype != torch.int32 or out.device != device:
+                raise ValueError(f"out must be int32 [P, topk] = {list(self._out_shape)} on {device}, got "
+                                 f"{out.dtype} {list(out.shape)} on {out.device}")
+        scale = self._scale if softmax_scale is None else float(softmax_scale)
+        self._impl(q_idx, k_idx, weights, k_scale, page_table, scale, out)
+        return out
+
+
+def plan_index_topk(
+    meta: CPMetadata,
+    *,
+    num_heads: int,
+    head_dim: int,
+    q_dtype: torch.dtype,
+    k_dtype: torch.dtype,
+    topk: int,
+    page_size: Optional[int] = None,
+    has_k_scale: bool = False,
+    backend: str = "auto",
+    backend_options: Optional[Mapping] = None,
+) -> IndexTopkPlan:
+    """Plan the DSA index top-k over ``meta`` (host, once per forward). ``num_heads`` H_i,
+    ``head_dim`` D_i, dtypes of q_idx / k_idx (fp8 index keys with ``has_k_scale``), ``topk``,
+    ``page_size`` of a paged index-key cache (None: packed). ``backend``: "auto" (triton, then
+    torch), "triton" or "torch"."""
+    if not isinstance(meta, CPMetadata):
+        raise TypeError(f"meta must be a CPMetadata, got {type(meta).__name__}")
+    spec = make_index_spec(num_heads=num_heads, head_dim=head_dim, q_dtype=q_dtype, k_dtype=k_dtype, topk=topk,
+                           page_size=page_size, has_k_scale=has_k_scale)
+    options = dict(backend_options or {})
+    check_group_rank(meta)
+    chosen = select_backend(spec, meta, backend, kind="index")
+    return IndexTopkPlan(meta, spec, chosen.name, chosen.plan(spec, meta, options))
