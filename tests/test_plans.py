@@ -543,3 +543,35 @@ def test_static_slot_plan_writes_only_the_batch():
         ref = torch.zeros(100, 2, 4)
         ref[slots] = k
         assert torch.equal(kc, ref) and torch.equal(vc, ref)
+
+
+@pytest.mark.parametrize("page", [None, 16])
+def test_decode_shaped_dense_plan_runs_the_decode_family(interp, page):
+    """q_len 1..4 per sequence over long key ranges at C = 1 (decode with a replicated cache):
+    the triton backend plans the split-KV decode family, results equal the oracle, pad rows 0."""
+    s = cpattn.ContiguousStrategy(1, pad_multiple=8)
+    ext, pre = [1, 4, 2, 0, 3], [300, 260, 511, 40, 280]
+    q, k, v, sk = _inputs(ext, pre, 4, 2, 16, 16, torch.float32, seed=11, sinks=True)
+    meta = s.build_metadata(ext, pre, rank=0)
+    ql = s.shard(q, meta)
+    if page is None:
+        k_in, v_in, table = k, v, None
+    else:
+        from test_triton_kernel import _paged
+
+        k_in, v_in, table = _paged(k, v, ext, pre, page, gen=torch.Generator().manual_seed(2))
+    plan = s.plan_attention(meta, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, has_sinks=True,
+                            page_size=page, window_size=(200, 0), backend="triton")
+    assert plan.family == "decode"
+    out, lse = plan.run(ql, k_in, v_in, page_table=table, sinks=sk, return_lse=True)
+    ref, ref_lse = attention_oracle(q, k, v, ext, pre, window_left=200, sinks=sk)
+    n = meta.num_local_tokens
+    assert (out[:n].double() - ref).abs().max() < 2e-5 and (lse[:n].double() - ref_lse).abs().max() < 2e-5
+    assert (out[n:] == 0).all() and torch.isneginf(lse[n:]).all()
+    forced = s.plan_attention(meta, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
+                              backend="triton", backend_options={"family": "portable"})
+    assert forced.family == "portable"
+    with pytest.raises(ValueError, match="decode kernel cannot run"):
+        cpattn.ZigzagStrategy(2).plan_attention(cpattn.ZigzagStrategy(2).build_metadata([3], [500], rank=0),
+                                                num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
+                                                backend="triton", backend_options={"family": "decode"})

@@ -44,8 +44,54 @@ _KERNEL_MODULE = "cpattn.kernels.triton_attn"
 SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": 0, "pingpong": False, "persistent": False}
 
 _OPTION_NAMES = {"family", "block_m", "config", "sm90", "planned_launch"}
-#: Kernel families ("auto": mla, then sm90, then portable, the first that can run the plan).
-FAMILIES = ("auto", "portable", "sm90", "mla")
+#: Kernel families ("auto": decode, then mla, then sm90, then portable, the first that can run
+#: the plan).
+FAMILIES = ("auto", "portable", "sm90", "mla", "decode")
+
+#: Decode-shaped plans (every segment at most this many rows, some sequence at least
+#: DECODE_MIN_KEYS keys) run the split-KV decode family: a query tile there is mostly empty, and
+#: one program per tile would stream a long sequence's keys on a handful of SMs.
+DECODE_MAX_ROWS = 16
+DECODE_MIN_KEYS = 256
+
+
+def decode_unsupported_reason(spec: AttentionSpec, meta: CPMetadata) -> Optional[str]:
+    """Why the split-KV decode family cannot take this dense plan (None if it can): it needs the
+    rank's rows to be its sequences' last tokens in sequence order (C = 1), short segments and
+    long enough key ranges, and a plan sized for its batch."""
+    if meta.cp_size != 1:
+        return f"cp_size={meta.cp_size} (local rows are a subset of each sequence's queries)"
+    if meta.is_static:
+        return "a static plan (the decode family has its own static decode plans)"
+    if meta.max_seg_len > DECODE_MAX_ROWS or meta.max_seg_keys < DECODE_MIN_KEYS:
+        return f"not decode-shaped (segments up to {meta.max_seg_len} rows, {meta.max_seg_keys} keys)"
+    return None
+
+
+class _DecodeRun:
+    """A decode-shaped dense plan run by the split-KV decode family: the placement plan's
+    sequences become a decode plan (KV sharded over one rank: every key local), whose rows are
+    exactly the dense plan's local rows; pad rows are written here."""
+
+    family = "decode"
+
+    def __init__(self, spec: AttentionSpec, meta: CPMetadata, options: Mapping) -> None:
+        from ..kv_sharding import KVSharding
+        from .decode_backend import TritonShardBackend
+
+        host = meta.host if meta.host is not None else meta
+        dmeta = KVSharding(1).build_decode_metadata(host.kv_lens, host.extend_lens, rank=0).to(meta.device)
+        self._impl = TritonShardBackend().plan(spec, dmeta, {k: v for k, v in options.items() if k == "config"})
+        self.num_local = meta.num_local_tokens
+
+    def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse) -> None:
+        n = self.num_local
+        out[n:].zero_()
+        if lse is not None:
+            lse[n:].fill_(float("-inf"))
+        if n:
+            lse_rows = lse[:n] if lse is not None else torch.empty(n, q.shape[1], dtype=torch.float32, device=q.device)
+            self._impl(q[:n], k, v, page_table, sinks, softmax_scale, out[:n], lse_rows)
 
 
 def _interpret_env() -> bool:
@@ -194,5 +240,14 @@ class TritonBackend:
             reason = "fp32 runs only under the interpreter (use bf16/fp16 on the GPU)"
         return reason
 
-    def plan(self, spec: AttentionSpec, meta: CPMetadata, options: Mapping) -> _TritonRun:
+    def plan(self, spec: AttentionSpec, meta: CPMetadata, options: Mapping):
+        family = options.get("family", "auto")
+        if family in ("auto", "decode"):
+            reason = decode_unsupported_reason(spec, meta)
+            if reason is None and family == "auto" and os.environ.get("CPATTN_TRITON_SM90", "1") == "0":
+                reason = "CPATTN_TRITON_SM90=0"
+            if family == "decode" and reason is not None:
+                raise ValueError(f"the decode kernel cannot run this plan: {reason}")
+            if reason is None:
+                return _DecodeRun(spec, meta, options)
         return _TritonRun(spec, meta, options)
