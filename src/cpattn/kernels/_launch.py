@@ -40,7 +40,9 @@ class PlannedLaunch:
             from triton.runtime.driver import driver
             from triton import knobs
 
-            self._driver, self._knobs = driver, knobs
+            self._knobs = knobs
+            active = driver.active
+            self._device, self._stream = active.get_current_device, active.get_current_stream
             jit = kernel.fn if hasattr(kernel, "configs") else kernel  # autotuner -> its JIT function
             self._arg_names = list(jit.arg_names)
         except Exception:  # another triton: plain JIT calls only
@@ -53,11 +55,12 @@ class PlannedLaunch:
                 for i, name in self._per_call_slots:
                     values[i] = per_call[name]
                 k = self._compiled
-                device = self._driver.active.get_current_device()
-                stream = self._driver.active.get_current_stream(device)
+                stream = self._stream(self._device())
                 hooks = self._knobs.runtime
-                k.run(grid[0], 1, 1, stream, k.function, k.packed_metadata, k.launch_metadata(grid, stream, *values),
-                      hooks.launch_enter_hook, hooks.launch_exit_hook, *values)
+                enter = hooks.launch_enter_hook
+                meta = k.launch_metadata(grid, stream, *values) if enter is not None else None
+                k.run(grid[0], 1, 1, stream, k.function, k.packed_metadata, meta, enter, hooks.launch_exit_hook,
+                      *values)
                 return
         compiled = self.kernel[grid](**self.fixed, **per_call)
         if self._enabled and compiled is not None and hasattr(compiled, "run") and hasattr(compiled, "function"):

@@ -8,6 +8,8 @@ interpreter; the families then report themselves unsupported and the portable ke
 
 from __future__ import annotations
 
+import functools
+
 import math
 
 import torch
@@ -56,8 +58,10 @@ def packed_layout_ok(x: torch.Tensor) -> bool:
             and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0)
 
 
+@functools.lru_cache(maxsize=None)
 def smem_layout(block: int, cols: int, dtype: torch.dtype):
-    """NVMMA (wgmma / TMA) shared-memory layout of a ``[block, cols]`` bf16/fp16 tile."""
+    """NVMMA (wgmma / TMA) shared-memory layout of a ``[block, cols]`` bf16/fp16 tile (cached:
+    host descriptors are built per call)."""
     gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     return gl.NVMMASharedLayout.get_default_for([block, cols], gdt)
 
