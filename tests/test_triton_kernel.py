@@ -324,10 +324,15 @@ def test_gpu_sm90_kernel_vs_torch(monkeypatch, strategy, cp_size, rank, ext, pre
 @pytest.mark.gpu
 @pytest.mark.skipif(not _is_sm90(), reason="needs an sm_90 GPU")
 def test_gpu_sm90_forced_on_unsupported_call_raises():
-    s, meta, q, k, v, _, table, caches = _gpu_case("zigzag", 2, 0, [2048], [0], 8, 2, 128, 128, page=4)
-    with pytest.raises(ValueError, match="page_size=4"):
-        s.plan_attention(meta, num_q_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, page_size=4,
+    """Forcing the sm90 family on a plan it cannot run (D 256; every page size 1..256 runs since
+    the paged path gained a gathered loader) raises, naming the reason."""
+    s, meta, q, k, v, _, table, caches = _gpu_case("zigzag", 2, 0, [2048], [0], 8, 2, 256, 256, page=4)
+    with pytest.raises(ValueError, match="head dims"):
+        s.plan_attention(meta, num_q_heads=8, num_kv_heads=2, head_dim=256, dtype=torch.bfloat16, page_size=4,
                          backend="triton", backend_options={"family": "sm90"})
+    plan = s.plan_attention(meta, num_q_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, page_size=4,
+                            backend="triton", backend_options={"family": "sm90"})
+    assert plan.family == "sm90"
 
 
 def _fa4_available():
