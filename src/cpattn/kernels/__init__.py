@@ -212,6 +212,44 @@ def select_backend(spec, meta: CPMetadata, backend: str = "auto", kind: str = "d
     raise NotImplementedError("no attention backend can run this call: " + "; ".join(reasons))
 
 
+def interpret_env() -> bool:
+    """Is ``TRITON_INTERPRET`` set (Triton's CPU interpreter)?"""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def triton_available() -> Optional[str]:
+    """None when Triton kernels can run on this machine (triton installed; a CUDA device or the
+    interpreter), else why not. Shared by every Triton backend's ``available()``."""
+    if not module_available("triton"):
+        return "triton is not installed (pip install cpattn[triton])"
+    import torch
+
+    if not torch.cuda.is_available() and not interpret_env():
+        return "no CUDA device (CPU tensors need TRITON_INTERPRET=1, the Triton interpreter)"
+    return None
+
+
+def triton_device_reason(device, kernel_module: str) -> Optional[str]:
+    """Why a Triton kernel module cannot run on ``device`` in this process (None if it can):
+    Triton fixes interpreter vs GPU mode when a module is first imported."""
+    import sys
+
+    loaded = sys.modules.get(kernel_module)
+    if device.type == "cuda":
+        if loaded is not None and loaded.INTERPRETED:
+            return "the triton kernel was built for the CPU interpreter in this process"
+    elif device.type == "cpu":
+        if not interpret_env():
+            return "CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter)"
+        if loaded is not None and not loaded.INTERPRETED:
+            return "the triton kernel was built for the GPU in this process (TRITON_INTERPRET set too late)"
+    else:
+        return f"device {device} not supported"
+    return None
+
+
 def module_available(name: str) -> bool:
     """Is a module importable here (without importing it)?"""
     try:

@@ -18,12 +18,11 @@ per split, a multiple of the key alignment), ``programs_per_sm`` (split target),
 
 from __future__ import annotations
 
-import sys
 from typing import Mapping, Optional
 
 import torch
 
-from . import AttentionSpec, module_available
+from . import AttentionSpec, triton_available, triton_device_reason
 from .. import _buffers
 
 _KERNEL_MODULE = "cpattn.kernels.triton_decode"
@@ -39,12 +38,6 @@ KEY_ALIGN_INTERPRETED = 16
 PROGRAMS_PER_SM = 12
 #: Fewest keys per split (smaller splits cost more combine traffic than they save).
 MIN_SPLIT = 256
-
-
-def _interpret_env() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def _next_pow2(x: int) -> int:
@@ -262,25 +255,13 @@ class TritonShardBackend:
     name = "triton"
 
     def available(self) -> Optional[str]:
-        if not module_available("triton"):
-            return "triton is not installed (pip install cpattn[triton])"
-        if not torch.cuda.is_available() and not _interpret_env():
-            return "no CUDA device (CPU tensors need TRITON_INTERPRET=1, the Triton interpreter)"
-        return None
+        return triton_available()
 
     def unsupported_reason(self, spec: AttentionSpec, dmeta) -> Optional[str]:
-        loaded = sys.modules.get(_KERNEL_MODULE)
         device = dmeta.device
-        if device.type == "cuda":
-            if loaded is not None and loaded.INTERPRETED:
-                return "the triton kernel was built for the CPU interpreter in this process"
-        elif device.type == "cpu":
-            if not _interpret_env():
-                return "CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter)"
-            if loaded is not None and not loaded.INTERPRETED:
-                return "the triton kernel was built for the GPU in this process (TRITON_INTERPRET set too late)"
-        else:
-            return f"device {device} not supported"
+        reason = triton_device_reason(device, _KERNEL_MODULE)
+        if reason is not None:
+            return reason
         from .triton_attn import shape_unsupported_reason
 
         reason = shape_unsupported_reason(spec.head_dim, spec.head_dim_v, spec.dtype)

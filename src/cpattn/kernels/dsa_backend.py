@@ -20,14 +20,12 @@ num_stages), bypassing the autotuner); index: ``block_m`` (rows per tile), ``key
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Mapping, Optional
 
 import torch
 from torch import Tensor
 
-from . import IndexTopkSpec, SparseAttentionSpec, module_available
+from . import IndexTopkSpec, SparseAttentionSpec, triton_available, triton_device_reason
 from .. import _buffers
 from ..metadata import CPMetadata
 from ._dsa_rows import device_rows
@@ -38,33 +36,12 @@ _FP8 = torch.float8_e4m3fn
 _HALF = (torch.bfloat16, torch.float16)
 
 
-def _interpret_env() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
 def _device_reason(meta: CPMetadata, module: str) -> Optional[str]:
     """Why a Triton DSA kernel cannot run on ``meta``'s device in this process (None if it can)."""
-    loaded = sys.modules.get(module)
-    device = meta.device
-    if device.type == "cuda":
-        if loaded is not None and loaded.INTERPRETED:
-            return "the triton kernel was built for the CPU interpreter in this process"
-    elif device.type == "cpu":
-        if not _interpret_env():
-            return "CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter)"
-        if loaded is not None and not loaded.INTERPRETED:
-            return "the triton kernel was built for the GPU in this process (TRITON_INTERPRET set too late)"
-    else:
-        return f"device {device} not supported"
-    return None
+    return triton_device_reason(meta.device, module)
 
 
-def _available() -> Optional[str]:
-    if not module_available("triton"):
-        return "triton is not installed (pip install cpattn[triton])"
-    if not torch.cuda.is_available() and not _interpret_env():
-        return "no CUDA device (CPU tensors need TRITON_INTERPRET=1, the Triton interpreter)"
-    return None
+_available = triton_available
 
 
 def _check_options(options: Mapping, known: set[str]) -> None:

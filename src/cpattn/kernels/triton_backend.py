@@ -24,13 +24,12 @@ makes "auto" use the portable kernel.
 from __future__ import annotations
 
 import os
-import sys
 from typing import Mapping, Optional
 
 import torch
 from torch import Tensor
 
-from . import AttentionSpec, module_available
+from . import AttentionSpec, triton_available, triton_device_reason
 from .. import _buffers
 from ..metadata import CPMetadata
 from ._tiles import gqa_packing, heads_per_l2_section, max_tiles, tile_map
@@ -93,9 +92,6 @@ class _DecodeRun:
             lse_rows = lse[:n] if lse is not None else torch.empty(n, q.shape[1], dtype=torch.float32, device=q.device)
             self._impl(q[:n], k, v, page_table, sinks, softmax_scale, out[:n], lse_rows)
 
-
-def _interpret_env() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 class _TritonRun:
@@ -214,25 +210,13 @@ class TritonBackend:
     name = "triton"
 
     def available(self) -> Optional[str]:
-        if not module_available("triton"):
-            return "triton is not installed (pip install cpattn[triton])"
-        if not torch.cuda.is_available() and not _interpret_env():
-            return "no CUDA device (CPU tensors need TRITON_INTERPRET=1, the Triton interpreter)"
-        return None
+        return triton_available()
 
     def unsupported_reason(self, spec: AttentionSpec, meta: CPMetadata) -> Optional[str]:
-        loaded = sys.modules.get(_KERNEL_MODULE)
         device = meta.device
-        if device.type == "cuda":
-            if loaded is not None and loaded.INTERPRETED:
-                return "the triton kernel was built for the CPU interpreter in this process"
-        elif device.type == "cpu":
-            if not _interpret_env():
-                return "CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter)"
-            if loaded is not None and not loaded.INTERPRETED:
-                return "the triton kernel was built for the GPU in this process (TRITON_INTERPRET set too late)"
-        else:
-            return f"device {device} not supported"
+        reason = triton_device_reason(device, _KERNEL_MODULE)
+        if reason is not None:
+            return reason
         from .triton_attn import shape_unsupported_reason
 
         reason = shape_unsupported_reason(spec.head_dim, spec.head_dim_v, spec.dtype)
