@@ -20,7 +20,8 @@ from .._validation import check_int, check_tensor
 from ..kernels import AttentionSpec, select_backend
 from ..metadata import CPMetadata
 
-__all__ = ["AttentionPlan", "check_group_rank", "make_spec", "plan_attention", "window_left"]
+__all__ = ["AttentionPlan", "check_group_rank", "check_sinks", "make_spec", "plan_attention", "result_buffers",
+           "window_left"]
 
 
 # ----------------------------------------------------------------------------- spec
@@ -61,6 +62,44 @@ def make_spec(
     if not isinstance(has_sinks, bool):
         raise TypeError(f"has_sinks must be a bool, got {type(has_sinks).__name__}")
     return AttentionSpec(hq, hkv, d, dv, dtype, window_left(window_size), page_size, has_sinks)
+
+
+def check_sinks(sinks: Optional[Tensor], spec: AttentionSpec, device: torch.device) -> None:
+    """Per-layer check of ``sinks`` against a plan's spec (shared by every plan kind)."""
+    if (sinks is not None) != spec.has_sinks:
+        raise ValueError(f"the plan was built with has_sinks={spec.has_sinks}; "
+                         f"got sinks={'a tensor' if sinks is not None else None}")
+    if sinks is not None:
+        check_tensor(sinks, "sinks")
+        if tuple(sinks.shape) != (spec.num_q_heads,) or not sinks.dtype.is_floating_point or sinks.device != device:
+            raise ValueError(f"sinks must be a float [Hq={spec.num_q_heads}] tensor on {device}, got "
+                             f"{sinks.dtype} {list(sinks.shape)} on {sinks.device}")
+
+
+def result_buffers(
+    out: Optional[Tensor], lse: Optional[Tensor], out_shape: tuple, lse_shape: tuple, dtype: torch.dtype,
+    device: torch.device, want_lse: bool, rows: str = "P", lse_head_major: bool = False,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """The out [rows, Hq, Dv] / lse [rows, Hq] float32 buffers of a plan's run: the caller's
+    (checked) or new ones (lse only when ``want_lse``; ``lse_head_major``: allocated [Hq, rows]
+    and handed out transposed). Shared by every plan kind."""
+    if out is None:
+        out = torch.empty(out_shape, dtype=dtype, device=device)
+    else:
+        check_tensor(out, "out")
+        if tuple(out.shape) != out_shape or out.dtype != dtype or out.device != device or out.stride(-1) != 1:
+            raise ValueError(f"out must be [{rows}, Hq, Dv] = {list(out_shape)} {dtype} on {device} with a "
+                             f"contiguous last dim, got {list(out.shape)} {out.dtype} on {out.device}")
+    if lse is None:
+        if want_lse:
+            lse = (torch.empty(lse_shape[::-1], dtype=torch.float32, device=device).t() if lse_head_major
+                   else torch.empty(lse_shape, dtype=torch.float32, device=device))
+    else:
+        check_tensor(lse, "lse")
+        if tuple(lse.shape) != lse_shape or lse.dtype != torch.float32 or lse.device != device:
+            raise ValueError(f"lse must be [{rows}, Hq] = {list(lse_shape)} float32 on {device}, got "
+                             f"{list(lse.shape)} {lse.dtype} on {lse.device}")
+    return out, lse
 
 
 def check_group_rank(meta: CPMetadata) -> None:
@@ -164,29 +203,9 @@ class AttentionPlan:
                     f"packed k/v must be {list(self._k_shape)} / {list(self._v_shape)} "
                     f"(rows = sum(prefix_lens + extend_lens)), got {list(k.shape)} / {list(v.shape)}"
                 )
-        if (sinks is not None) != spec.has_sinks:
-            raise ValueError(f"the plan was built with has_sinks={spec.has_sinks}; got sinks={'a tensor' if sinks is not None else None}")
-        if sinks is not None:
-            check_tensor(sinks, "sinks")
-            if sinks.shape != (spec.num_q_heads,) or not sinks.dtype.is_floating_point or sinks.device != device:
-                raise ValueError(f"sinks must be a float [Hq={spec.num_q_heads}] tensor on {device}, got "
-                                 f"{sinks.dtype} {list(sinks.shape)} on {sinks.device}")
-        if out is None:
-            out = torch.empty(self._out_shape, dtype=dtype, device=device)
-        else:
-            check_tensor(out, "out")
-            if out.shape != self._out_shape or out.dtype != dtype or out.device != device or out.stride(-1) != 1:
-                raise ValueError(f"out must be [P, Hq, Dv] = {list(self._out_shape)} {dtype} on {device} with a "
-                                 f"contiguous last dim, got {list(out.shape)} {out.dtype} on {out.device}")
-        if lse is None:
-            if return_lse:
-                lse = (torch.empty(self._lse_shape[::-1], dtype=torch.float32, device=device).t()
-                       if self._lse_head_major else torch.empty(self._lse_shape, dtype=torch.float32, device=device))
-        else:
-            check_tensor(lse, "lse")
-            if lse.shape != self._lse_shape or lse.dtype != torch.float32 or lse.device != device:
-                raise ValueError(f"lse must be [P, Hq] = {list(self._lse_shape)} float32 on {device}, got "
-                                 f"{list(lse.shape)} {lse.dtype} on {lse.device}")
+        check_sinks(sinks, spec, device)
+        out, lse = result_buffers(out, lse, self._out_shape, self._lse_shape, dtype, device, return_lse,
+                                  lse_head_major=self._lse_head_major)
         scale = self._scale if softmax_scale is None else float(softmax_scale)
         self._impl(q_local, k, v, page_table, sinks, scale, out, lse)
         return (out, lse) if return_lse else out

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .._validation import check_tensor
 from ..kernels import AttentionSpec, select_backend
-from .dense import check_group_rank, make_spec, window_left
+from .dense import check_group_rank, check_sinks, make_spec, result_buffers, window_left
 
 __all__ = ["ShardAttentionPlan", "plan_shard_attention", "shard_attention"]
 
@@ -124,29 +124,8 @@ class ShardAttentionPlan:
                     k_cache.shape[0] < need:
                 raise ValueError(f"packed k_cache / v_cache must be [>= {need}, {hkv}, {d}] / [.., {hkv}, {dv}] "
                                  f"(this rank's local keys), got {list(k_cache.shape)} / {list(v_cache.shape)}")
-        if (sinks is not None) != spec.has_sinks:
-            raise ValueError(f"the plan was built with has_sinks={spec.has_sinks}; got "
-                             f"sinks={'a tensor' if sinks is not None else None}")
-        if sinks is not None:
-            check_tensor(sinks, "sinks")
-            if tuple(sinks.shape) != (spec.num_q_heads,) or not sinks.dtype.is_floating_point or sinks.device != device:
-                raise ValueError(f"sinks must be a float [Hq={spec.num_q_heads}] tensor on {device}, got "
-                                 f"{sinks.dtype} {list(sinks.shape)} on {sinks.device}")
-        if out is None:
-            out = torch.empty(self._out_shape, dtype=spec.dtype, device=device)
-        else:
-            check_tensor(out, "out")
-            if tuple(out.shape) != self._out_shape or out.dtype != spec.dtype or out.device != device or \
-                    out.stride(-1) != 1:
-                raise ValueError(f"out must be [Nq, Hq, Dv] = {list(self._out_shape)} {spec.dtype} on {device} "
-                                 f"with a contiguous last dim, got {list(out.shape)} {out.dtype} on {out.device}")
-        if lse is None:
-            lse = torch.empty(self._lse_shape, dtype=torch.float32, device=device)
-        else:
-            check_tensor(lse, "lse")
-            if tuple(lse.shape) != self._lse_shape or lse.dtype != torch.float32 or lse.device != device:
-                raise ValueError(f"lse must be [Nq, Hq] = {list(self._lse_shape)} float32 on {device}, got "
-                                 f"{list(lse.shape)} {lse.dtype} on {lse.device}")
+        check_sinks(sinks, spec, device)
+        out, lse = result_buffers(out, lse, self._out_shape, self._lse_shape, spec.dtype, device, True, rows="Nq")
         scale = self._scale if softmax_scale is None else float(softmax_scale)
         self._impl(q, k_cache, v_cache, page_table, sinks, scale, out, lse)
         return out, lse

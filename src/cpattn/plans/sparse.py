@@ -24,7 +24,7 @@ from torch import Tensor
 from .._validation import check_int, check_tensor
 from ..kernels import IndexTopkSpec, SparseAttentionSpec, select_backend
 from ..metadata import CPMetadata
-from .dense import check_group_rank
+from .dense import check_group_rank, check_sinks, result_buffers
 
 __all__ = [
     "IndexTopkPlan",
@@ -207,29 +207,8 @@ class SparseAttentionPlan:
                     f"packed k/v must be {list(self._k_shape)} / {list(self._v_shape)} "
                     f"(rows = sum(prefix_lens + extend_lens)), got {list(k.shape)} / {list(v.shape)}"
                 )
-        if (sinks is not None) != spec.has_sinks:
-            raise ValueError(f"the plan was built with has_sinks={spec.has_sinks}; "
-                             f"got sinks={'a tensor' if sinks is not None else None}")
-        if sinks is not None:
-            check_tensor(sinks, "sinks")
-            if sinks.shape != (spec.num_q_heads,) or not sinks.dtype.is_floating_point or sinks.device != device:
-                raise ValueError(f"sinks must be a float [Hq={spec.num_q_heads}] tensor on {device}, got "
-                                 f"{sinks.dtype} {list(sinks.shape)} on {sinks.device}")
-        if out is None:
-            out = torch.empty(self._out_shape, dtype=spec.dtype, device=device)
-        else:
-            check_tensor(out, "out")
-            if out.shape != self._out_shape or out.dtype != spec.dtype or out.device != device or out.stride(-1) != 1:
-                raise ValueError(f"out must be [P, Hq, Dv] = {list(self._out_shape)} {spec.dtype} on {device} with a "
-                                 f"contiguous last dim, got {list(out.shape)} {out.dtype} on {out.device}")
-        if lse is None:
-            if return_lse:
-                lse = torch.empty(self._lse_shape, dtype=torch.float32, device=device)
-        else:
-            check_tensor(lse, "lse")
-            if lse.shape != self._lse_shape or lse.dtype != torch.float32 or lse.device != device:
-                raise ValueError(f"lse must be [P, Hq] = {list(self._lse_shape)} float32 on {device}, got "
-                                 f"{list(lse.shape)} {lse.dtype} on {lse.device}")
+        check_sinks(sinks, spec, device)
+        out, lse = result_buffers(out, lse, self._out_shape, self._lse_shape, spec.dtype, device, return_lse)
         scale = self._scale if softmax_scale is None else float(softmax_scale)
         self._impl(q_local, k, v, idx, page_table, sinks, scale, out, lse)
         return (out, lse) if return_lse else out
