@@ -313,6 +313,61 @@ def test_gpu_shard_attention_ragged_batches(case, options):
 def test_gpu_mla_absorbed_ragged():
     _check(2, 1, [3000, 5, 900], [1, 4, 2], hq=128, hkv=1, d=576, dv=512, dtype=torch.bfloat16, page_size=64,
            backend="triton", seed=9, mla=True, sinks=True, device="cuda")
+MLA_GPU_CASES = [
+    # (C, I, seq_lens, q_lens, Hq, page, sinks): the absorbed-MLA Hopper kernel (D 576 / Dv 512)
+    (1, 1, [5000, 1, 300, 64], [1, 1, 4, 2], 128, None, False),
+    (1, 1, [9000, 77], [1, 3], 16, 16, True),
+    (3, 1, [4099, 2, 0, 129], [4, 2, 0, 1], 128, 64, True),
+    (2, 64, [20000, 130], [1, 1], 64, 64, False),
+    (4, 1, [33000, 5], [1, 4], 128, 256, False),
+    (2, 1, [6001, 3], [2, 3], 32, None, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(len(MLA_GPU_CASES)))
+@pytest.mark.parametrize("options", [{}, {"min_split": 128, "programs_per_sm": 8}])
+def test_gpu_mla_kernel_shard_attention(case, options):
+    """The absorbed-MLA Hopper kernel's split-KV decode (heads packed into M, global positions
+    mapped to each rank's local keys, sinks once): per-rank partials against the fp64 per-rank
+    oracle, merge against full attention; packed and paged caches whose unused slots hold NaN."""
+    c, i, lens, q_lens, hq, page, sinks = MLA_GPU_CASES[case]
+    sh = cpattn.KVSharding(c, interleave=i)
+    dmeta = sh.build_decode_metadata(lens, q_lens, rank=c - 1).to("cuda")
+    plan = cpattn.plan_shard_attention(dmeta, num_q_heads=hq, num_kv_heads=1, head_dim=576, head_dim_v=512,
+                                       dtype=torch.bfloat16, page_size=page, has_sinks=sinks, backend="triton",
+                                       backend_options=options)
+    assert plan._impl.family == "mla-split-kv"
+    _check(c, i, lens, q_lens, hq=hq, hkv=1, d=576, dv=512, dtype=torch.bfloat16, sinks=sinks, page_size=page,
+           backend="triton", options=dict(options, family="mla"), seed=20 + case, mla=True, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_mla_kernel_equals_portable_split_kv():
+    """Both families of the shard backend on one batch (bf16, paged 64): equal within bf16 rounding."""
+    torch.manual_seed(5)
+    lens, q_lens = [70000, 3000, 17], [1, 2, 4]
+    sh = cpattn.KVSharding(2)
+    dmeta = sh.build_decode_metadata(lens, q_lens, rank=1).to("cuda")
+    local = dmeta.host.local_kv_lens.tolist()
+    pages = [-(-n // 64) for n in local]
+    kc = torch.randn(sum(pages), 64, 1, 576, device="cuda", dtype=torch.bfloat16)
+    table = torch.zeros(len(lens), max(pages), dtype=torch.int32, device="cuda")
+    off = 0
+    for b, npg in enumerate(pages):
+        table[b, :npg] = torch.arange(off, off + npg, device="cuda", dtype=torch.int32)
+        off += npg
+    q = torch.randn(sum(q_lens), 128, 576, device="cuda", dtype=torch.bfloat16)
+    res = {}
+    for family in ("mla", "portable"):
+        plan = cpattn.plan_shard_attention(dmeta, num_q_heads=128, num_kv_heads=1, head_dim=576, head_dim_v=512,
+                                           dtype=torch.bfloat16, page_size=64, backend="triton",
+                                           backend_options={"family": family})
+        res[family] = plan.run(q, kc, kc[..., :512], page_table=table)
+    assert (res["mla"][0].float() - res["portable"][0].float()).abs().max().item() < 2e-2
+    assert (res["mla"][1] - res["portable"][1]).abs().max().item() < 1e-2
+
+
 def _gpu_full_reference(q, k, v, q_lens, seq_lens, window, sinks, scale):
     """fp64 on the GPU, explicit mask: per sequence [q_len, Hq, L] scores."""
     out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64, device=q.device)

@@ -52,8 +52,8 @@ def _paged_shard(keys, vals, lens, c, i, r, ps, g, room=None):
     num_pages = sum(pages) + 1
     perm = torch.randperm(num_pages, generator=g)
     table = torch.zeros(len(lens), max(pages), dtype=torch.int32)
-    kc = torch.full((num_pages, ps, hkv, d), float("nan"))
-    vc = torch.full((num_pages, ps, hkv, dv), float("nan"))
+    kc = torch.full((num_pages, ps, hkv, d), float("nan"), dtype=keys.dtype)
+    vc = torch.full((num_pages, ps, hkv, dv), float("nan"), dtype=vals.dtype)
     off = row = 0
     for b, n in enumerate(lens):
         table[b, : pages[b]] = perm[off : off + pages[b]].int()

@@ -222,6 +222,26 @@ def test_gpu_mla_prefill_vs_torch(strategy, cp_size, rank, ext, pre, hq, window,
 
 
 @needs_sm90
+def test_gpu_mla_packed_nan_in_another_sequence_stays_there():
+    """Packed latent: NaN keys in sequence 1 reach only sequence 1's rows; sequence 0's last key
+    block, which overlaps sequence 1's first keys, stays finite and correct."""
+    s, meta, q, k, v = _mla_case("contiguous", 1, 0, [100, 200], [0, 0], 16)
+    k = k.clone()
+    k[100 + 20] = float("nan")  # a key of sequence 1 inside sequence 0's last 64-key block
+    plan = _mla_plan(s, meta, 16)
+    assert plan.family == "mla"
+    out, lse = plan.run(q, k, k[..., :512], return_lse=True)
+    k0 = k[:100].float()
+    ref0, ref_lse0 = cpattn.ContiguousStrategy(1).attention(
+        q[:100].float(), k0, k0[..., :512], cpattn.ContiguousStrategy(1).build_metadata([100], rank=0),
+        backend="torch", return_lse=True)
+    assert torch.isfinite(out[:100]).all()
+    assert (out[:100].float() - ref0).abs().max().item() < 2e-2
+    assert (lse[:100] - ref_lse0).abs().max().item() < 1e-2
+    assert torch.isnan(out[120:300]).all()  # rows at or after the NaN key see it
+
+
+@needs_sm90
 def test_gpu_mla_separate_v_falls_back_per_call():
     """A value tensor that is not a view of the latent runs the portable kernel for that call."""
     s, meta, q, k, v = _mla_case("zigzag", 2, 0, [2048], [0], 16)

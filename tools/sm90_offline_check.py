@@ -86,7 +86,8 @@ def _ptr_sig(fn, elem: str, descs: dict) -> dict:
     sig.update({k: v for k, v in types.items() if k in sig})
     for name in ("tile_segment", "tile_row_offset", "NumTiles", "seg_seq", "seg_row0", "seg_len", "seg_pos0",
                  "seg_stride"):
-        sig[name] = "*i32"
+        if name in sig:
+            sig[name] = "*i32"
     return sig
 
 
@@ -144,6 +145,35 @@ def compile_mla_variant(g_pack, window, sinks, lse, page_size=None, dtype=torch.
                           options=dict(num_warps=4, maxnreg=168))
 
 
+#: (G_PACK, sinks, page_size, cp_size, interleave): the absorbed-MLA split-KV decode variants.
+MLA_DECODE_VARIANTS = [
+    (64, False, None, 1, 1),
+    (64, True, None, 8, 1),
+    (16, False, 64, 2, 16),
+    (64, False, 16, 4, 1),
+]
+
+
+def compile_mla_decode_variant(g_pack, sinks, page_size, cp_size, interleave, dtype=torch.bfloat16):
+    """The compiled absorbed-MLA split-KV decode kernel of one variant, for sm_90a."""
+    fn = mla._mla_decode_sm90
+    width = mla.D_LATENT + mla.D_ROPE
+    k = torch.empty(4096, 1, width, dtype=dtype) if page_size is None else \
+        torch.empty(4096 // page_size, page_size, 1, width, dtype=dtype)
+    k_desc, kr_desc = mla.k_descriptors(k)
+    elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
+    sig = _ptr_sig(fn, elem, dict(k_desc=k_desc, kr_desc=kr_desc))
+    sig.update(WsO="*fp32", WsLse="*fp32")
+    for name in ("item_seq", "item_r0", "item_k0", "item_k1", "item_ws", "NumItems", "q_lens", "seq_lens",
+                 "cu_q_lens", "cu_local_kv"):
+        sig[name] = "*i32"
+    consts = dict(G_PACK=g_pack, HAS_SINKS=sinks, CP_SIZE=cp_size, INTERLEAVE=interleave,
+                  **mla.kernel_constexprs(dtype, page_size))
+    sig.update({name: "constexpr" for name in consts})
+    return triton.compile(GluonASTSource(fn, sig, consts, _attrs(fn)), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=168))
+
+
 def ptxas_report(ptx: str, sass_path: str | None = None) -> str:
     """ptxas's register / spill lines for ``ptx`` (sm_90a); optionally writes the SASS."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -191,6 +221,10 @@ def main() -> None:
         name = f"mla576-512_g{g_pack}{'_win' if window else ''}{'_sink' if sinks else ''}" \
                f"{'' if lse else '_nolse'}{f'_page{page}' if page else ''}"
         jobs.append((name, compile_mla_variant, v))
+    for v in MLA_DECODE_VARIANTS:
+        g_pack, sinks, page, cp, inter = v
+        name = f"mla576-512-decode_g{g_pack}{'_sink' if sinks else ''}{f'_page{page}' if page else ''}_cp{cp}i{inter}"
+        jobs.append((name, compile_mla_decode_variant, v))
     for name, compile_fn, v in jobs:
         if args.only and args.only not in name:
             continue

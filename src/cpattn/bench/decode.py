@@ -175,7 +175,7 @@ def decode_case(pool: Pool, time_fn, *, name: str, shape, c: int, b: int, keys: 
         kv_bytes_ok=allocated <= bound, tflops=round(2.0 * hq * (d + dv) * q_len * sum(local) / (attn_ms * 1e-3) / 1e12,
                                                     1),
         splits=getattr(impl, "num_items", None), split_keys=getattr(impl, "split", None),
-        config=list(getattr(impl, "config", ()) or ()),
+        config=list(getattr(impl, "config", ()) or ()), family=plan.family,
     )
 
 

@@ -87,6 +87,15 @@ if HAVE_GLUON:
         return p, alpha, m_new, l_i
 
     @gluon.jit
+    def local_key_count(x, rank, CP_SIZE: gl.constexpr, INTERLEAVE: gl.constexpr):
+        """Keys of ``rank`` at global positions < x (x >= 0) when position p lives on rank
+        ``(p // INTERLEAVE) % CP_SIZE`` (:class:`cpattn.KVSharding`): local key j < this count
+        is exactly a key at position < x."""
+        PERIOD: gl.constexpr = CP_SIZE * INTERLEAVE
+        part = gl.minimum(gl.maximum(x % PERIOD - rank * INTERLEAVE, 0), INTERLEAVE)
+        return (x // PERIOD) * INTERLEAVE + part
+
+    @gluon.jit
     def page_of(pt_row, p, last_key, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr):
         """(page, slot) of the copy group starting at key ``p`` (a multiple of COPY_ROWS). Keys past
         ``last_key`` are clamped to the group holding it, so no page-table entry past the

@@ -26,7 +26,13 @@ from . import AttentionSpec, triton_available, triton_device_reason
 from .. import _buffers
 
 _KERNEL_MODULE = "cpattn.kernels.triton_decode"
-_OPTION_NAMES = {"config", "block_m", "min_split", "programs_per_sm", "num_sms"}
+_OPTION_NAMES = {"config", "block_m", "min_split", "programs_per_sm", "num_sms", "family"}
+#: Kernel families of shard plans ("auto": the absorbed-MLA Hopper kernel where it applies,
+#: else the portable split-KV kernel).
+FAMILIES = ("auto", "portable", "mla")
+#: Split target of the absorbed-MLA kernel, per SM: one 225 KiB program fits an SM, so 2 gives
+#: two balanced waves (fewer, longer programs than the portable kernel's 12).
+MLA_PROGRAMS_PER_SM = 2
 
 #: Split starts are multiples of this many keys (every BLOCK_N divides it); on the GPU also the
 #: granularity of split sizes.
@@ -187,6 +193,17 @@ class _TritonShardRun:
         for name, value in (("num_sms", num_sms), ("programs_per_sm", programs_per_sm)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"backend_options {name} must be an int >= 1, got {value!r}")
+        family = options.get("family", "auto")
+        if family not in FAMILIES:
+            raise ValueError(f"backend_options family must be one of {FAMILIES}, got {family!r}")
+        mla_reason = mla_unsupported_reason(spec, dmeta, interpreted, options)
+        if family == "mla" and mla_reason is not None:
+            raise ValueError(f"the mla kernel cannot run this shard plan: {mla_reason}")
+        #: the absorbed-MLA split-KV launch (None: the portable kernel runs every call)
+        self._mla = None
+        if family != "portable" and mla_reason is None:
+            self._mla = _MlaSplit(spec, dmeta, host, num_sms=num_sms, min_split=min_split,
+                                  programs_per_sm=options.get("programs_per_sm", MLA_PROGRAMS_PER_SM))
         num_head_groups = hq // g_pack
         work = plan_work(host, spec, rows=rows, num_head_groups=num_head_groups, align=align, num_sms=num_sms,
                          programs_per_sm=programs_per_sm, min_split=min_split, capacity=dmeta.capacity)
@@ -217,7 +234,9 @@ class _TritonShardRun:
                                  HEAD_DIM_V=dv, BLOCK_H=block_h, HAS_SINKS=apply_sinks)
         self.sinks_used = apply_sinks
         self._split, self._combine = triton_decode.launch_split, triton_decode.launch_combine
-        self.family = "split-kv"
+        self.family = "mla-split-kv" if self._mla is not None else "split-kv"
+        if self._mla is not None:  # what runs (the portable plan stays as the per-call fallback)
+            self.split, self.num_items, self.num_ws = self._mla.split, self._mla.num_items, self._mla.num_ws
 
     def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse) -> None:
         if not softmax_scale > 0:
@@ -242,6 +261,9 @@ class _TritonShardRun:
             self._launch(q, k, v, page_table, sinks, softmax_scale, out, lse, v_from_k)
 
     def _launch(self, q, k, v, page_table, sinks, softmax_scale, out, lse, v_from_k) -> None:
+        if self._mla is not None and self._mla.layout_ok(k, v):
+            self._mla(q, k, page_table, sinks, softmax_scale, out, lse, self._combine)
+            return
         ws_o = torch.empty(self.ws_shape, dtype=torch.float32, device=q.device)
         ws_lse = torch.empty(self.ws_shape[:3], dtype=torch.float32, device=q.device)
         if self.grid[0]:
@@ -249,6 +271,72 @@ class _TritonShardRun:
                         softmax_scale=softmax_scale, v_from_k=v_from_k, config=self.config)
         if self.run_combine and self.combine_grid[0]:
             self._combine(out, lse, sinks, ws_o, ws_lse, grid=self.combine_grid, combine_args=self.combine_args)
+
+
+def mla_unsupported_reason(spec: AttentionSpec, dmeta, interpreted: bool, options: Mapping) -> Optional[str]:
+    """Why the absorbed-MLA Hopper kernel cannot take this shard plan (None if it can)."""
+    from . import triton_mla
+
+    if interpreted:
+        return "the CPU interpreter"
+    if spec.window_left >= 0:
+        return "a sliding window (the local window bound is not a fixed key offset)"
+    if options.get("config") is not None or options.get("block_m") is not None:
+        return "a portable-kernel config / block_m was given"
+    return triton_mla.unsupported_reason(spec.head_dim, spec.head_dim_v, spec.num_kv_heads, spec.dtype,
+                                         spec.page_size, dmeta.device)
+
+
+class _MlaSplit:
+    """The shard plan's work on the absorbed-MLA Hopper kernel (:func:`.triton_mla.launch_decode`):
+    64-row tiles of (query row, head), ``G_PACK`` heads each (64 for 128 heads: one query row per
+    tile, two head groups reading the same latent blocks back to back), split-KV work items of
+    :func:`plan_work`, and the decode family's combine kernel for multi-split tiles."""
+
+    def __init__(self, spec: AttentionSpec, dmeta, host, *, num_sms: int, min_split: int, programs_per_sm: int):
+        from . import triton_mla
+
+        hq = spec.num_q_heads
+        g_pack = 1  # heads fill M first: 64 of 128 heads x 1 row, 16 heads x 4 rows
+        while hq % (g_pack * 2) == 0 and g_pack * 2 <= triton_mla.BLOCK_M:
+            g_pack *= 2
+        rows = triton_mla.BLOCK_M // g_pack
+        self.num_head_groups = hq // g_pack
+        work = plan_work(host, spec, rows=rows, num_head_groups=self.num_head_groups, align=KEY_ALIGN,
+                         num_sms=num_sms, programs_per_sm=programs_per_sm, min_split=max(min_split, KEY_ALIGN),
+                         capacity=dmeta.capacity)
+        self.split, self.num_items, self.num_ws = work["split"], work["num_items_host"], work["num_ws"]
+        key = ("mla-shard-work", rows, g_pack, num_sms, programs_per_sm, min_split)
+        dev = _buffers.upload(dmeta, key, {name: work[name] for name in (
+            "item_seq", "item_r0", "item_k0", "item_k1", "item_ws", "num_items", "row_ws0", "row_nsplit", "row_ti")})
+        self.grid = (work["grid_items"] * self.num_head_groups,)
+        self.run_combine = dmeta.is_static or self.num_ws > 0
+        dv = spec.head_dim_v
+        self.ws_shape = (max(1, work["ws_cap"]), rows, hq, dv)
+        block_h = min(_next_pow2(hq), max(1, 8192 // dv))
+        self.combine_grid = (dmeta.num_query_token_rows, -(-hq // block_h))
+        apply_sinks = spec.has_sinks and dmeta.rank == 0
+        self.plan_args = dict(
+            item_seq=dev["item_seq"], item_r0=dev["item_r0"], item_k0=dev["item_k0"], item_k1=dev["item_k1"],
+            item_ws=dev["item_ws"], NumItems=dev["num_items"], q_lens=dmeta.q_lens, seq_lens=dmeta.seq_lens,
+            cu_q_lens=dmeta.cu_q_lens, cu_local_kv=dmeta.cu_local_kv_lens, rank=dmeta.rank,
+            num_head_groups=self.num_head_groups, G_PACK=g_pack, CP_SIZE=dmeta.cp_size,
+            INTERLEAVE=dmeta.sharding.interleave,
+        )
+        self.combine_args = dict(row_ws0=dev["row_ws0"], row_nsplit=dev["row_nsplit"], row_ti=dev["row_ti"],
+                                 HEAD_DIM_V=dv, BLOCK_H=block_h, HAS_SINKS=apply_sinks)
+        self.layout_ok = triton_mla.kv_layout_ok
+        self._launch = triton_mla.launch_decode
+        self._launchers: dict = {}
+
+    def __call__(self, q, k, page_table, sinks, softmax_scale, out, lse, combine) -> None:
+        ws_o = torch.empty(self.ws_shape, dtype=torch.float32, device=q.device)
+        ws_lse = torch.empty(self.ws_shape[:3], dtype=torch.float32, device=q.device)
+        if self.grid[0]:
+            self._launch(q, k, out, lse, sinks, page_table, ws_o, ws_lse, grid=self.grid, plan_args=self.plan_args,
+                         softmax_scale=softmax_scale, launchers=self._launchers)
+        if self.run_combine and self.combine_grid[0]:
+            combine(out, lse, sinks, ws_o, ws_lse, grid=self.combine_grid, combine_args=self.combine_args)
 
 
 class TritonShardBackend:

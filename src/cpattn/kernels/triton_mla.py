@@ -49,7 +49,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from ._sm90_common import page_of, page_row, softmax_block, zero_rows_from
+    from ._sm90_common import local_key_count, page_of, page_row, softmax_block, zero_rows_from
 
 #: Latent width (values) and rotary width; D = 576, Dv = 512.
 D_LATENT = 512
@@ -140,20 +140,26 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _mla_fix_last_v(va_slot, vb_slot, jb, num_blocks, n_lo, key_end, PAGE_SIZE: gl.constexpr):
-        """Paged: zero both value halves of the last block past the tile's last key (unused cache
-        slots may hold NaN; P is 0 there, but 0 * NaN is not)."""
-        if PAGE_SIZE > 0:
-            BN: gl.constexpr = va_slot.type.shape[0]
-            valid = key_end - (n_lo + jb * BN)
-            if (jb == num_blocks - 1) & (valid < BN):
-                zero_rows_from(va_slot, valid, 4)
-                zero_rows_from(vb_slot, valid, 4)
+        """Zero both value halves of the last block past the tile's last key: unused slots of a
+        paged cache, rows past a shard's keys or another sequence's keys of a packed one may hold
+        NaN; P is 0 there, but 0 * NaN is not."""
+        BN: gl.constexpr = va_slot.type.shape[0]
+        valid = key_end - (n_lo + jb * BN)
+        if (jb == num_blocks - 1) & (valid < BN):
+            zero_rows_from(va_slot, valid, 4)
+            zero_rows_from(vb_slot, valid, 4)
 
     @gluon.jit
-    def _mla_consumer(smem, kv, rows, W: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+    def _mla_consumer(smem, kv, rows, dec, W: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
                       RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                      COPY_ROWS: gl.constexpr):
-        """4 warps: output columns [W * 256, W * 256 + 256) of the tile's 64 rows; owns blocks j % 2 == W."""
+                      COPY_ROWS: gl.constexpr, DECODE: gl.constexpr, CP_SIZE: gl.constexpr,
+                      INTERLEAVE: gl.constexpr):
+        """4 warps: output columns [W * 256, W * 256 + 256) of the tile's 64 rows; owns blocks j % 2 == W.
+
+        DECODE: the tile is a split-KV work item (see :func:`_mla_decode_sm90`): row positions are
+        global and map to local key counts of ``rank`` (CP_SIZE > 1), sinks count only when the
+        item is its tile's only split (``ws < 0``), and the result goes to ``Out`` / ``Lse`` then,
+        else as an fp32 partial into the workspace slot ``ws``."""
         qa, qb, qr, ka, kb, kr, s_p, s_alpha, s_m, s_l, k_ready, kv_empty, q_bar, p_bar, l_bar = smem
         k_desc, kr_desc, kv_row_base, n_lo, num_blocks, key_end, pt_row = kv
         (Q, Out, Lse, Sinks, stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
@@ -195,12 +201,19 @@ if HAVE_GLUON:
         mbarrier.arrive(q_bar, count=1)
         mbarrier.wait(q_bar, 0)
 
+        if DECODE:
+            WsO, WsLse, ws, rank, stride_wi, stride_wr, stride_wh, stride_li, stride_lr = dec
         m_s = gl.arange(0, BM, layout=s_rows)
         pos = pos0 + (roff + m_s // G_PACK) * pstride
+        if CP_SIZE > 1:  # global position -> the last local key it sees (keys are local indices)
+            pos = local_key_count(pos + 1, rank, CP_SIZE, INTERLEAVE) - 1
         offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
         if HAS_SINKS:
             m_i = gl.load(Sinks + (hg * G_PACK + m_s % G_PACK) * stride_sink).to(gl.float32) * 1.4426950408889634
             l_i = gl.full([BM], 1.0 - W, gl.float32, layout=s_rows)  # the sink's 1 is counted once
+            if DECODE:  # a multi-split tile's sink joins in the combine
+                m_i = gl.where(ws < 0, m_i, float("-inf"))
+                l_i = gl.where(ws < 0, l_i, 0.0)
         else:
             m_i = gl.full([BM], float("-inf"), gl.float32, layout=s_rows)
             l_i = gl.full([BM], 0.0, gl.float32, layout=s_rows)
@@ -276,9 +289,18 @@ if HAVE_GLUON:
         r_o = roff + m_o // G_PACK
         head_o = hg * G_PACK + m_o % G_PACK
         d_o = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+        o_mask = gl.expand_dims(r_o < slen, 1)
         o_ptrs = Out + gl.expand_dims((row0 + r_o).to(gl.int64) * stride_om + head_o * stride_oh, 1) \
             + gl.expand_dims(d_o, 0)
-        gl.store(o_ptrs, out.to(dtype), mask=gl.expand_dims(r_o < slen, 1))
+        if DECODE:
+            if ws >= 0:  # a split of a multi-split tile: its fp32 partial into the workspace
+                w_ptrs = WsO + ws.to(gl.int64) * stride_wi \
+                    + gl.expand_dims(r_o * stride_wr + head_o * stride_wh, 1) + gl.expand_dims(d_o, 0)
+                gl.store(w_ptrs, out, mask=o_mask)
+            else:
+                gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
+        else:
+            gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
         if RETURN_LSE:
             if W == 0:
                 l_s = s_l.slice(0, BM).load(s_rows) + s_l.slice(BM, BM).load(s_rows)
@@ -288,19 +310,79 @@ if HAVE_GLUON:
                 lse = gl.where(pos < 0, float("-inf"), lse)  # pad rows (pad segment, position -1)
                 r_s = roff + m_s // G_PACK
                 head_s = hg * G_PACK + m_s % G_PACK
-                gl.store(Lse + (row0 + r_s).to(gl.int64) * stride_lm + head_s * stride_lh, lse, mask=r_s < slen)
+                l_ptrs = Lse + (row0 + r_s).to(gl.int64) * stride_lm + head_s * stride_lh
+                if DECODE:
+                    if ws >= 0:
+                        gl.store(WsLse + ws.to(gl.int64) * stride_li + r_s * stride_lr + head_s, lse, mask=r_s < slen)
+                    else:
+                        gl.store(l_ptrs, lse, mask=r_s < slen)
+                else:
+                    gl.store(l_ptrs, lse, mask=r_s < slen)
 
     @gluon.jit
-    def _mla_consumer0(smem, kv, rows, W: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+    def _mla_consumer0(smem, kv, rows, dec, W: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
                        RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                       COPY_ROWS: gl.constexpr):
-        _mla_consumer(smem, kv, rows, 0, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE, COPY_ROWS)
+                       COPY_ROWS: gl.constexpr, DECODE: gl.constexpr, CP_SIZE: gl.constexpr,
+                       INTERLEAVE: gl.constexpr):
+        _mla_consumer(smem, kv, rows, dec, 0, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE, COPY_ROWS,
+                      DECODE, CP_SIZE, INTERLEAVE)
 
     @gluon.jit
-    def _mla_consumer1(smem, kv, rows, W: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+    def _mla_consumer1(smem, kv, rows, dec, W: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
                        RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                       COPY_ROWS: gl.constexpr):
-        _mla_consumer(smem, kv, rows, 1, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE, COPY_ROWS)
+                       COPY_ROWS: gl.constexpr, DECODE: gl.constexpr, CP_SIZE: gl.constexpr,
+                       INTERLEAVE: gl.constexpr):
+        _mla_consumer(smem, kv, rows, dec, 1, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE, COPY_ROWS,
+                      DECODE, CP_SIZE, INTERLEAVE)
+
+    @gluon.jit
+    def _mla_run(Q, k_desc, kr_desc, Out, Lse, Sinks, kv_row_base, pt_row, n_lo, num_blocks, key_end,
+                 stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh, stride_sink,
+                 roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, qk_scale, window, dec,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, ROPE: gl.constexpr,
+                 STAGES: gl.constexpr, G_PACK: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+                 RETURN_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr,
+                 Q_SMEM: gl.constexpr, QR_SMEM: gl.constexpr, K_SMEM: gl.constexpr, KR_SMEM: gl.constexpr,
+                 P_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr, DECODE: gl.constexpr, CP_SIZE: gl.constexpr,
+                 INTERLEAVE: gl.constexpr):
+        """Shared memory, barriers and the three partitions of one program (prefill and decode)."""
+        dt = Q.dtype.element_ty
+        qa = gl.allocate_shared_memory(dt, [1, BLOCK_M, HALF], Q_SMEM)
+        qb = gl.allocate_shared_memory(dt, [1, BLOCK_M, HALF], Q_SMEM)
+        qr = gl.allocate_shared_memory(dt, [1, BLOCK_M, ROPE], QR_SMEM)
+        ka = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, HALF], K_SMEM)
+        kb = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, HALF], K_SMEM)
+        kr = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, ROPE], KR_SMEM)
+        s_p = gl.allocate_shared_memory(dt, [BLOCK_M, BLOCK_N], P_SMEM)
+        vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        s_alpha = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec)
+        s_m = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec)
+        s_l = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], vec)
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        l_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)
+        for i in gl.static_range(2):
+            mbarrier.init(p_bar.index(i), count=1)
+        mbarrier.init(q_bar, count=2)
+        mbarrier.init(l_bar, count=2)
+
+        smem = (qa, qb, qr, ka, kb, kr, s_p, s_alpha, s_m, s_l, k_ready, kv_empty, q_bar, p_bar, l_bar)
+        kv = (k_desc, kr_desc, kv_row_base, n_lo, num_blocks, key_end, pt_row)
+        rows = (Q, Out, Lse, Sinks, stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
+                roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, qk_scale, window, stride_sink)
+        # flags in tuple literals (a tuple assigned to a name turns its constexprs into runtime values)
+        gl.warp_specialize([
+            (_mla_loader, (smem, kv, rows, 0, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE, COPY_ROWS)),
+            (_mla_consumer0, (smem, kv, rows, dec, 0, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE,
+                              COPY_ROWS, DECODE, CP_SIZE, INTERLEAVE)),
+            (_mla_consumer1, (smem, kv, rows, dec, 1, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE,
+                              COPY_ROWS, DECODE, CP_SIZE, INTERLEAVE)),
+        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
     @gluon.jit
     def _mla_fwd_sm90(
@@ -355,41 +437,64 @@ if HAVE_GLUON:
         f_hi = gl.maximum(((pos_min + 1) // BLOCK_N) * BLOCK_N, f_lo)
         num_blocks = gl.where(live, gl.cdiv(key_end - n_lo, BLOCK_N), 0)
 
-        dt = Q.dtype.element_ty
-        qa = gl.allocate_shared_memory(dt, [1, BLOCK_M, HALF], Q_SMEM)
-        qb = gl.allocate_shared_memory(dt, [1, BLOCK_M, HALF], Q_SMEM)
-        qr = gl.allocate_shared_memory(dt, [1, BLOCK_M, ROPE], QR_SMEM)
-        ka = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, HALF], K_SMEM)
-        kb = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, HALF], K_SMEM)
-        kr = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, ROPE], KR_SMEM)
-        s_p = gl.allocate_shared_memory(dt, [BLOCK_M, BLOCK_N], P_SMEM)
-        vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        s_alpha = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec)
-        s_m = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec)
-        s_l = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], vec)
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        l_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=2)
-        for i in gl.static_range(2):
-            mbarrier.init(p_bar.index(i), count=1)
-        mbarrier.init(q_bar, count=2)
-        mbarrier.init(l_bar, count=2)
+        dec = ()  # prefill: no workspace
+        _mla_run(Q, k_desc, kr_desc, Out, Lse, Sinks, kv_row_base, pt_row, n_lo, num_blocks, key_end,
+                 stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh, stride_sink,
+                 roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, qk_scale, window, dec,
+                 BLOCK_M, BLOCK_N, HALF, ROPE, STAGES, G_PACK, HAS_WINDOW, HAS_SINKS, RETURN_LSE, PAGE_SIZE, COPY_ROWS,
+                 Q_SMEM, QR_SMEM, K_SMEM, KR_SMEM, P_SMEM, CONSUMER_REGS, False, 1, 1)
 
-        smem = (qa, qb, qr, ka, kb, kr, s_p, s_alpha, s_m, s_l, k_ready, kv_empty, q_bar, p_bar, l_bar)
-        kv = (k_desc, kr_desc, kv_row_base, n_lo, num_blocks, key_end, pt_row)
-        rows = (Q, Out, Lse, Sinks, stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
-                roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, qk_scale, window, stride_sink)
-        # flags in tuple literals (a tuple assigned to a name turns its constexprs into runtime values)
-        gl.warp_specialize([
-            (_mla_loader, (smem, kv, rows, 0, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE, COPY_ROWS)),
-            (_mla_consumer0, (smem, kv, rows, 0, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE, COPY_ROWS)),
-            (_mla_consumer1, (smem, kv, rows, 1, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE, COPY_ROWS)),
-        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+    @gluon.jit
+    def _mla_decode_sm90(
+        Q, k_desc, kr_desc, Out, Lse, Sinks, PageTable, WsO, WsLse,
+        item_seq, item_r0, item_k0, item_k1, item_ws, NumItems, q_lens, seq_lens, cu_q_lens, cu_local_kv,
+        qk_scale, rank, num_head_groups,
+        stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh, stride_sink, stride_pt,
+        stride_wi, stride_wr, stride_wh, stride_li, stride_lr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, ROPE: gl.constexpr, STAGES: gl.constexpr,
+        G_PACK: gl.constexpr, HAS_SINKS: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr,
+        CP_SIZE: gl.constexpr, INTERLEAVE: gl.constexpr,
+        Q_SMEM: gl.constexpr, QR_SMEM: gl.constexpr, K_SMEM: gl.constexpr, KR_SMEM: gl.constexpr,
+        P_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    ):
+        """Split-KV decode over one rank's key shard: a program = one work item (a query tile of
+        ``BLOCK_M / G_PACK`` rows of one sequence and a range ``[k0, k1)`` of its local keys, see
+        :mod:`.decode_backend`) x one head group. Items past the device count exit."""
+        ROWS: gl.constexpr = BLOCK_M // G_PACK
+        pid = gl.program_id(0)
+        item = pid // num_head_groups
+        hg = pid - item * num_head_groups
+        live = item < gl.load(NumItems)
+        item = gl.where(live, item, 0)
+        seq = gl.load(item_seq + item)
+        r0 = gl.load(item_r0 + item)
+        k0 = gl.load(item_k0 + item)
+        k1 = gl.load(item_k1 + item)
+        ws = gl.load(item_ws + item)
+        q_len = gl.load(q_lens + seq)
+        pos0 = gl.load(seq_lens + seq) - q_len + r0  # global position of the tile's first row
+        slen = gl.where(live, gl.minimum(q_len - r0, ROWS), 0)
+        row0 = gl.load(cu_q_lens + seq) + r0
+        if CP_SIZE > 1:
+            first_local = local_key_count(pos0 + 1, rank, CP_SIZE, INTERLEAVE) - 1
+        else:
+            first_local = pos0
+        # key blocks every row sees whole: below the first row's last visible local key
+        f_lo = pos0 * 0
+        f_hi = gl.maximum(((first_local + 1) // BLOCK_N) * BLOCK_N, 0)
+        num_blocks = gl.where(live, gl.maximum(gl.cdiv(k1 - k0, BLOCK_N), 0), 0)
+        if PAGE_SIZE > 0:
+            kv_row_base = seq * 0
+            pt_row = PageTable + seq.to(gl.int64) * stride_pt
+        else:
+            kv_row_base = gl.load(cu_local_kv + seq).to(gl.int32)  # TMA coordinates are 32-bit
+            pt_row = PageTable
+        dec = (WsO, WsLse, ws, rank, stride_wi, stride_wr, stride_wh, stride_li, stride_lr)
+        _mla_run(Q, k_desc, kr_desc, Out, Lse, Sinks, kv_row_base, pt_row, k0, num_blocks, k1,
+                 stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh, stride_sink,
+                 seq * 0, slen, row0, pos0, 1, hg, f_lo, f_hi, qk_scale, -1, dec,
+                 BLOCK_M, BLOCK_N, HALF, ROPE, STAGES, G_PACK, False, HAS_SINKS, True, PAGE_SIZE, COPY_ROWS,
+                 Q_SMEM, QR_SMEM, K_SMEM, KR_SMEM, P_SMEM, CONSUMER_REGS, True, CP_SIZE, INTERLEAVE)
 
 
 def k_descriptors(k: Tensor):
@@ -466,4 +571,49 @@ def launch(
     key = (q.data_ptr() & 15, out.data_ptr() & 15, lse.data_ptr() & 15 if has_lse else -1,
            (sinks.dtype, sinks.data_ptr() & 15) if has_sinks else None, (pt.dtype, pt.data_ptr() & 15),
            sq, sh, so, soh, slm, slh, ssink, spt)
+    launcher(grid, per_call, key)
+
+
+def launch_decode(
+    q: Tensor, k: Tensor, out: Tensor, lse: Tensor, sinks: Optional[Tensor], page_table: Optional[Tensor],
+    ws_o: Tensor, ws_lse: Tensor, *, grid: tuple[int], plan_args: dict, softmax_scale: float,
+    launchers: Optional[dict] = None,
+) -> None:
+    """Launch the split-KV decode kernel over one rank's latent shard: q [N, Hq, 576], k packed
+    ``[rows, 1, 576]`` (local key j of sequence b at row ``cu_local_kv[b] + j``) or paged
+    ``[pages, page_size, 1, 576]`` with ``page_table`` [B, pages per sequence] (local key j at
+    page ``page_table[b, j // page_size]``); out [N, Hq, 512], lse float32 [N, Hq]; ``ws_o`` fp32
+    [slots, BLOCK_M / G_PACK, Hq, 512] / ``ws_lse`` fp32 [slots, BLOCK_M / G_PACK, Hq]: the
+    partials of multi-split tiles (merged by the decode family's combine kernel). ``plan_args``:
+    the work items and geometry planned by :mod:`.decode_backend`."""
+    from ._launch import PlannedLaunch
+
+    page_size = k.shape[1] if page_table is not None else None
+    k_desc, kr_desc = k_descriptors(k)
+    has_sinks, paged = sinks is not None, page_table is not None
+    sq, sh, so, soh = q.stride(0), q.stride(1), out.stride(0), out.stride(1)
+    slm, slh = lse.stride(0), lse.stride(1)
+    ssink = sinks.stride(0) if has_sinks else 0
+    spt = page_table.stride(0) if paged else 0
+    pt = page_table if paged else q
+    swi, swr, swh = ws_o.stride(0), ws_o.stride(1), ws_o.stride(2)
+    sli, slr = ws_lse.stride(0), ws_lse.stride(1)
+    per_call = dict(
+        Q=q, k_desc=k_desc, kr_desc=kr_desc, Out=out, Lse=lse, Sinks=sinks if has_sinks else out, PageTable=pt,
+        WsO=ws_o, WsLse=ws_lse, qk_scale=float(softmax_scale) * LOG2E, stride_qm=sq, stride_qh=sh, stride_om=so,
+        stride_oh=soh, stride_lm=slm, stride_lh=slh, stride_sink=ssink, stride_pt=spt, stride_wi=swi,
+        stride_wr=swr, stride_wh=swh, stride_li=sli, stride_lr=slr, HAS_SINKS=has_sinks,
+    )
+    variant = ("decode", page_size)
+    if launchers is None or variant not in launchers:
+        fixed = dict(plan_args, **kernel_constexprs(q.dtype, page_size), num_warps=4, maxnreg=168)
+        launcher = PlannedLaunch(_mla_decode_sm90, fixed, enabled=launchers is not None)
+        if launchers is not None:
+            launchers[variant] = launcher
+    else:
+        launcher = launchers[variant]
+    key = (q.data_ptr() & 15, out.data_ptr() & 15, lse.data_ptr() & 15,
+           (sinks.dtype, sinks.data_ptr() & 15) if has_sinks else None, (pt.dtype, pt.data_ptr() & 15),
+           ws_o.data_ptr() & 15, ws_lse.data_ptr() & 15, sq, sh, so, soh, slm, slh, ssink, spt, swi, swr, swh, sli,
+           slr)
     launcher(grid, per_call, key)
