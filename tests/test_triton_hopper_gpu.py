@@ -222,23 +222,29 @@ def test_gpu_mla_prefill_vs_torch(strategy, cp_size, rank, ext, pre, hq, window,
 
 
 @needs_sm90
-def test_gpu_mla_packed_nan_in_another_sequence_stays_there():
-    """Packed latent: NaN keys in sequence 1 reach only sequence 1's rows; sequence 0's last key
-    block, which overlaps sequence 1's first keys, stays finite and correct."""
-    s, meta, q, k, v = _mla_case("contiguous", 1, 0, [100, 200], [0, 0], 16)
+@pytest.mark.parametrize("family,hq,hkv,d,dv", [("mla", 16, 1, 576, 512), ("sm90", 32, 8, 128, 128),
+                                               ("sm90", 16, 16, 192, 128)])
+def test_gpu_packed_nan_in_another_sequence_stays_there(family, hq, hkv, d, dv):
+    """Packed K/V: NaN keys and values in sequence 1 reach only sequence 1's rows; sequence 0's
+    last key block, which overlaps sequence 1's first keys, stays finite and correct."""
+    s, meta, q, k, v = _case("contiguous", 1, 0, [100, 200], [0, 0], hq, hkv, d, dv)
     k = k.clone()
-    k[100 + 20] = float("nan")  # a key of sequence 1 inside sequence 0's last 64-key block
-    plan = _mla_plan(s, meta, 16)
-    assert plan.family == "mla"
-    out, lse = plan.run(q, k, k[..., :512], return_lse=True)
-    k0 = k[:100].float()
-    ref0, ref_lse0 = cpattn.ContiguousStrategy(1).attention(
-        q[:100].float(), k0, k0[..., :512], cpattn.ContiguousStrategy(1).build_metadata([100], rank=0),
-        backend="torch", return_lse=True)
-    assert torch.isfinite(out[:100]).all()
+    k[100 + 20] = float("nan")  # a key of sequence 1 inside sequence 0's last key block
+    v = k[..., :512] if family == "mla" else v.clone()
+    if family != "mla":
+        v[100 + 21] = float("nan")
+    plan = s.plan_attention(meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
+                            dtype=torch.bfloat16, backend="triton")
+    assert plan.family == family
+    out, lse = plan.run(q, k, v, return_lse=True)
+    one = cpattn.ContiguousStrategy(1)
+    k0, v0 = k[:100].float(), v[:100].float()
+    ref0, ref_lse0 = one.attention(q[:100].float(), k0, v0, one.build_metadata([100], rank=0), backend="torch",
+                                   return_lse=True)
+    assert torch.isfinite(out[:100]).all() and torch.isfinite(lse[:100]).all()
     assert (out[:100].float() - ref0).abs().max().item() < 2e-2
     assert (lse[:100] - ref_lse0).abs().max().item() < 1e-2
-    assert torch.isnan(out[120:300]).all()  # rows at or after the NaN key see it
+    assert torch.isnan(out[122:300]).all()  # rows at or after the NaN key and value see them
 
 
 @needs_sm90

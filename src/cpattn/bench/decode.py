@@ -66,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", help="shard backend (auto, triton, torch)")
     p.add_argument("--config", default=None, help="BLOCK_N,warps,stages of the split kernel (skip the default)")
     p.add_argument("--block-m", type=int, default=None, help="split kernel: most query rows x heads per program")
+    p.add_argument("--programs-per-sm", type=int, default=None,
+                   help="split target of the shard backend, programs per SM (default: the family's)")
     p.add_argument("--sweep", action="store_true",
                    help="also time a grid of split-kernel configs on a few workloads (tuning aid)")
     p.add_argument("--no-crossover", action="store_true", help="skip the pass-KV / pass-Q crossover")
@@ -187,6 +189,8 @@ def run_decode_grid(args, device, dtype, shapes) -> tuple[list[dict], list[str]]
         options["config"] = tuple(int(x) for x in args.config.split(","))
     if args.block_m:
         options["block_m"] = args.block_m
+    if args.programs_per_sm:
+        options["programs_per_sm"] = args.programs_per_sm
     options = options or None
     rows, skipped = [], []
     item = torch.empty((), dtype=dtype).element_size()

@@ -382,13 +382,14 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ws_fix_last_v(v_buf, j, num_blocks, n_lo, key_end, COPY_ROWS: gl.constexpr):
-        """Paged: zero the V rows of the last key block past the tile's last key (unused cache
-        slots, or rows clamped to the last page, may hold NaN; P is 0 there but 0 * NaN is not)."""
-        if COPY_ROWS > 0:  # TMA copies; the cp.async gather zero-fills those rows itself
-            BLOCK_N: gl.constexpr = v_buf.type.shape[0]
-            valid = key_end - (n_lo + j * BLOCK_N)
-            if (j == num_blocks - 1) & (valid < BLOCK_N):
-                zero_rows_from(v_buf, valid, 4)
+        """Zero the V rows of the last key block past the tile's last key: unused slots of a paged
+        cache, rows clamped to the last page, or (packed) the next sequence's keys may hold NaN;
+        P is 0 there but 0 * NaN is not. (The cp.async gather already zero-fills those rows; the
+        pass is cheap and keeps one rule for every loader.)"""
+        BLOCK_N: gl.constexpr = v_buf.type.shape[0]
+        valid = key_end - (n_lo + j * BLOCK_N)
+        if (j == num_blocks - 1) & (valid < BLOCK_N):
+            zero_rows_from(v_buf, valid, 4)
 
     @gluon.jit
     def _ws_consumer_item(smem, kv, rows, it0, HALF: gl.constexpr, HAS_WINDOW: gl.constexpr,
