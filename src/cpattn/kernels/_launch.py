@@ -282,15 +282,17 @@ def _c_launch_of(run, has_descs: bool):
     if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
         return None  # scratch memory is allocated per call by the Python launcher
     launch = run.launch
-    if not has_descs:
-        return (launch, None, []) if type(launch).__name__ == "builtin_function_or_method" else None
-    code, closure = getattr(launch, "__code__", None), getattr(launch, "__closure__", None)
-    if code is None or closure is None:
+    if not has_descs:  # what CudaLauncher.__call__ calls, minus the (empty) scratch allocation
+        return (launch, None, []) if callable(launch) else None
+    # triton's wrap_handle_tensordesc: ``inner`` expands each descriptor with make_tensordesc_arg
+    # and calls the compiled C launch (``launcher`` in its closure)
+    if getattr(launch, "__qualname__", "") != "wrap_handle_tensordesc.<locals>.inner":
         return None
+    code, closure = launch.__code__, launch.__closure__ or ()
     cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure)))
     inner, meta = cells.get("launcher"), cells.get("tensordesc_meta")
     make_arg = launch.__globals__.get("make_tensordesc_arg")
-    if inner is None or meta is None or make_arg is None or type(inner).__name__ != "builtin_function_or_method":
+    if not callable(inner) or meta is None or make_arg is None:
         return None
     if launch.__globals__.get("_BASE_ARGS_FORMAT_LEN") != _BASE_ARGS:
         return None
