@@ -141,7 +141,8 @@ class AttentionPlan:
         # what run's one-compare check expects: (q shape, k / v shapes past dim 0, dtypes, devices)
         k_shape = self._k_tail if spec.paged else self._k_shape  # paged: past the page count
         v_shape = self._v_tail if spec.paged else self._v_shape
-        self._expect = (self._q_shape, k_shape, v_shape, dtype, dtype, dtype, device, device, device)
+        size = torch.Size  # Size == Size compares faster than Size == tuple
+        self._expect = (size(self._q_shape), size(k_shape), size(v_shape), dtype, dtype, dtype, device, device, device)
         if spec.paged:
             self._pt_expect = (meta.num_seq_rows, device)
             self._min_pages = -(-meta.max_kv_len // spec.page_size)
