@@ -3,80 +3,330 @@
 ``kernel[grid](**kwargs)`` binds and specializes every argument, builds a cache key and looks the
 kernel up on every call: 100-200 µs of host work for the ~45 arguments of the attention kernels
 (measured on H200, 2026-12-01). A :class:`PlannedLaunch` is built once per plan with the arguments
-that do not change between layers (``fixed``); its first call goes through the JIT (compile or
+that do not change between layers (``fixed``) and the names of the per-call ones (``names``, the
+order of the ``values`` tuple of each call); its first call goes through the JIT (compile or
 cache lookup, autotuning) and records the compiled kernel together with a cheap signature of the
 per-call arguments, which the caller builds from values it computes anyway: the 16-byte alignment
 (and dtype where it can vary) of every tensor, the exact values of the int arguments (strides,
 row counts) and constexpr flags. A later call with the same key hands the argument values
-straight to the compiled kernel's launcher; any other key goes through the JIT again (which
-specializes on alignment and on ints being 1 or multiples of 16, so an equal key always means
-the same compiled kernel). Falls back to the plain JIT call where the Triton version's internals are
-not the expected ones, and always under the interpreter.
+straight to the compiled kernel (the JIT specializes on alignment and on ints being 1 or
+multiples of 16, so an equal key always means the same compiled kernel); any other key goes
+through the JIT again.
+
+Host tensor descriptors (Gluon ``TensorDescriptor``, the ``descriptors`` names) are not passed
+per call: the caller gives ``make_descs`` (builds them) and ``desc_key``, a tuple of everything
+they encode that can differ between calls (K/V data pointers, shapes, strides; block shapes,
+layouts and dtype are fixed per launch). Where the installed Triton's launcher has the layout
+this module knows (triton 3.5 / 3.6 ``CudaLauncher``: ``wrap_handle_tensordesc`` around the
+compiled C ``launch``, no scratch memory, no launch hooks registered), a call whose key matches
+is sent to the C ``launch`` directly with its arguments prepared once per ``desc_key``: the
+descriptors are built and converted into CUtensorMaps by Triton's own ``make_tensordesc_arg``
+(so the maps are bit-identical to what Triton's launcher would make) and kept in a small LRU
+(:data:`DESCRIPTOR_CACHE_SIZE` entries per launch: one per layer's distinct K/V buffers); a new
+``desc_key`` (K/V moved, another shape or stride) builds and converts again. The plan's fixed
+device tensors are passed as their addresses (the launcher's pointer check, done once at record
+time, resolves device memory to the same address). Anything else (another Triton, registered
+launch hooks, kernels that need scratch memory) takes the compiled kernel's ``run`` with
+descriptors built per call, and the interpreter always takes the plain JIT call.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Optional
+import operator
+from collections import OrderedDict
+from typing import Callable, Optional, Sequence
 
 from torch import Tensor
 
 logger = logging.getLogger("cpattn")
 
+#: Prepared argument sets (one per distinct K/V descriptor set) kept per launch: a model's layers
+#: with their own K/V buffers each take one.
+DESCRIPTOR_CACHE_SIZE = 256
+#: Leading arguments of Triton's C ``launch`` (grid x3, stream, function, cooperative, pdl, two
+#: scratch buffers, kernel metadata, launch metadata, enter / exit hooks).
+_BASE_ARGS = 13
+#: Compiled-kernel keys remembered per launch (the oldest is dropped past this).
+MAX_KEYS = 8
+
+
+class LRU:
+    """A small least-recently-used map (``get`` refreshes; ``put`` drops the oldest past ``size``).
+    Values must not be None. Holds no tensors by convention of its users."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"LRU size must be >= 1, got {size}")
+        self.size = size
+        self._d: OrderedDict = OrderedDict()
+
+    def get(self, key):
+        value = self._d.get(key)
+        if value is not None:
+            self._d.move_to_end(key)
+        return value
+
+    def put(self, key, value):
+        d = self._d
+        d[key] = value
+        d.move_to_end(key)
+        if len(d) > self.size:
+            d.popitem(last=False)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __contains__(self, key) -> bool:
+        return key in self._d
+
+    def clear(self) -> None:
+        self._d.clear()
+
+
+class LaunchState:
+    """What a plan keeps between its calls of a kernel family: ``launchers`` (a
+    :class:`PlannedLaunch` per kernel variant, filled by the family) and ``kv`` (an :class:`LRU` of
+    per-K/V-layout facts, ints and flags only). ``enabled`` False: every call through the JIT."""
+
+    def __init__(self, enabled: bool = True, cache_size: int = DESCRIPTOR_CACHE_SIZE) -> None:
+        self.enabled = enabled
+        self.cache_size = cache_size
+        self.launchers: dict = {}
+        self.kv = LRU(cache_size)
+
+
+def _hooks_idle(hooks) -> bool:
+    """No launch enter / exit hook registered (None, or an empty triton 3.5+ ``HookChain``)."""
+    for hook in (hooks.launch_enter_hook, hooks.launch_exit_hook):
+        if hook is not None and (not hasattr(hook, "calls") or hook.calls):
+            return False
+    return True
+
+
+class _Direct:
+    """The compiled kernel's C ``launch`` and how to build its argument tuple (see the module
+    docstring): ``entry(descs)`` -> the constant part for one descriptor set; ``pick`` maps
+    ``entry + (grid0, stream) + values`` onto the C launcher's argument order."""
+
+    def __init__(self, launch, make_arg, desc_meta: dict, layout: list) -> None:
+        self.launch, self.make_arg, self.desc_meta = launch, make_arg, desc_meta
+        #: per C-launcher argument: ("const", x) | ("head", 0 grid / 1 stream) | ("value", j) |
+        #: ("desc", name) (expanded into several)
+        self.layout = layout
+        self.pick: Optional[Callable] = None
+        self.lengths: Optional[dict] = None
+
+    def entry(self, descs: dict) -> Optional[tuple]:
+        """The constant arguments with these descriptors' CUtensorMap expansions, or None when an
+        expansion cannot be kept (holds a tensor: the kernel did not lower it to TMA)."""
+        consts: list = []
+        src: list = []  # per C-launcher argument: index in consts, or -1 - (index in head + values)
+        expanded = {name: list(self.make_arg(desc, self.desc_meta[name])) for name, desc in descs.items()}
+        if any(isinstance(x, Tensor) for e in expanded.values() for x in e):
+            return None
+        lengths = {name: len(e) for name, e in expanded.items()}
+        if self.lengths is not None and lengths != self.lengths:
+            return None
+        for kind, item in self.layout:
+            if kind == "const":
+                src.append(len(consts))
+                consts.append(item)
+            elif kind == "head":
+                src.append(-1 - item)
+            elif kind == "value":
+                src.append(-1 - (2 + item))
+            else:
+                for x in expanded[item]:
+                    src.append(len(consts))
+                    consts.append(x)
+        if self.pick is None:
+            n = len(consts)
+            self.pick = operator.itemgetter(*[i if i >= 0 else n + (-1 - i) for i in src])
+            self.lengths = lengths
+        return tuple(consts)
+
+
+class _Record:
+    """One compiled kernel of a :class:`PlannedLaunch` and how to call it."""
+
+    __slots__ = ("compiled", "template", "slots", "desc_slots", "direct", "entries")
+
+    def __init__(self, compiled, template, slots, desc_slots, direct, cache_size) -> None:
+        self.compiled, self.template, self.slots, self.desc_slots = compiled, template, slots, desc_slots
+        self.direct: Optional[_Direct] = direct
+        self.entries = LRU(cache_size)
+
 
 class PlannedLaunch:
-    """``launch(grid, per_call, key)`` of ``kernel`` (a JIT function or an autotuner) with the
-    plan's ``fixed`` keyword arguments. ``per_call``: the arguments that may differ between
-    layers; ``key``: a tuple of ints / dtypes / bools deciding the compiled kernel (see above)."""
+    """``launch(grid, values, key, desc_key, make_descs)`` of ``kernel`` (a JIT function or an
+    autotuner) with the plan's ``fixed`` keyword arguments. ``names``: the per-call argument names
+    (``values`` is a tuple in this order); ``key``: a tuple of ints / dtypes / bools deciding the
+    compiled kernel (see above; up to :data:`MAX_KEYS` keys are remembered, e.g. calls with and
+    without LSE); ``descriptors``: names of host tensor-descriptor arguments, built by
+    ``make_descs()`` (a tuple in this order) and described by ``desc_key``."""
 
-    def __init__(self, kernel, fixed: dict, enabled: bool = True) -> None:
+    def __init__(self, kernel, fixed: dict, names: Sequence[str], *, descriptors: Sequence[str] = (),
+                 enabled: bool = True, cache_size: int = DESCRIPTOR_CACHE_SIZE) -> None:
         self.kernel, self.fixed = kernel, dict(fixed)
-        self._compiled = None
-        self._sig: Optional[tuple] = None
-        self._values_template: Optional[list] = None
-        self._per_call_slots: list[tuple[int, str]] = []
+        self.names, self.descriptors = tuple(names), tuple(descriptors)
+        overlap = set(self.names) & (set(self.descriptors) | set(self.fixed))
+        if overlap:
+            raise ValueError(f"arguments both per call and fixed / descriptors: {sorted(overlap)}")
+        self.cache_size = cache_size
+        self.records: dict = {}
         self._enabled = enabled
         try:
-            from triton.runtime.driver import driver
             from triton import knobs
+            from triton.runtime.driver import driver
 
-            self._knobs = knobs
+            self._hooks = knobs.runtime
             active = driver.active
             self._device, self._stream = active.get_current_device, active.get_current_stream
             jit = kernel.fn if hasattr(kernel, "configs") else kernel  # autotuner -> its JIT function
             self._arg_names = list(jit.arg_names)
-        except Exception:  # another triton: plain JIT calls only
+        except Exception:  # another triton (or no GPU driver): plain JIT calls only
             self._enabled = False
 
-    def __call__(self, grid: tuple, per_call: dict, key: tuple) -> None:
-        if self._compiled is not None:
-            if key == self._sig:
-                values = list(self._values_template)
-                for i, name in self._per_call_slots:
-                    values[i] = per_call[name]
-                k = self._compiled
-                stream = self._stream(self._device())
-                hooks = self._knobs.runtime
-                enter = hooks.launch_enter_hook
-                meta = k.launch_metadata(grid, stream, *values) if enter is not None else None
-                k.run(grid[0], 1, 1, stream, k.function, k.packed_metadata, meta, enter, hooks.launch_exit_hook,
-                      *values)
-                return
-        compiled = self.kernel[grid](**self.fixed, **per_call)
-        if self._enabled and compiled is not None and hasattr(compiled, "run") and hasattr(compiled, "function"):
-            self._record(compiled, per_call, key)
+    def direct(self, key: tuple) -> bool:
+        """Calls with ``key`` go to the C launcher with cached arguments."""
+        rec = self.records.get(key)
+        return rec is not None and rec.direct is not None
 
-    def _record(self, compiled, per_call: dict, key: tuple) -> None:
+    def __call__(self, grid: tuple, values: tuple, key: tuple, desc_key=(),
+                 make_descs: Optional[Callable[[], tuple]] = None) -> None:
+        rec = self.records.get(key)
+        if rec is not None:
+            direct = rec.direct
+            if direct is not None and len(grid) == 1 and _hooks_idle(self._hooks):
+                entry = rec.entries.get(desc_key)
+                if entry is None:
+                    entry = self._new_entry(rec, desc_key, make_descs)
+                if entry is not None:
+                    direct.launch(*direct.pick(entry + (grid[0], self._stream(self._device())) + values))
+                    return
+            self._run_compiled(rec, grid, values, make_descs)
+            return
+        if len(values) != len(self.names):
+            raise ValueError(f"{len(values)} per-call values for {len(self.names)} names {self.names}")
+        kwargs = dict(zip(self.names, values))
+        if self.descriptors:
+            kwargs.update(zip(self.descriptors, make_descs()))
+        compiled = self.kernel[grid](**self.fixed, **kwargs)
+        if self._enabled and compiled is not None and hasattr(compiled, "run") and hasattr(compiled, "function"):
+            self._record(compiled, key)
+
+    def _run_compiled(self, rec: _Record, grid: tuple, values: tuple, make_descs) -> None:
+        """The compiled kernel's own launcher (descriptors built and converted by Triton)."""
+        args = list(rec.template)
+        for i, j in rec.slots:
+            args[i] = values[j]
+        if self.descriptors:
+            for i, desc in zip(rec.desc_slots, make_descs()):
+                args[i] = desc
+        k = rec.compiled
+        stream = self._stream(self._device())
+        hooks = self._hooks
+        g = tuple(grid) + (1, 1)
+        if _hooks_idle(hooks):
+            k.run(g[0], g[1], g[2], stream, k.function, k.packed_metadata, None, None, None, *args)
+        else:
+            meta = k.launch_metadata(grid, stream, *args)
+            k.run(g[0], g[1], g[2], stream, k.function, k.packed_metadata, meta, hooks.launch_enter_hook,
+                  hooks.launch_exit_hook, *args)
+
+    def _new_entry(self, rec: _Record, desc_key, make_descs) -> Optional[tuple]:
+        try:
+            descs = dict(zip(self.descriptors, make_descs())) if self.descriptors else {}
+            entry = rec.direct.entry(descs)
+        except Exception as exc:  # pragma: no cover - depends on the triton version
+            logger.debug("cpattn: direct launch disabled (%s)", exc)
+            entry = None
+        if entry is None:
+            rec.direct = None
+            rec.entries.clear()
+            return None
+        return rec.entries.put(desc_key, entry)
+
+    def _record(self, compiled, key: tuple) -> None:
         try:
             extra = {}
             best = getattr(self.kernel, "best_config", None)
             if best is not None:
                 extra = {k: v for k, v in best.all_kwargs().items() if k in self._arg_names}
-            merged = {**self.fixed, **extra, **per_call}
-            self._values_template = [merged[name] for name in self._arg_names]
-            self._per_call_slots = [(i, name) for i, name in enumerate(self._arg_names) if name in per_call]
-            self._sig = key
-            self._compiled = compiled
+            merged = {**self.fixed, **extra}
+            where = {name: j for j, name in enumerate(self.names)}
+            descs = set(self.descriptors)
+            missing = [n for n in self._arg_names if n not in merged and n not in where and n not in descs]
+            if missing:
+                raise KeyError(f"arguments neither fixed nor per call: {missing}")
+            template = [merged.get(name) for name in self._arg_names]
+            slots = [(i, where[name]) for i, name in enumerate(self._arg_names) if name in where]
+            desc_slots = [self._arg_names.index(name) for name in self.descriptors]
+            direct = _direct_launch(compiled, self._arg_names, merged, where, descs)
+            if len(self.records) >= MAX_KEYS:
+                self.records.pop(next(iter(self.records)))
+            self.records[key] = _Record(compiled, template, slots, desc_slots, direct, self.cache_size)
         except Exception as exc:  # pragma: no cover - depends on the triton version
             logger.debug("cpattn: planned launch disabled (%s)", exc)
             self._enabled = False
+            self.records.clear()
+
+
+def _c_launch_of(run, has_descs: bool):
+    """(C launch function, make_tensordesc_arg, per-descriptor metadata list) of a triton 3.5 / 3.6
+    ``CudaLauncher``, or None when its layout is not the known one."""
+    if type(run).__name__ != "CudaLauncher" or not type(run).__module__.endswith("nvidia.driver"):
+        return None
+    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None  # scratch memory is allocated per call by the Python launcher
+    launch = run.launch
+    if not has_descs:  # what CudaLauncher.__call__ calls, minus the (empty) scratch allocation
+        return (launch, None, []) if callable(launch) else None
+    # triton's wrap_handle_tensordesc: ``inner`` expands each descriptor with make_tensordesc_arg
+    # and calls the compiled C launch (``launcher`` in its closure)
+    if getattr(launch, "__qualname__", "") != "wrap_handle_tensordesc.<locals>.inner":
+        return None
+    code, closure = launch.__code__, launch.__closure__ or ()
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure)))
+    inner, meta = cells.get("launcher"), cells.get("tensordesc_meta")
+    make_arg = launch.__globals__.get("make_tensordesc_arg")
+    if not callable(inner) or meta is None or make_arg is None:
+        return None
+    if launch.__globals__.get("_BASE_ARGS_FORMAT_LEN") != _BASE_ARGS:
+        return None
+    return inner, make_arg, list(meta)
+
+
+def _direct_launch(compiled, arg_names: list, merged: dict, where: dict, descs: set) -> Optional[_Direct]:
+    """The direct-launch plan of a compiled kernel (None: take its ``run``)."""
+    sig = getattr(getattr(compiled, "src", None), "signature", None)
+    if not isinstance(sig, dict) or list(sig) != arg_names or any(isinstance(t, tuple) for t in sig.values()):
+        return None
+    sig_descs = [n for n, t in sig.items() if isinstance(t, str) and t.startswith("tensordesc")]
+    if set(sig_descs) != descs:
+        return None
+    found = _c_launch_of(compiled.run, bool(sig_descs))
+    if found is None:
+        return None
+    launch, make_arg, meta = found
+    if len(meta) != len(sig_descs):
+        return None
+    k = compiled
+    run = k.run
+    layout: list = [("head", 0), ("const", 1), ("const", 1), ("head", 1), ("const", k.function),
+                    ("const", run.launch_cooperative_grid), ("const", run.launch_pdl), ("const", None),
+                    ("const", None), ("const", k.packed_metadata), ("const", None), ("const", None),
+                    ("const", None)]
+    for name in arg_names:
+        if name in descs:
+            layout.append(("desc", name))
+        elif name in where:
+            layout.append(("value", where[name]))
+        else:
+            x = merged[name]
+            if isinstance(x, Tensor) and x.is_cuda:
+                x = x.data_ptr()  # the plan keeps the tensor (fixed); device memory: same address
+            layout.append(("const", x))
+    return _Direct(launch, make_arg, dict(zip(sig_descs, meta)), layout)

@@ -24,6 +24,7 @@ import torch
 
 from . import AttentionSpec, triton_available, triton_device_reason
 from .. import _buffers
+from ._launch import LaunchState
 
 _KERNEL_MODULE = "cpattn.kernels.triton_decode"
 _OPTION_NAMES = {"config", "block_m", "min_split", "programs_per_sm", "num_sms", "family"}
@@ -261,8 +262,7 @@ class _TritonShardRun:
             self._launch(q, k, v, page_table, sinks, softmax_scale, out, lse, v_from_k)
 
     def _launch(self, q, k, v, page_table, sinks, softmax_scale, out, lse, v_from_k) -> None:
-        if self._mla is not None and self._mla.layout_ok(k, v):
-            self._mla(q, k, page_table, sinks, softmax_scale, out, lse, self._combine)
+        if self._mla is not None and self._mla(q, k, v, page_table, sinks, softmax_scale, out, lse, self._combine):
             return
         ws_o = torch.empty(self.ws_shape, dtype=torch.float32, device=q.device)
         ws_lse = torch.empty(self.ws_shape[:3], dtype=torch.float32, device=q.device)
@@ -325,18 +325,20 @@ class _MlaSplit:
         )
         self.combine_args = dict(row_ws0=dev["row_ws0"], row_nsplit=dev["row_nsplit"], row_ti=dev["row_ti"],
                                  HEAD_DIM_V=dv, BLOCK_H=block_h, HAS_SINKS=apply_sinks)
-        self.layout_ok = triton_mla.kv_layout_ok
         self._launch = triton_mla.launch_decode
-        self._launchers: dict = {}
+        self._state = LaunchState()
 
-    def __call__(self, q, k, page_table, sinks, softmax_scale, out, lse, combine) -> None:
+    def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse, combine) -> bool:
+        """Run the step; False (nothing launched) when ``k`` / ``v`` is not the kernel's layout."""
         ws_o = torch.empty(self.ws_shape, dtype=torch.float32, device=q.device)
         ws_lse = torch.empty(self.ws_shape[:3], dtype=torch.float32, device=q.device)
-        if self.grid[0]:
-            self._launch(q, k, out, lse, sinks, page_table, ws_o, ws_lse, grid=self.grid, plan_args=self.plan_args,
-                         softmax_scale=softmax_scale, launchers=self._launchers)
+        if self.grid[0] and not self._launch(q, k, v, out, lse, sinks, page_table, ws_o, ws_lse, grid=self.grid,
+                                             plan_args=self.plan_args, softmax_scale=softmax_scale,
+                                             state=self._state):
+            return False
         if self.run_combine and self.combine_grid[0]:
             combine(out, lse, sinks, ws_o, ws_lse, grid=self.combine_grid, combine_args=self.combine_args)
+        return True
 
 
 class TritonShardBackend:

@@ -470,52 +470,65 @@ def dot_settings(dtype: torch.dtype) -> dict:
     return dict(DOT_PRECISION="ieee" if dtype == torch.float32 or upcast else "tf32", DOT_UPCAST=upcast)
 
 
-def make_launch(plan_args: dict, config: Optional[tuple[int, int, int]] = None):
+#: Per-call arguments of the portable kernel, in the order of a launch's ``values``.
+_PER_CALL = ("Q", "K", "V", "Out", "Lse", "Sinks", "PageTable", "qk_scale", "num_kv_rows", "stride_qm", "stride_qh",
+             "stride_sink", "stride_kp", "stride_kn", "stride_kh", "stride_vp", "stride_vn", "stride_vh", "stride_om",
+             "stride_oh", "stride_lm", "stride_lh", "stride_pt", "HAS_SINKS", "RETURN_LSE", "USE_TMA")
+
+
+def make_launch(plan_args: dict, config: Optional[tuple[int, int, int]] = None, enabled: bool = True):
     """A :class:`PlannedLaunch` of the portable kernel with the planned keyword arguments
     (tile map, tile count, segments, geometry constexprs; see ``triton_backend``). ``config`` =
-    (BLOCK_N, num_warps, num_stages) bypasses the autotuner (the interpreter uses a small one)."""
+    (BLOCK_N, num_warps, num_stages) bypasses the autotuner (the interpreter uses a small one).
+    ``enabled`` False (and always under the interpreter): every call through the JIT."""
     from ._launch import PlannedLaunch
 
     if INTERPRETED or config is not None:
         bn, warps, stages = config if config is not None else (16, 4, 1)
         fixed = dict(plan_args, BLOCK_N=bn, num_warps=warps, num_stages=stages)
-        return PlannedLaunch(_cp_attn_fwd, fixed, enabled=not INTERPRETED)
-    return PlannedLaunch(_cp_attn_fwd_tuned, plan_args)
+        return PlannedLaunch(_cp_attn_fwd, fixed, _PER_CALL, enabled=enabled and not INTERPRETED)
+    return PlannedLaunch(_cp_attn_fwd_tuned, plan_args, _PER_CALL, enabled=enabled)
+
+
+def kv_facts(k: Tensor, v: Tensor, paged: bool) -> tuple:
+    """``(use_tma, K/V ints, their key part)`` of a portable launch over these K/V (ints and
+    flags only: a plan caches them per K/V address, shape, strides and dtype)."""
+    if paged:
+        ints = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
+    else:
+        ints = (0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1))
+    use_tma = not paged and not INTERPRETED and _tma_ok(k, v)
+    return use_tma, ints, (k.data_ptr() & 15, v.data_ptr() & 15, k.shape[0]) + ints + (use_tma,)
 
 
 def launch(
     launcher, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tensor], sinks: Optional[Tensor],
-    page_table: Optional[Tensor], cu_kv_lens: Tensor, *, grid: tuple[int], softmax_scale: float,
+    page_table: Optional[Tensor], cu_kv_lens: Tensor, *, grid: tuple[int], softmax_scale: float, kv_cache=None,
 ) -> None:
-    """Launch the portable kernel through its planned launcher (:func:`make_launch`)."""
+    """Launch the portable kernel through its planned launcher (:func:`make_launch`).
+    ``kv_cache``: the plan's :class:`~cpattn.kernels._launch.LRU` of :func:`kv_facts` (None:
+    computed per call)."""
     paged = page_table is not None
-    if paged:
-        skp, skn, skh = k.stride(0), k.stride(1), k.stride(2)
-        svp, svn, svh = v.stride(0), v.stride(1), v.stride(2)
-        pt, stride_pt = page_table, page_table.stride(0)
-    else:
-        skp, skn, skh = 0, k.stride(0), k.stride(1)
-        svp, svn, svh = 0, v.stride(0), v.stride(1)
-        pt, stride_pt = cu_kv_lens, 0
-    use_tma = not paged and not INTERPRETED and _tma_ok(k, v)
+    key_kv = (k.data_ptr(), v.data_ptr(), k.shape, v.shape, k.stride(), v.stride(), k.dtype, paged)
+    facts = kv_cache.get(key_kv) if kv_cache is not None else None
+    if facts is None:
+        facts = kv_facts(k, v, paged)
+        if kv_cache is not None:
+            kv_cache.put(key_kv, facts)
+    use_tma, kv_ints, kv_part = facts
+    pt, stride_pt = (page_table, page_table.stride(0)) if paged else (cu_kv_lens, 0)
     has_sinks, has_lse = sinks is not None, lse is not None
-    sq, sh = q.stride(0), q.stride(1)
-    so, soh = out.stride(0), out.stride(1)
-    slm, slh = (lse.stride(0), lse.stride(1)) if has_lse else (0, 0)
+    qs, os_ = q.stride(), out.stride()
+    slm, slh = lse.stride() if has_lse else (0, 0)
     ssink = sinks.stride(0) if has_sinks else 0
-    args = dict(
-        Q=q, K=k, V=v, Out=out, Lse=lse if has_lse else out, Sinks=sinks if has_sinks else out,
-        PageTable=pt, qk_scale=float(softmax_scale) * LOG2E, num_kv_rows=k.shape[0],
-        stride_qm=sq, stride_qh=sh, stride_sink=ssink, stride_kp=skp, stride_kn=skn, stride_kh=skh,
-        stride_vp=svp, stride_vn=svn, stride_vh=svh, stride_om=so, stride_oh=soh, stride_lm=slm, stride_lh=slh,
-        stride_pt=stride_pt, HAS_SINKS=has_sinks, RETURN_LSE=has_lse, USE_TMA=use_tma,
-    )
-    key = (q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, out.data_ptr() & 15,
-           lse.data_ptr() & 15 if has_lse else -1, (sinks.dtype, sinks.data_ptr() & 15) if has_sinks else None,
-           (pt.dtype, pt.data_ptr() & 15), k.shape[0], sq, sh, ssink, skp, skn, skh, svp, svn, svh, so, soh, slm, slh,
-           stride_pt, use_tma)
+    values = (q, k, v, out, lse if has_lse else out, sinks if has_sinks else out, pt, float(softmax_scale) * LOG2E,
+              k.shape[0], qs[0], qs[1], ssink) + kv_ints + (os_[0], os_[1], slm, slh, stride_pt, has_sinks, has_lse,
+                                                           use_tma)
+    key = (q.dtype, q.data_ptr() & 15, out.data_ptr() & 15, lse.data_ptr() & 15 if has_lse else -1,
+           (sinks.dtype, sinks.data_ptr() & 15) if has_sinks else None, (pt.dtype, pt.data_ptr() & 15),
+           qs[0], qs[1], ssink, os_[0], os_[1], slm, slh, stride_pt) + kv_part
     if use_tma:
         with scratch_allocator():
-            launcher(grid, args, key)
+            launcher(grid, values, key)
     else:
-        launcher(grid, args, key)
+        launcher(grid, values, key)

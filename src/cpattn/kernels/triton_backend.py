@@ -163,47 +163,57 @@ class _TritonRun:
             PAGED=spec.paged, PAGE_SIZE=spec.page_size or 1, **triton_attn.dot_settings(spec.dtype),
         )
         planned = bool(options.get("planned_launch", True))
+        from ._launch import LaunchState
+
         self._portable = triton_attn.launch
-        self._portable_launch = triton_attn.make_launch(self.portable_args, self.config)
-        self._portable_launch._enabled &= planned
+        self._portable_launch = triton_attn.make_launch(self.portable_args, self.config, enabled=planned)
+        #: the portable kernel's per-K/V facts; the fast family's launch state (per-K/V facts, a
+        #: planned launcher per kernel variant with its prepared TMA descriptors)
+        self._portable_state = LaunchState(enabled=planned)
+        self._fast_state = LaunchState(enabled=planned)
         self.cu_kv_lens = meta.cu_kv_lens
+        #: the plan's GPU (None on the CPU): launches on another GPU run under a device guard
+        self._device_index = meta.device.index if meta.device.type == "cuda" else None
         self._contiguous = triton_attn.last_dim_contiguous
-        #: the fast family's planned launchers, one per kernel variant (created on first use);
-        #: None: every call through the JIT
-        self._fast_launchers = {} if planned else None
         self.fast_grid = self.grid
         if family == "sm90":
-            self._fast, self._layout_ok = triton_sm90.launch, triton_sm90.kv_layout_ok
+            self._fast = triton_sm90.launch
             self._fast_options = self.sm90_options
             if self.sm90_options["persistent"]:  # one resident program per SM (one fits per SM)
                 sms = torch.cuda.get_device_properties(meta.device).multi_processor_count
                 self.fast_grid = (max(1, min(self.grid[0], sms)),)
         elif family == "mla":
-            self._fast, self._layout_ok = triton_mla.launch, triton_mla.kv_layout_ok
+            self._fast = triton_mla.launch
             self._fast_options = {}
         else:
-            self._fast = self._layout_ok = None
+            self._fast = None
 
     def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse) -> None:
         if not softmax_scale > 0:
             raise ValueError(f"softmax_scale must be > 0 for the triton kernels, got {softmax_scale}")
-        k, v = self._contiguous(k, "k"), self._contiguous(v, "v")
-        q = self._contiguous(q, "q")
+        if k.stride(-1) != 1:
+            k = self._contiguous(k, "k")
+        if v.stride(-1) != 1:
+            v = self._contiguous(v, "v")
+        if q.stride(-1) != 1:
+            q = self._contiguous(q, "q")
         if page_table is not None and page_table.stride(-1) != 1:
             page_table = page_table.contiguous()
-        if q.is_cuda and q.device.index != torch.cuda.current_device():
-            with torch.cuda.device(q.device):  # tensors on a non-current GPU
+        index = self._device_index  # plan.run checked that the tensors are on the plan's device
+        if index is not None and index != torch.cuda.current_device():
+            with torch.cuda.device(index):  # tensors on a non-current GPU
                 self._launch(q, k, v, page_table, sinks, softmax_scale, out, lse)
         else:
             self._launch(q, k, v, page_table, sinks, softmax_scale, out, lse)
 
     def _launch(self, q, k, v, page_table, sinks, softmax_scale, out, lse) -> None:
-        if self._fast is not None and self._layout_ok(k, v):
-            self._fast(q, k, v, out, lse, sinks, page_table, grid=self.fast_grid, plan_args=self.sm90_args,
-                       softmax_scale=softmax_scale, launchers=self._fast_launchers, **self._fast_options)
-        else:
-            self._portable(self._portable_launch, q, k, v, out, lse, sinks, page_table, self.cu_kv_lens,
-                           grid=self.grid, softmax_scale=softmax_scale)
+        fast = self._fast
+        if fast is not None and fast(q, k, v, out, lse, sinks, page_table, grid=self.fast_grid,
+                                     plan_args=self.sm90_args, softmax_scale=softmax_scale, state=self._fast_state,
+                                     **self._fast_options):
+            return
+        self._portable(self._portable_launch, q, k, v, out, lse, sinks, page_table, self.cu_kv_lens, grid=self.grid,
+                       softmax_scale=softmax_scale, kv_cache=self._portable_state.kv)
 
 
 class TritonBackend:

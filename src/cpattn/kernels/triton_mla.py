@@ -534,86 +534,108 @@ def kernel_constexprs(dtype: torch.dtype, page_size: Optional[int]) -> dict:
     )
 
 
+#: Per-call arguments of the MLA kernel, in the order of a launch's ``values``.
+_PER_CALL = ("Q", "Out", "Lse", "Sinks", "PageTable", "qk_scale", "stride_qm", "stride_qh", "stride_om", "stride_oh",
+             "stride_lm", "stride_lh", "stride_sink", "stride_pt", "HAS_SINKS", "RETURN_LSE")
+_DESCRIPTORS = ("k_desc", "kr_desc")
+
+
+def kv_key(k: Tensor, v: Tensor) -> tuple:
+    """Everything of the latent (and its value view) a launch depends on: addresses, shapes,
+    strides, dtype (the key of the plan's per-K/V facts and of its prepared TMA descriptors)."""
+    return (k.data_ptr(), v.data_ptr(), k.shape, v.shape, k.stride(), v.stride(), k.dtype)
+
+
 def launch(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tensor], sinks: Optional[Tensor],
-    page_table: Optional[Tensor], *, grid: tuple[int], plan_args: dict, softmax_scale: float,
-    launchers: Optional[dict] = None,
-) -> None:
+    page_table: Optional[Tensor], *, grid: tuple[int], plan_args: dict, softmax_scale: float, state=None,
+) -> bool:
     """Launch the absorbed-MLA kernel into ``out`` [P, Hq, 512] / ``lse``: q [P, Hq, 576], k the
     latent (packed ``[rows, 1, 576]`` or paged ``[pages, page_size, 1, 576]`` with
-    ``page_table``), ``v`` = ``k[..., :512]`` (checked by :func:`kv_layout_ok`; never read).
-    ``plan_args``: the planned tile map, segments, G_PACK, L2 section (``triton_backend``), for
-    tiles of :data:`BLOCK_M` rows x heads. ``launchers``: the plan's :class:`PlannedLaunch` per
-    variant (filled here; None: every call through the JIT)."""
-    from ._launch import PlannedLaunch
+    ``page_table``), ``v`` = ``k[..., :512]`` (never read). Returns False (and launches nothing)
+    when :func:`kv_layout_ok` does not hold (the caller runs the portable kernel). ``plan_args``:
+    the planned tile map, segments, G_PACK, L2 section (``triton_backend``), for tiles of
+    :data:`BLOCK_M` rows x heads. ``state``: the plan's :class:`~cpattn.kernels._launch.LaunchState`
+    (per-K/V facts, a :class:`PlannedLaunch` per variant with its prepared descriptors; None:
+    every call through the JIT)."""
+    from ._launch import LaunchState, PlannedLaunch
 
-    page_size = k.shape[1] if page_table is not None else None
-    k_desc, kr_desc = k_descriptors(k)
-    has_sinks, has_lse, paged = sinks is not None, lse is not None, page_table is not None
-    sq, sh, so, soh = q.stride(0), q.stride(1), out.stride(0), out.stride(1)
-    slm, slh = (lse.stride(0), lse.stride(1)) if has_lse else (0, 0)
+    if state is None:
+        state = LaunchState(enabled=False)
+    key_kv = kv_key(k, v)
+    page_size = state.kv.get(key_kv)
+    if page_size is None:  # 0: packed, -1: not TMA-compatible
+        page_size = state.kv.put(key_kv, -1 if not kv_layout_ok(k, v) else k.shape[1] if k.dim() == 4 else 0)
+    if page_size < 0:
+        return False
+    launcher = state.launchers.get(page_size)
+    if launcher is None:
+        fixed = dict(plan_args, **kernel_constexprs(q.dtype, page_size or None), num_warps=4, maxnreg=168)
+        launcher = state.launchers[page_size] = PlannedLaunch(
+            _mla_fwd_sm90, fixed, _PER_CALL, descriptors=_DESCRIPTORS, enabled=state.enabled,
+            cache_size=state.cache_size)
+    has_sinks, has_lse = sinks is not None, lse is not None
+    qs, os_ = q.stride(), out.stride()
+    slm, slh = lse.stride() if has_lse else (0, 0)
     ssink = sinks.stride(0) if has_sinks else 0
-    spt = page_table.stride(0) if paged else 0
-    pt = page_table if paged else q
-    per_call = dict(
-        Q=q, k_desc=k_desc, kr_desc=kr_desc, Out=out, Lse=lse if has_lse else out,
-        Sinks=sinks if has_sinks else out, PageTable=pt, qk_scale=float(softmax_scale) * LOG2E,
-        stride_qm=sq, stride_qh=sh, stride_om=so, stride_oh=soh, stride_lm=slm, stride_lh=slh, stride_sink=ssink,
-        stride_pt=spt, HAS_SINKS=has_sinks, RETURN_LSE=has_lse,
-    )
-    if launchers is None or page_size not in launchers:
-        fixed = dict(plan_args, **kernel_constexprs(q.dtype, page_size), num_warps=4, maxnreg=168)
-        launcher = PlannedLaunch(_mla_fwd_sm90, fixed, enabled=launchers is not None)
-        if launchers is not None:
-            launchers[page_size] = launcher
-    else:
-        launcher = launchers[page_size]
-    key = (q.data_ptr() & 15, out.data_ptr() & 15, lse.data_ptr() & 15 if has_lse else -1,
+    pt = page_table if page_table is not None else q
+    spt = page_table.stride(0) if page_table is not None else 0
+    values = (q, out, lse if has_lse else out, sinks if has_sinks else out, pt, float(softmax_scale) * LOG2E,
+              qs[0], qs[1], os_[0], os_[1], slm, slh, ssink, spt, has_sinks, has_lse)
+    key = (q.dtype, q.data_ptr() & 15, out.data_ptr() & 15, lse.data_ptr() & 15 if has_lse else -1,
            (sinks.dtype, sinks.data_ptr() & 15) if has_sinks else None, (pt.dtype, pt.data_ptr() & 15),
-           sq, sh, so, soh, slm, slh, ssink, spt)
-    launcher(grid, per_call, key)
+           qs[0], qs[1], os_[0], os_[1], slm, slh, ssink, spt)
+    launcher(grid, values, key, key_kv, lambda: k_descriptors(k))
+    return True
+
+
+#: Per-call arguments of the split-KV decode kernel, in the order of a launch's ``values``.
+_DECODE_PER_CALL = ("Q", "Out", "Lse", "Sinks", "PageTable", "WsO", "WsLse", "qk_scale", "stride_qm", "stride_qh",
+                    "stride_om", "stride_oh", "stride_lm", "stride_lh", "stride_sink", "stride_pt", "stride_wi",
+                    "stride_wr", "stride_wh", "stride_li", "stride_lr", "HAS_SINKS")
 
 
 def launch_decode(
-    q: Tensor, k: Tensor, out: Tensor, lse: Tensor, sinks: Optional[Tensor], page_table: Optional[Tensor],
-    ws_o: Tensor, ws_lse: Tensor, *, grid: tuple[int], plan_args: dict, softmax_scale: float,
-    launchers: Optional[dict] = None,
-) -> None:
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sinks: Optional[Tensor],
+    page_table: Optional[Tensor], ws_o: Tensor, ws_lse: Tensor, *, grid: tuple[int], plan_args: dict,
+    softmax_scale: float, state=None,
+) -> bool:
     """Launch the split-KV decode kernel over one rank's latent shard: q [N, Hq, 576], k packed
     ``[rows, 1, 576]`` (local key j of sequence b at row ``cu_local_kv[b] + j``) or paged
     ``[pages, page_size, 1, 576]`` with ``page_table`` [B, pages per sequence] (local key j at
-    page ``page_table[b, j // page_size]``); out [N, Hq, 512], lse float32 [N, Hq]; ``ws_o`` fp32
-    [slots, BLOCK_M / G_PACK, Hq, 512] / ``ws_lse`` fp32 [slots, BLOCK_M / G_PACK, Hq]: the
-    partials of multi-split tiles (merged by the decode family's combine kernel). ``plan_args``:
-    the work items and geometry planned by :mod:`.decode_backend`."""
-    from ._launch import PlannedLaunch
+    page ``page_table[b, j // page_size]``), ``v`` = ``k[..., :512]`` (never read); out [N, Hq, 512],
+    lse float32 [N, Hq]; ``ws_o`` fp32 [slots, BLOCK_M / G_PACK, Hq, 512] / ``ws_lse`` fp32
+    [slots, BLOCK_M / G_PACK, Hq]: the partials of multi-split tiles (merged by the decode family's
+    combine kernel). ``plan_args``: the work items and geometry planned by :mod:`.decode_backend`.
+    Returns False (launching nothing) when :func:`kv_layout_ok` does not hold. ``state``: the
+    plan's :class:`~cpattn.kernels._launch.LaunchState` (None: every call through the JIT)."""
+    from ._launch import LaunchState, PlannedLaunch
 
-    page_size = k.shape[1] if page_table is not None else None
-    k_desc, kr_desc = k_descriptors(k)
-    has_sinks, paged = sinks is not None, page_table is not None
-    sq, sh, so, soh = q.stride(0), q.stride(1), out.stride(0), out.stride(1)
-    slm, slh = lse.stride(0), lse.stride(1)
-    ssink = sinks.stride(0) if has_sinks else 0
-    spt = page_table.stride(0) if paged else 0
-    pt = page_table if paged else q
-    swi, swr, swh = ws_o.stride(0), ws_o.stride(1), ws_o.stride(2)
-    sli, slr = ws_lse.stride(0), ws_lse.stride(1)
-    per_call = dict(
-        Q=q, k_desc=k_desc, kr_desc=kr_desc, Out=out, Lse=lse, Sinks=sinks if has_sinks else out, PageTable=pt,
-        WsO=ws_o, WsLse=ws_lse, qk_scale=float(softmax_scale) * LOG2E, stride_qm=sq, stride_qh=sh, stride_om=so,
-        stride_oh=soh, stride_lm=slm, stride_lh=slh, stride_sink=ssink, stride_pt=spt, stride_wi=swi,
-        stride_wr=swr, stride_wh=swh, stride_li=sli, stride_lr=slr, HAS_SINKS=has_sinks,
-    )
+    if state is None:
+        state = LaunchState(enabled=False)
+    key_kv = kv_key(k, v)
+    page_size = state.kv.get(key_kv)
+    if page_size is None:  # 0: packed, -1: not TMA-compatible
+        page_size = state.kv.put(key_kv, -1 if not kv_layout_ok(k, v) else k.shape[1] if k.dim() == 4 else 0)
+    if page_size < 0:
+        return False
     variant = ("decode", page_size)
-    if launchers is None or variant not in launchers:
-        fixed = dict(plan_args, **kernel_constexprs(q.dtype, page_size), num_warps=4, maxnreg=168)
-        launcher = PlannedLaunch(_mla_decode_sm90, fixed, enabled=launchers is not None)
-        if launchers is not None:
-            launchers[variant] = launcher
-    else:
-        launcher = launchers[variant]
-    key = (q.data_ptr() & 15, out.data_ptr() & 15, lse.data_ptr() & 15,
+    launcher = state.launchers.get(variant)
+    if launcher is None:
+        fixed = dict(plan_args, **kernel_constexprs(q.dtype, page_size or None), num_warps=4, maxnreg=168)
+        launcher = state.launchers[variant] = PlannedLaunch(
+            _mla_decode_sm90, fixed, _DECODE_PER_CALL, descriptors=_DESCRIPTORS, enabled=state.enabled,
+            cache_size=state.cache_size)
+    has_sinks = sinks is not None
+    qs, os_, ls, ws, wl = q.stride(), out.stride(), lse.stride(), ws_o.stride(), ws_lse.stride()
+    ssink = sinks.stride(0) if has_sinks else 0
+    pt = page_table if page_table is not None else q
+    spt = page_table.stride(0) if page_table is not None else 0
+    values = (q, out, lse, sinks if has_sinks else out, pt, ws_o, ws_lse, float(softmax_scale) * LOG2E,
+              qs[0], qs[1], os_[0], os_[1], ls[0], ls[1], ssink, spt, ws[0], ws[1], ws[2], wl[0], wl[1], has_sinks)
+    key = (q.dtype, q.data_ptr() & 15, out.data_ptr() & 15, lse.data_ptr() & 15,
            (sinks.dtype, sinks.data_ptr() & 15) if has_sinks else None, (pt.dtype, pt.data_ptr() & 15),
-           ws_o.data_ptr() & 15, ws_lse.data_ptr() & 15, sq, sh, so, soh, slm, slh, ssink, spt, swi, swr, swh, sli,
-           slr)
-    launcher(grid, per_call, key)
+           ws_o.data_ptr() & 15, ws_lse.data_ptr() & 15, qs[0], qs[1], os_[0], os_[1], ls[0], ls[1], ssink, spt,
+           ws[0], ws[1], ws[2], wl[0], wl[1])
+    launcher(grid, values, key, key_kv, lambda: k_descriptors(k))
+    return True

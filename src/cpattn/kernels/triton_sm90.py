@@ -678,59 +678,90 @@ def kernel_constexprs(d: int, dv: int, dtype: torch.dtype, page_size: Optional[i
     )
 
 
+#: Per-call arguments of the dense kernel, in the order of a launch's ``values`` (the gather
+#: variant also takes ``k_desc`` / ``k2_desc`` / ``v_desc`` per call: the K/V tensors).
+_PER_CALL = ("Q", "K", "V", "Out", "Lse", "Sinks", "PageTable", "qk_scale", "stride_qm", "stride_qh", "stride_om",
+             "stride_oh", "stride_lm", "stride_lh", "stride_sink", "stride_pt", "stride_kp", "stride_kn", "stride_kh",
+             "stride_vp", "stride_vn", "stride_vh", "HAS_SINKS", "RETURN_LSE")
+_DESCRIPTORS = ("k_desc", "k2_desc", "v_desc")
+
+
+def kv_key(k: Tensor, v: Tensor) -> tuple:
+    """Everything of K/V a launch depends on: addresses, shapes, strides, dtype (the key of the
+    plan's per-K/V facts and of its prepared TMA descriptors)."""
+    return (k.data_ptr(), v.data_ptr(), k.shape, v.shape, k.stride(), v.stride(), k.dtype)
+
+
+def kv_facts(k: Tensor, v: Tensor, block_n: int = 128):
+    """``((page_size, gather), K/V stride ints, their key part)`` of a launch over these K/V, or
+    False when the layout is not TMA-compatible (:func:`kv_layout_ok`: the portable kernel runs).
+    Ints only: the plan caches these per :func:`kv_key`."""
+    if not kv_layout_ok(k, v):
+        return False
+    if k.dim() == 4:
+        ints = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
+        variant = (k.shape[1], not paged_tma_ok(k, v, block_n))
+    else:
+        ints = (0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1))
+        variant = (None, False)
+    return variant, ints, (k.data_ptr() & 15, v.data_ptr() & 15) + ints
+
+
 def launch(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tensor], sinks: Optional[Tensor],
     page_table: Optional[Tensor], *, grid: tuple[int], plan_args: dict, softmax_scale: float, block_n: int = 128,
-    stages: int = 3, overlap: int = 0, pingpong: bool = False, persistent: bool = False,
-    launchers: Optional[dict] = None,
-) -> None:
+    stages: int = 3, overlap: int = 0, pingpong: bool = False, persistent: bool = False, state=None,
+) -> bool:
     """Launch the warp-specialized kernel into ``out`` / ``lse``: packed K/V ``[rows, Hkv, D]``,
     or paged caches ``[pages, page_size, Hkv, D]`` with ``page_table`` [B, max_pages] (int32 or
-    int64). ``plan_args``: the planned keyword arguments (tile map with its device tile count,
-    segments, G_PACK, L2 section; see ``triton_backend``), whose tiles are ``NUM_CONSUMERS *
-    CONSUMER_ROWS`` rows x heads. ``overlap`` 1 issues ``P_{j-1} V_{j-1}`` and ``Q K_j^T`` back
-    to back, 2 also runs softmax_j under the first; ``pingpong`` (with ``overlap``) makes the two
-    consumers take turns issuing their GEMMs. ``stages`` is capped by shared memory (D192/128
-    fits 2 at 128-key blocks). ``persistent``: ``grid`` is a number of resident programs that
-    walk all work items (round by round, snake order; no overlap / pingpong), else one item per
-    program. ``launchers``: the plan's :class:`PlannedLaunch` per kernel variant (filled here;
-    None: every call through the JIT)."""
-    from ._launch import PlannedLaunch
+    int64). Returns False (and launches nothing) when the K/V layout is not TMA-compatible
+    (:func:`kv_layout_ok`; the caller runs the portable kernel). ``plan_args``: the planned
+    keyword arguments (tile map with its device tile count, segments, G_PACK, L2 section; see
+    ``triton_backend``), whose tiles are ``NUM_CONSUMERS * CONSUMER_ROWS`` rows x heads.
+    ``overlap`` 1 issues ``P_{j-1} V_{j-1}`` and ``Q K_j^T`` back to back, 2 also runs softmax_j
+    under the first; ``pingpong`` (with ``overlap``) makes the two consumers take turns issuing
+    their GEMMs. ``stages`` is capped by shared memory (D192/128 fits 2 at 128-key blocks).
+    ``persistent``: ``grid`` is a number of resident programs that walk all work items (round by
+    round, snake order; no overlap / pingpong), else one item per program. ``state``: the plan's
+    :class:`~cpattn.kernels._launch.LaunchState` (per-K/V facts, a :class:`PlannedLaunch` per
+    kernel variant with its prepared descriptors; None: every call through the JIT)."""
+    from ._launch import LaunchState, PlannedLaunch
 
-    d, dv = q.shape[2], v.shape[-1]
-    page_size = k.shape[1] if page_table is not None else None
-    gather = page_size is not None and not paged_tma_ok(k, v, block_n)
-    if gather:  # no descriptors: the loader reads K / V through pointers
-        k_desc = k2_desc = v_desc = k
-    else:
-        k_desc, k2_desc, v_desc = kv_descriptors(k, v, block_n)
-    if page_size is not None:
-        skp, skn, skh, svp, svn, svh = k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)
-    else:
-        skp, skn, skh, svp, svn, svh = 0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1)
-    has_sinks, has_lse, paged = sinks is not None, lse is not None, page_table is not None
-    sq, sh, so, soh = q.stride(0), q.stride(1), out.stride(0), out.stride(1)
-    slm, slh = (lse.stride(0), lse.stride(1)) if has_lse else (0, 0)
+    if state is None:
+        state = LaunchState(enabled=False)
+    key_kv = kv_key(k, v)
+    facts = state.kv.get(key_kv)
+    if facts is None:
+        facts = state.kv.put(key_kv, kv_facts(k, v, block_n))
+    if facts is False:
+        return False
+    variant, kv_ints, kv_part = facts
+    launcher = state.launchers.get(variant)
+    page_size, gather = variant
+    if launcher is None:
+        fixed = dict(plan_args, **kernel_constexprs(q.shape[2], v.shape[-1], q.dtype, page_size, block_n, stages,
+                                                    overlap, pingpong, gather, persistent), num_warps=4, maxnreg=168)
+        if gather:  # no descriptors: the loader reads K / V through pointers
+            launcher = PlannedLaunch(_cp_attn_fwd_sm90, fixed, _PER_CALL + _DESCRIPTORS, enabled=state.enabled,
+                                     cache_size=state.cache_size)
+        else:
+            launcher = PlannedLaunch(_cp_attn_fwd_sm90, fixed, _PER_CALL, descriptors=_DESCRIPTORS,
+                                     enabled=state.enabled, cache_size=state.cache_size)
+        state.launchers[variant] = launcher
+    has_sinks, has_lse = sinks is not None, lse is not None
+    qs, os_ = q.stride(), out.stride()
+    slm, slh = lse.stride() if has_lse else (0, 0)
     ssink = sinks.stride(0) if has_sinks else 0
-    spt = page_table.stride(0) if paged else 0
-    pt = page_table if paged else q
-    per_call = dict(
-        Q=q, k_desc=k_desc, k2_desc=k2_desc, v_desc=v_desc, K=k, V=v, stride_kp=skp, stride_kn=skn, stride_kh=skh,
-        stride_vp=svp, stride_vn=svn, stride_vh=svh, Out=out, Lse=lse if has_lse else out,
-        Sinks=sinks if has_sinks else out, PageTable=pt, qk_scale=float(softmax_scale) * LOG2E,
-        stride_qm=sq, stride_qh=sh, stride_om=so, stride_oh=soh, stride_lm=slm, stride_lh=slh, stride_sink=ssink,
-        stride_pt=spt, HAS_SINKS=has_sinks, RETURN_LSE=has_lse,
-    )
-    variant = (page_size, gather)
-    if launchers is None or variant not in launchers:
-        fixed = dict(plan_args, **kernel_constexprs(d, dv, q.dtype, page_size, block_n, stages, overlap, pingpong,
-                                                    gather, persistent), num_warps=4, maxnreg=168)
-        launcher = PlannedLaunch(_cp_attn_fwd_sm90, fixed, enabled=launchers is not None)
-        if launchers is not None:
-            launchers[variant] = launcher
+    pt = page_table if page_table is not None else q
+    spt = page_table.stride(0) if page_table is not None else 0
+    values = (q, k, v, out, lse if has_lse else out, sinks if has_sinks else out, pt,
+              float(softmax_scale) * LOG2E, qs[0], qs[1], os_[0], os_[1], slm, slh, ssink, spt) + kv_ints \
+        + (has_sinks, has_lse)
+    key = (q.dtype, q.data_ptr() & 15, out.data_ptr() & 15, lse.data_ptr() & 15 if has_lse else -1,
+           (sinks.dtype, sinks.data_ptr() & 15) if has_sinks else None, (pt.dtype, pt.data_ptr() & 15),
+           qs[0], qs[1], os_[0], os_[1], slm, slh, ssink, spt) + kv_part
+    if gather:
+        launcher(grid, values + (k, k, k), key)
     else:
-        launcher = launchers[variant]
-    key = (q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, out.data_ptr() & 15,
-           lse.data_ptr() & 15 if has_lse else -1, (sinks.dtype, sinks.data_ptr() & 15) if has_sinks else None,
-           (pt.dtype, pt.data_ptr() & 15), skp, skn, skh, svp, svn, svh, sq, sh, so, soh, slm, slh, ssink, spt)
-    launcher(grid, per_call, key)
+        launcher(grid, values, key, key_kv, lambda: kv_descriptors(k, v, block_n))
+    return True

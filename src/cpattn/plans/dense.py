@@ -20,6 +20,8 @@ from .._validation import check_int, check_tensor
 from ..kernels import AttentionSpec, select_backend
 from ..metadata import CPMetadata
 
+_PAGE_TABLE_DTYPES = (torch.int32, torch.int64)
+
 __all__ = ["AttentionPlan", "check_group_rank", "check_sinks", "make_spec", "plan_attention", "result_buffers",
            "window_left"]
 
@@ -134,6 +136,16 @@ class AttentionPlan:
             self._v_shape = (meta.num_kv_rows, spec.num_kv_heads, spec.head_dim_v)
         self._scale = spec.head_dim**-0.5
         self._lse_head_major = getattr(run_impl, "lse_head_major", False)
+        self._device = device = meta.device
+        dtype = spec.dtype
+        # what run's one-compare check expects: (q shape, k / v shapes past dim 0, dtypes, devices)
+        k_shape = self._k_tail if spec.paged else self._k_shape  # paged: past the page count
+        v_shape = self._v_tail if spec.paged else self._v_shape
+        size = torch.Size  # Size == Size compares faster than Size == tuple
+        self._expect = (size(self._q_shape), size(k_shape), size(v_shape), dtype, dtype, dtype, device, device, device)
+        if spec.paged:
+            self._pt_expect = (meta.num_seq_rows, device)
+            self._min_pages = -(-meta.max_kv_len // spec.page_size)
 
     def __repr__(self) -> str:
         return f"AttentionPlan(backend={self.backend!r}, {self.spec}, P={self.meta.num_physical_tokens})"
@@ -173,8 +185,39 @@ class AttentionPlan:
         Returns:
             out [P, Hq, Dv] (pad rows exactly 0), or (out, lse) with return_lse.
         """
-        spec, meta = self.spec, self.meta
-        device = meta.device
+        spec = self.spec
+        # one tuple compare for the common case; the full checks (with their messages) otherwise
+        if type(q_local) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
+            self._check_qkv(q_local, k, v)
+        elif spec.paged:
+            ks, vs = k.shape, v.shape
+            if (q_local.shape, ks[1:], vs[1:], q_local.dtype, k.dtype, v.dtype, q_local.device, k.device,
+                    v.device) != self._expect or ks[0] != vs[0]:
+                self._check_qkv(q_local, k, v)
+        elif (q_local.shape, k.shape, v.shape, q_local.dtype, k.dtype, v.dtype, q_local.device, k.device,
+              v.device) != self._expect:
+            self._check_qkv(q_local, k, v)
+        if spec.paged:
+            if type(page_table) is not Tensor or page_table.dim() != 2 or page_table.dtype not in _PAGE_TABLE_DTYPES \
+                    or (page_table.shape[0], page_table.device) != self._pt_expect \
+                    or page_table.shape[1] < self._min_pages:
+                self._check_page_table(page_table)
+        elif page_table is not None:
+            raise ValueError("page_table given but the plan is for packed K/V (plan with page_size=)")
+        if sinks is not None or spec.has_sinks:
+            check_sinks(sinks, spec, self._device)
+        if out is None and lse is None and not return_lse:
+            out = torch.empty(self._out_shape, dtype=spec.dtype, device=self._device)
+        else:
+            out, lse = result_buffers(out, lse, self._out_shape, self._lse_shape, spec.dtype, self._device,
+                                      return_lse, lse_head_major=self._lse_head_major)
+        scale = self._scale if softmax_scale is None else float(softmax_scale)
+        self._impl(q_local, k, v, page_table, sinks, scale, out, lse)
+        return (out, lse) if return_lse else out
+
+    def _check_qkv(self, q_local, k, v) -> None:
+        """The per-layer checks of q / k / v with their messages (raises on the first failure)."""
+        spec, device = self.spec, self._device
         check_tensor(q_local, "q_local")
         if q_local.shape != self._q_shape:
             raise ValueError(f"q_local must be [P, Hq, D] = {list(self._q_shape)}, got {list(q_local.shape)}")
@@ -186,31 +229,21 @@ class AttentionPlan:
             if t.device != device:
                 raise ValueError(f"{name} is on {t.device} but the plan is on {device} (use meta.to(device))")
         if spec.paged:
-            if page_table is None:
-                raise ValueError(f"the plan is paged (page_size={spec.page_size}): pass page_table")
             if k.dim() != 4 or k.shape[1:] != self._k_tail or v.dim() != 4 or v.shape[1:] != self._v_tail \
                     or v.shape[0] != k.shape[0]:
                 raise ValueError(
                     f"paged k/v must be [num_pages, {', '.join(map(str, self._k_tail))}] / "
                     f"[num_pages, {', '.join(map(str, self._v_tail))}], got {list(k.shape)} / {list(v.shape)}"
                 )
-            self._check_page_table(page_table)
-        else:
-            if page_table is not None:
-                raise ValueError("page_table given but the plan is for packed K/V (plan with page_size=)")
-            if k.shape != self._k_shape or v.shape != self._v_shape:
-                raise ValueError(
-                    f"packed k/v must be {list(self._k_shape)} / {list(self._v_shape)} "
-                    f"(rows = sum(prefix_lens + extend_lens)), got {list(k.shape)} / {list(v.shape)}"
-                )
-        check_sinks(sinks, spec, device)
-        out, lse = result_buffers(out, lse, self._out_shape, self._lse_shape, dtype, device, return_lse,
-                                  lse_head_major=self._lse_head_major)
-        scale = self._scale if softmax_scale is None else float(softmax_scale)
-        self._impl(q_local, k, v, page_table, sinks, scale, out, lse)
-        return (out, lse) if return_lse else out
+        elif k.shape != self._k_shape or v.shape != self._v_shape:
+            raise ValueError(
+                f"packed k/v must be {list(self._k_shape)} / {list(self._v_shape)} "
+                f"(rows = sum(prefix_lens + extend_lens)), got {list(k.shape)} / {list(v.shape)}"
+            )
 
-    def _check_page_table(self, page_table: Tensor) -> None:
+    def _check_page_table(self, page_table: Optional[Tensor]) -> None:
+        if page_table is None:
+            raise ValueError(f"the plan is paged (page_size={self.spec.page_size}): pass page_table")
         check_tensor(page_table, "page_table")
         meta = self.meta
         if page_table.dtype not in (torch.int32, torch.int64):

@@ -1,0 +1,230 @@
+"""Planned launches on the GPU (``-m gpu``, H100/H200): the direct launch with prepared TMA
+descriptors gives bit-identical results to the plain JIT call, for the sm90 packed / paged, MLA
+packed / paged and portable paths, with K/V rotating among several buffers (layers), after the
+K/V move to new addresses, after a stride or page-count change, and under CUDA graph capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cpattn
+
+pytest.importorskip("triton")
+
+pytestmark = pytest.mark.gpu
+
+
+def _is_sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_sm90 = pytest.mark.skipif(not _is_sm90(), reason="needs an sm_90 GPU")
+
+#: (family, D, Dv, Hq, Hkv, page_size)
+CASES = [
+    ("sm90", 128, 128, 16, 4, None),
+    ("sm90", 128, 128, 16, 4, 64),
+    ("sm90", 128, 128, 16, 4, 4),  # the cp.async gather loader: no descriptors
+    ("sm90", 192, 128, 16, 4, None),
+    ("mla", 576, 512, 16, 1, None),
+    ("mla", 576, 512, 16, 1, 64),
+    ("portable", 128, 128, 16, 4, None),
+    ("portable", 128, 128, 16, 4, 16),
+]
+
+
+def _layer_kv(n_kv, hkv, d, dv, family, gen):
+    """One layer's packed K/V in fresh buffers (MLA: ``v`` = ``k[..., :Dv]``)."""
+    k = torch.randn(n_kv, hkv, d, device="cuda", generator=gen).to(torch.bfloat16)
+    if family == "mla":
+        return k, k[..., :dv]
+    return k, torch.randn(n_kv, hkv, dv, device="cuda", generator=gen).to(torch.bfloat16)
+
+
+def _table(lens, page):
+    """The page table of :func:`_paged_from_packed` (sequence b from its first page on), or None."""
+    if page is None:
+        return None
+    table = torch.zeros(len(lens), -(-max(lens) // page), dtype=torch.int32, device="cuda")
+    used = 0
+    for b, n in enumerate(lens):
+        p = -(-n // page)
+        table[b, :p] = torch.arange(used, used + p, device="cuda")
+        used += p
+    return table
+
+
+def _plans(s, meta, family, d, dv, hq, hkv, page):
+    kw = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=torch.bfloat16, page_size=page,
+              has_sinks=True, backend="triton")
+    opts = {"family": family}
+    fast = s.plan_attention(meta, **kw, backend_options=opts)
+    jit = s.plan_attention(meta, **kw, backend_options={**opts, "planned_launch": False})
+    assert fast.family == family and jit.family == family
+    return fast, jit
+
+
+def _records(plan):
+    impl = plan._impl
+    state = impl._portable_state if plan.family == "portable" else impl._fast_state
+    launchers = list(state.launchers.values()) if plan.family != "portable" else [impl._portable_launch]
+    return [r for launcher in launchers for r in launcher.records.values()]
+
+
+@needs_sm90
+@pytest.mark.parametrize("family,d,dv,hq,hkv,page", CASES)
+def test_gpu_direct_launch_is_bit_identical_to_the_jit(family, d, dv, hq, hkv, page):
+    """Four layers with their own K/V buffers, in rotation, then the K/V moved (new buffers), a
+    stride change (packed: K/V views of a fused buffer) or page-count change (paged): every
+    planned-launch result equals the JIT call's bit for bit (the JIT builds its descriptors per
+    call), and the first equals the torch reference."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    s = cpattn.ZigzagStrategy(2, pad_multiple=64)
+    ext, pre = [1500, 700], [300, 0]
+    lens = [e + p for e, p in zip(ext, pre)]
+    n_kv = sum(lens)
+    meta = s.build_metadata(ext, pre, rank=1).to("cuda")
+    q = torch.randn(meta.num_physical_tokens, hq, d, device="cuda", generator=gen).to(torch.bfloat16)
+    sinks = torch.randn(hq, device="cuda", generator=gen)
+    fast, jit = _plans(s, meta, family, d, dv, hq, hkv, page)
+    table = _table(lens, page)
+    layers = [_layer_kv(n_kv, hkv, d, dv, family, gen) for _ in range(4)]
+    if page is not None:
+        layers = [_paged_from_packed(k, v, lens, page, family, dv) for k, v in layers]
+
+    def both(k, v, return_lse=False):
+        kw = dict(page_table=table, sinks=sinks, return_lse=return_lse)
+        return fast.run(q, k, v, **kw), jit.run(q, k, v, **kw)
+
+    a, b = both(*layers[0], return_lse=True)
+    ref, ref_lse = _reference(s, q, layers[0], meta, lens, page, family, dv, sinks)
+    n = meta.num_local_tokens
+    assert (a[0][:n].float() - ref[:n]).abs().max().item() < 2e-2 and (a[1][:n] - ref_lse[:n]).abs().max() < 1e-2
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    for rnd in range(3):
+        for i, (k, v) in enumerate(layers):
+            a, b = both(k, v)
+            assert torch.equal(a, b), f"round {rnd} layer {i}: planned launch != JIT"
+    recs = _records(fast)
+    assert recs, "no compiled kernel was recorded"
+    if family in ("sm90", "mla"):
+        assert all(r.direct is not None for r in recs), "the direct launch was not taken"
+        with_descs = [r for r in recs if r.direct.desc_meta]
+        assert all(len(r.entries) == len(layers) for r in with_descs), [len(r.entries) for r in with_descs]
+    # moved: new values in new buffers while the old ones live (a stale descriptor would read those)
+    moved = [_layer_kv(n_kv, hkv, d, dv, family, gen) for _ in range(2)]
+    if page is not None:
+        moved = [_paged_from_packed(k, v, lens, page, family, dv) for k, v in moved]
+    for k, v in moved:
+        a, b = both(k, v)
+        assert torch.equal(a, b), "after the K/V moved"
+    # another stride (packed) or page count (paged)
+    k, v = moved[0]
+    if page is None:
+        if family == "mla":
+            wide = torch.zeros(k.shape[0], 1, 640, device="cuda", dtype=k.dtype)
+            wide[..., :576] = k
+            k2 = wide[..., :576]
+            v2 = k2[..., :dv]
+        else:  # K / V as views of buffers holding two rows per key (row stride doubled)
+            fk = torch.zeros(k.shape[0], 2, hkv, d, device="cuda", dtype=k.dtype)
+            fv = torch.zeros(k.shape[0], 2, hkv, dv, device="cuda", dtype=k.dtype)
+            fk[:, 0], fv[:, 0] = k, v
+            k2, v2 = fk[:, 0], fv[:, 0]
+    else:
+        extra = 3
+        k2 = torch.cat([k, torch.zeros(extra, *k.shape[1:], device="cuda", dtype=k.dtype)])
+        v2 = k2[..., :dv] if family == "mla" else torch.cat(
+            [v, torch.zeros(extra, *v.shape[1:], device="cuda", dtype=v.dtype)])
+    a, b = both(k2, v2)
+    assert torch.equal(a, b), "after the stride / page-count change"
+    assert torch.equal(a, both(k, v)[0]), "the same keys through another layout gave another result"
+    if page is None and family != "mla":  # the same addresses as k2 / v2, other strides
+        k3 = fk.view(-1)[: k.numel()].view(k.shape)
+        v3 = fv.view(-1)[: v.numel()].view(v.shape)
+        assert k3.data_ptr() == k2.data_ptr() and k3.stride() != k2.stride()
+        a, b = both(k3, v3)
+        assert torch.equal(a, b), "same address, other strides: a stale descriptor"
+
+
+def _paged_from_packed(k, v, lens, page, family, dv):
+    """A paged cache whose sequence b starts at page sum(ceil(len / page)) of the ones before."""
+    hkv, d = k.shape[1], k.shape[2]
+    pages = sum(-(-n // page) for n in lens)
+    kc = torch.zeros(pages, page, hkv, d, device="cuda", dtype=k.dtype)
+    vc = None if family == "mla" else torch.zeros(pages, page, hkv, v.shape[-1], device="cuda", dtype=v.dtype)
+    off, used = 0, 0
+    for n in lens:
+        kc.view(-1, hkv, d)[used * page : used * page + n] = k[off : off + n]
+        if vc is not None:
+            vc.view(-1, hkv, v.shape[-1])[used * page : used * page + n] = v[off : off + n]
+        off += n
+        used += -(-n // page)
+    return kc, (kc[..., :dv] if family == "mla" else vc)
+
+
+def _reference(s, q, kv, meta, lens, page, family, dv, sinks):
+    """torch backend over the packed keys (float32)."""
+    k, v = kv
+    if page is not None:
+        hkv, d = k.shape[2], k.shape[3]
+        rows, used = [], 0
+        for n in lens:
+            rows.append(k.reshape(-1, hkv, d)[used * page : used * page + n])
+            used += -(-n // page)
+        k = torch.cat(rows)
+        v = k[..., :dv] if family == "mla" else None
+        if v is None:
+            vrows, used = [], 0
+            vv = kv[1]
+            for n in lens:
+                vrows.append(vv.reshape(-1, vv.shape[2], vv.shape[3])[used * page : used * page + n])
+                used += -(-n // page)
+            v = torch.cat(vrows)
+    return s.attention(q.float(), k.float(), v.float(), meta, sinks=sinks, backend="torch", return_lse=True)
+
+
+@needs_sm90
+@pytest.mark.parametrize("family,d,dv,hq,hkv,page", [c for c in CASES if c[0] != "portable"])
+def test_gpu_direct_launch_under_graph_capture(family, d, dv, hq, hkv, page):
+    """Two layers with their own K/V captured in one CUDA graph after warm-up (the direct path,
+    prepared descriptors); new values written into the same buffers replay right (== the JIT)."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    s = cpattn.ZigzagStrategy(2, pad_multiple=64)
+    ext, pre = [1200, 400], [0, 200]
+    lens = [e + p for e, p in zip(ext, pre)]
+    meta = s.build_metadata(ext, pre, rank=0).to("cuda")
+    fast, jit = _plans(s, meta, family, d, dv, hq, hkv, page)
+    q = torch.randn(meta.num_physical_tokens, hq, d, device="cuda", generator=gen).to(torch.bfloat16)
+    sinks = torch.randn(hq, device="cuda", generator=gen)
+    n_kv = sum(lens)
+    table = _table(lens, page)
+    layers = [_layer_kv(n_kv, hkv, d, dv, family, gen) for _ in range(2)]
+    if page is not None:
+        layers = [_paged_from_packed(k, v, lens, page, family, dv) for k, v in layers]
+    outs = [torch.empty(meta.num_physical_tokens, hq, dv, device="cuda", dtype=torch.bfloat16) for _ in layers]
+
+    def step():
+        for (k, v), o in zip(layers, outs):
+            fast.run(q, k, v, page_table=table, sinks=sinks, out=o)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(2):
+        for k, v in layers:
+            k.normal_(generator=gen)
+            if family != "mla":
+                v.normal_(generator=gen)
+        q.normal_(generator=gen)
+        graph.replay()
+        torch.cuda.synchronize()
+        for (k, v), o in zip(layers, outs):
+            assert torch.equal(o, jit.run(q, k, v, page_table=table, sinks=sinks)), "graph replay != JIT"

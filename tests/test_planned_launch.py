@@ -1,0 +1,355 @@
+"""Planned launches on the host (no GPU): the descriptor cache's keying, invalidation and bound,
+the direct C-launcher call against the compiled kernel's own launcher, and every fallback.
+
+The compiled kernel and Triton's launcher are stand-ins with the layout of triton 3.5 / 3.6's
+``CudaLauncher`` (``wrap_handle_tensordesc`` closing over the C ``launch``); the real triton 3.6
+layout is checked by ``tools/host_launch_offline_check.py``.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from cpattn.kernels import _launch
+from cpattn.kernels._launch import LRU, PlannedLaunch
+
+#: read by _launch from the launcher's globals, as in triton's nvidia driver module
+_BASE_ARGS_FORMAT_LEN = 13
+ARG_NAMES = ["Q", "k_desc", "seg", "n", "FLAG"]
+SIGNATURE = {"Q": "*bf16", "k_desc": "tensordesc<bf16[64, 64],layout>", "seg": "*i32", "n": "i32",
+             "FLAG": "constexpr"}
+
+
+class Desc:
+    """A host tensor descriptor stand-in (what make_tensordesc_arg reads)."""
+
+    def __init__(self, base, shape, strides):
+        self.base, self.shape, self.strides = base, list(shape), list(strides)
+
+
+def make_tensordesc_arg(arg, meta):
+    if meta is None:  # not lowered to TMA: the base tensor travels (cannot be cached)
+        return [arg.base, *arg.shape, *arg.strides]
+    return [("map", arg.base.data_ptr(), tuple(arg.shape), tuple(arg.strides), meta["swizzle"]), *arg.shape,
+            *arg.strides]
+
+
+def wrap_handle_tensordesc(launcher, signature, tensordesc_meta):
+    """Triton's layout: ``inner`` closes over ``launcher`` (the C launch) and ``tensordesc_meta``."""
+    idx = [i for i, s in enumerate(signature.values()) if s.startswith("tensordesc")]
+
+    def inner(*args):
+        final = list(args[:_BASE_ARGS_FORMAT_LEN])
+        for i, a in enumerate(args[_BASE_ARGS_FORMAT_LEN:]):
+            final.extend(make_tensordesc_arg(a, tensordesc_meta[idx.index(i)]) if i in idx else [a])
+        return launcher(*final)
+
+    return inner
+
+
+class CudaLauncher:
+    """The compiled kernel's ``run``: allocates no scratch here, calls ``launch``."""
+
+    def __init__(self, c_launch, meta, scratch=0):
+        self.launch = wrap_handle_tensordesc(c_launch, SIGNATURE, meta)
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, False
+        self.runs = 0
+
+    def __call__(self, gx, gy, gz, stream, function, *args):
+        self.runs += 1
+        self.launch(gx, gy, gz, stream, function, False, False, None, None, *args)
+
+
+CudaLauncher.__module__ = "fake.backends.nvidia.driver"
+
+
+class Compiled:
+    def __init__(self, launcher):
+        self.run, self.function, self.packed_metadata = launcher, 99, (4, 1, 0)
+        self.src = types.SimpleNamespace(signature=dict(SIGNATURE))
+        self.metadata_calls = 0
+
+    def launch_metadata(self, grid, stream, *args):
+        self.metadata_calls += 1
+        return {"grid": grid}
+
+
+class Kernel:
+    """A JIT function stand-in: ``kernel[grid](**kwargs)`` launches through the compiled
+    kernel's run and returns it."""
+
+    arg_names = ARG_NAMES
+
+    def __init__(self, compiled):
+        self.compiled, self.jit_calls = compiled, []
+
+    def __getitem__(self, grid):
+        def call(**kwargs):
+            self.jit_calls.append(kwargs)
+            c = self.compiled
+            c.run(grid[0], 1, 1, 5, c.function, c.packed_metadata, None, None, None,
+                  *[kwargs[n] for n in ARG_NAMES])
+            return c
+
+        return call
+
+
+def _setup(meta=({"swizzle": 128},), scratch=0, cache_size=4, hooks=None):
+    c_calls = []
+    compiled = Compiled(CudaLauncher(lambda *a: c_calls.append(a), list(meta), scratch))
+    kernel = Kernel(compiled)
+    seg = torch.arange(4, dtype=torch.int32)
+    pl = PlannedLaunch(kernel, {"seg": seg, "FLAG": True}, ("Q", "n"), descriptors=("k_desc",), cache_size=cache_size)
+    # what the constructor reads from triton's active driver (no GPU driver here)
+    pl._enabled = True
+    pl._hooks = hooks or types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
+    pl._device, pl._stream = (lambda: 0), (lambda d: 5)
+    pl._arg_names = list(ARG_NAMES)
+    return pl, kernel, compiled, c_calls, seg
+
+
+class Builds:
+    """make_descs for a K tensor, counting builds."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, k):
+        def make():
+            self.count += 1
+            return (Desc(k, k.shape, k.stride()),)
+
+        return make
+
+
+def _expected(q, k, n, seg, grid=7):
+    """The C launch's arguments, written out: base args, then Q, the descriptor expansion, seg
+    (by address when on the GPU; here the tensor), n, FLAG."""
+    return [grid, 1, 1, 5, 99, False, False, None, None, (4, 1, 0), None, None, None,
+            q, ("map", k.data_ptr(), tuple(k.shape), tuple(k.stride()), 128), *k.shape, *k.stride(), seg, n, True]
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(x is y or (not isinstance(x, torch.Tensor) and x == y) for x, y in zip(a, b))
+
+
+def test_lru_bound_and_refresh():
+    lru = LRU(2)
+    lru.put("a", 1)
+    lru.put("b", 2)
+    assert lru.get("a") == 1  # refreshes a: b is now the oldest
+    lru.put("c", 3)
+    assert "b" not in lru and lru.get("a") == 1 and lru.get("c") == 3 and len(lru) == 2
+    assert lru.get("zzz") is None
+    with pytest.raises(ValueError):
+        LRU(0)
+
+
+def test_direct_launch_matches_the_compiled_kernels_launcher():
+    pl, kernel, compiled, c_calls, seg = _setup()
+    builds = Builds()
+    q, k = torch.zeros(8, 4), torch.zeros(16, 64)
+    key = ("align", 0)
+    pl((7,), (q, 3), key, ("k", k.data_ptr(), k.shape, k.stride()), builds(k))
+    assert len(kernel.jit_calls) == 1 and builds.count == 1 and pl.direct(key)
+    jit_args = c_calls[-1]
+    pl((7,), (q, 3), key, ("k", k.data_ptr(), k.shape, k.stride()), builds(k))
+    assert len(kernel.jit_calls) == 1, "a recorded key went through the JIT again"
+    assert compiled.run.runs == 1, "the direct path called the Python launcher"
+    assert builds.count == 2, "the first direct call builds the descriptor once"
+    assert _same(c_calls[-1], jit_args) and _same(c_calls[-1], _expected(q, k, 3, seg))
+    for _ in range(3):  # same K: nothing built
+        pl((7,), (q, 3), key, ("k", k.data_ptr(), k.shape, k.stride()), builds(k))
+    assert builds.count == 2 and _same(c_calls[-1], _expected(q, k, 3, seg))
+
+
+@pytest.mark.parametrize("change", ["pointer", "shape", "stride"])
+def test_descriptor_rebuilt_when_k_changes(change):
+    pl, kernel, compiled, c_calls, seg = _setup()
+    builds = Builds()
+    q = torch.zeros(8, 4)
+    base = torch.zeros(40, 64)
+    k = base[:16]
+    key = ("align", 0)
+
+    def call(kk):
+        pl((7,), (q, 3), key, (kk.data_ptr(), kk.shape, kk.stride()), builds(kk))
+
+    call(k)
+    call(k)
+    before = builds.count
+    k2 = {"pointer": base[8:24], "shape": base[:32], "stride": base.view(20, 128)[:16, :64]}[change]
+    call(k2)
+    assert builds.count == before + 1
+    assert _same(c_calls[-1], _expected(q, k2, 3, seg)), "the new K's descriptor was not used"
+    call(k)
+    assert builds.count == before + 1 and _same(c_calls[-1], _expected(q, k, 3, seg)), "the old entry was lost"
+
+
+def test_descriptor_cache_is_bounded():
+    pl, kernel, compiled, c_calls, seg = _setup(cache_size=2)
+    builds = Builds()
+    q = torch.zeros(8, 4)
+    ks = [torch.zeros(16, 64) for _ in range(3)]
+    key = ("align", 0)
+    for kk in ks + ks[:1]:
+        pl((7,), (q, 3), key, (kk.data_ptr(),), builds(kk))
+    rec = pl.records[key]
+    assert len(rec.entries) == 2 and (ks[1].data_ptr(),) not in rec.entries  # oldest dropped
+    assert builds.count == 4  # JIT call + 2 new + the evicted first one again
+    assert _same(c_calls[-1], _expected(q, ks[0], 3, seg))
+
+
+def test_new_key_goes_through_the_jit_and_both_are_kept():
+    pl, kernel, compiled, c_calls, seg = _setup()
+    builds = Builds()
+    q, k = torch.zeros(8, 4), torch.zeros(16, 64)
+    for key, n in ((("a",), 3), (("b",), 4), (("a",), 3), (("b",), 4)):
+        pl((7,), (q, n), key, (k.data_ptr(),), builds(k))
+        assert _same(c_calls[-1], _expected(q, k, n, seg))
+    assert len(kernel.jit_calls) == 2 and set(pl.records) == {("a",), ("b",)}
+    for i in range(_launch.MAX_KEYS + 2):
+        pl((7,), (q, 3), ("x", i), (k.data_ptr(),), builds(k))
+    assert len(pl.records) == _launch.MAX_KEYS
+
+
+def test_launch_hooks_take_the_compiled_kernels_run():
+    hooks = types.SimpleNamespace(launch_enter_hook=types.SimpleNamespace(calls=[print]), launch_exit_hook=None)
+    pl, kernel, compiled, c_calls, seg = _setup(hooks=hooks)
+    builds = Builds()
+    q, k = torch.zeros(8, 4), torch.zeros(16, 64)
+    pl((7,), (q, 3), ("a",), (k.data_ptr(),), builds(k))
+    pl((7,), (q, 3), ("a",), (k.data_ptr(),), builds(k))
+    assert compiled.run.runs == 2 and compiled.metadata_calls == 1 and builds.count == 2
+    exp = _expected(q, k, 3, seg)
+    exp[10:13] = [{"grid": (7,)}, hooks.launch_enter_hook, None]
+    assert _same(c_calls[-1], exp)
+    hooks.launch_enter_hook.calls.clear()  # an empty hook chain: the direct path again
+    pl((7,), (q, 3), ("a",), (k.data_ptr(),), builds(k))
+    assert compiled.run.runs == 2 and _same(c_calls[-1], _expected(q, k, 3, seg))
+
+
+@pytest.mark.parametrize("why", ["scratch", "not lowered to TMA", "unknown launcher", "disabled"])
+def test_fallbacks_give_the_same_launch(why):
+    meta = ({"swizzle": 128},) if why != "not lowered to TMA" else (None,)
+    pl, kernel, compiled, c_calls, seg = _setup(meta=meta, scratch=64 if why == "scratch" else 0)
+    if why == "unknown launcher":
+        run_calls = []
+        compiled.run = lambda *a: run_calls.append(a)
+    if why == "disabled":
+        pl._enabled = False
+    builds = Builds()
+    q, k = torch.zeros(8, 4), torch.zeros(16, 64)
+    for _ in range(3):
+        pl((7,), (q, 3), ("a",), (k.data_ptr(),), builds(k))
+    assert not pl.direct(("a",))
+    # built per call on these paths (+ once by the direct attempt that finds a tensor in it)
+    assert builds.count == 3 + (meta[0] is None)
+    if why == "unknown launcher":
+        assert len(run_calls) == 3
+        return
+    if why == "disabled":
+        assert len(kernel.jit_calls) == 3
+    else:
+        assert len(kernel.jit_calls) == 1 and compiled.run.runs == 3
+    if meta[0] is None:
+        assert c_calls[-1][14] is k  # the base tensor itself
+    else:
+        assert _same(c_calls[-1], _expected(q, k, 3, seg))
+
+
+def test_per_call_values_must_match_the_names():
+    pl, kernel, *_ = _setup()
+    with pytest.raises(ValueError, match="per-call values"):
+        pl((7,), (torch.zeros(1),), ("a",), (), lambda: (None,))
+    with pytest.raises(ValueError, match="both per call and fixed"):
+        PlannedLaunch(kernel, {"n": 1}, ("n",))
+
+
+# ----------------------------------------------------------------------------- family side
+def test_sm90_kv_key_and_facts():
+    sm90 = pytest.importorskip("cpattn.kernels.triton_sm90")
+    base = torch.zeros(64, 4, 128, dtype=torch.bfloat16)
+    k, v = base[:32], base[32:]
+    key = sm90.kv_key(k, v)
+    assert key != sm90.kv_key(base[1:33], v)  # pointer
+    assert key != sm90.kv_key(base[:16], v)  # shape
+    assert key != sm90.kv_key(base.view(32, 8, 128)[:, ::2], v)  # stride
+    variant, ints, part = sm90.kv_facts(k, v)
+    assert variant == (None, False) and ints == (0, 512, 128, 0, 512, 128)
+    paged = torch.zeros(8, 4, 2, 128, dtype=torch.bfloat16)  # page 4: the cp.async gather
+    assert sm90.kv_facts(paged, paged)[0] == (4, True)
+    assert sm90.kv_facts(torch.zeros(8, 16, 2, 128, dtype=torch.bfloat16),
+                         torch.zeros(8, 16, 2, 128, dtype=torch.bfloat16))[0] == (16, False)
+    assert sm90.kv_facts(base[:, :, :64].contiguous()[:, ::2], v) is False  # heads not adjacent
+
+
+def test_sm90_launch_caches_kv_facts_and_reports_layouts_it_cannot_take():
+    sm90 = pytest.importorskip("cpattn.kernels.triton_sm90")
+    state = _launch.LaunchState(cache_size=2)
+    seen = []
+    state.launchers[(None, False)] = lambda grid, values, key, desc_key=(), make=None: seen.append(
+        (values, key, desc_key))
+    q = torch.zeros(16, 8, 128, dtype=torch.bfloat16)
+    out = torch.zeros_like(q)
+    k = torch.zeros(32, 2, 128, dtype=torch.bfloat16)
+    v = torch.zeros(32, 2, 128, dtype=torch.bfloat16)
+    kw = dict(grid=(4,), plan_args={}, softmax_scale=0.5, state=state)
+    assert sm90.launch(q, k, v, out, None, None, None, **kw)
+    values, key, desc_key = seen[-1]
+    named = dict(zip(sm90._PER_CALL, values))
+    assert named["K"] is k and named["stride_kn"] == 256 and named["stride_qm"] == 1024 and not named["HAS_SINKS"]
+    assert desc_key == sm90.kv_key(k, v) and desc_key in state.kv
+    k2 = torch.zeros(32, 2, 128, dtype=torch.bfloat16)
+    assert sm90.launch(q, k2, v, out, None, None, None, **kw) and seen[-1][2] == sm90.kv_key(k2, v)
+    assert len(state.kv) == 2
+    odd = torch.zeros(32, 2, 256, dtype=torch.bfloat16)[..., :128]  # heads not adjacent
+    assert not sm90.launch(q, odd, odd, out, None, None, None, **kw) and len(seen) == 2
+    assert len(state.kv) == 2  # bounded
+
+
+def test_mla_launch_reports_a_separate_value_tensor():
+    mla = pytest.importorskip("cpattn.kernels.triton_mla")
+    state = _launch.LaunchState()
+    seen = []
+    state.launchers[0] = lambda grid, values, key, desc_key=(), make=None: seen.append(desc_key)
+    q = torch.zeros(16, 4, 576, dtype=torch.bfloat16)
+    out = torch.zeros(16, 4, 512, dtype=torch.bfloat16)
+    k = torch.zeros(32, 1, 576, dtype=torch.bfloat16)
+    kw = dict(grid=(4,), plan_args={}, softmax_scale=0.5, state=state)
+    assert mla.launch(q, k, k[..., :512], out, None, None, None, **kw) and seen == [mla.kv_key(k, k[..., :512])]
+    assert not mla.launch(q, k, k[..., :512].clone(), out, None, None, None, **kw) and len(seen) == 1
+
+
+# ----------------------------------------------------------------------------- portable, interpreter
+def test_portable_plan_right_after_kv_moves_and_strides_change(interp):
+    """Layer after layer with different K/V buffers (and a strided view) through one portable
+    plan: the per-K/V facts are cached per address / shape / stride, results equal the oracle."""
+    import cpattn
+    from oracle import attention_oracle
+
+    s = cpattn.ZigzagStrategy(2, pad_multiple=8)
+    ext, pre = [9, 20], [5, 0]
+    n_kv = sum(ext) + sum(pre)
+    g = torch.Generator().manual_seed(4)
+    meta = s.build_metadata(ext, pre, rank=1)
+    plan = s.plan_attention(meta, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, backend="triton")
+    assert plan.family == "portable"
+    state = plan._impl._portable_state
+    q = torch.randn(sum(ext), 4, 16, generator=g)
+    ql = s.shard(q, meta)
+    layers = [(torch.randn(n_kv, 2, 16, generator=g), torch.randn(n_kv, 2, 16, generator=g)) for _ in range(3)]
+    fused = torch.randn(n_kv, 2, 2, 16, generator=g)  # K / V interleaved: row stride 64, not 32
+    layers.append((fused[:, :, 0], fused[:, :, 1]))
+    n = meta.num_local_tokens
+    for rounds in range(2):
+        for k, v in layers:
+            out = plan.run(ql, k, v)
+            ref, _ = attention_oracle(q, k, v, ext, pre)
+            assert (out[:n].double() - ref[meta.local_token_indices]).abs().max() < 2e-5
+            assert (out[n:] == 0).all()
+    assert len(state.kv) == len(layers)

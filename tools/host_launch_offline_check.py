@@ -1,0 +1,177 @@
+"""Check the direct launch of :mod:`cpattn.kernels._launch` against the installed Triton's own
+launcher, without a GPU.
+
+For the dense sm_90 kernel (packed, paged TMA, paged gather) and the absorbed-MLA kernel
+(packed, paged), each compiled offline for sm_90a: a ``CudaLauncher`` of the installed Triton is
+assembled around a recording stand-in for its compiled C ``launch`` (the Python part,
+``wrap_handle_tensordesc`` / ``make_tensordesc_arg``, is Triton's own), with an active-driver
+stand-in whose ``fill_tma_descriptor`` returns its arguments. Then:
+
+* the arguments that reach the C ``launch`` through Triton's path (``CompiledKernel.run`` with
+  the Gluon ``TensorDescriptor`` objects, as ``JITFunction.run`` calls it) equal those of
+  :class:`PlannedLaunch`'s direct path (fixed tensors compared by address);
+* a repeated call with the same K/V builds no descriptor (no ``fill_tma_descriptor`` call);
+  another K/V address, shape or stride builds new ones; the cache holds at most its size.
+
+Run from the repository root with the triton of the GPU machine:
+    PYTHONPATH=src:tools /tmp/t36/bin/python tools/host_launch_offline_check.py
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import triton
+from triton.backends.nvidia import driver as nv_driver
+
+import cpattn.kernels.triton_mla as mla
+import cpattn.kernels.triton_sm90 as ws
+from cpattn.kernels import _launch
+from sm90_offline_check import compile_mla_variant, compile_variant
+
+
+class _Utils:
+    def __init__(self) -> None:
+        self.fills = 0
+
+    def fill_tma_descriptor(self, *args):
+        self.fills += 1
+        return ("CUtensorMap",) + tuple(tuple(a) if isinstance(a, list) else a for a in args)
+
+
+class _Driver:
+    """What ``make_tensordesc_arg`` and ``PlannedLaunch`` read of the active driver."""
+
+    def __init__(self) -> None:
+        self.utils = _Utils()
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 777
+
+
+def _launcher(compiled, calls: list):
+    """A ``CudaLauncher`` of the installed triton around a recording C ``launch``."""
+
+    def c_launch(*args):
+        calls.append(args)
+
+    run = nv_driver.CudaLauncher.__new__(nv_driver.CudaLauncher)
+    md = compiled.metadata
+    run.num_ctas = getattr(md, "num_ctas", 1)
+    run.launch = nv_driver.wrap_handle_tensordesc(c_launch, dict(compiled.src.signature),
+                                                  getattr(md, "tensordesc_meta", None))
+    run.global_scratch_size, run.global_scratch_align = md.global_scratch_size, md.global_scratch_align
+    run.profile_scratch_size, run.profile_scratch_align = md.profile_scratch_size, md.profile_scratch_align
+    run.launch_cooperative_grid, run.launch_pdl = md.launch_cooperative_grid, md.launch_pdl
+    return run
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        pa = a.data_ptr() if isinstance(a, torch.Tensor) else a
+        pb = b.data_ptr() if isinstance(b, torch.Tensor) else b
+        return pa == pb
+    return a == b
+
+
+def check(name: str, compiled, kernel, fixed: dict, names, descriptors, values_of, descs_of, key_of, kvs) -> None:
+    calls: list = []
+    run = _launcher(compiled, calls)
+    compiled._run, compiled.module, compiled.function = run, object(), 4242
+    drv = triton.runtime.driver.active
+    pl = _launch.PlannedLaunch(kernel, fixed, names, descriptors=descriptors, cache_size=2)
+    key = ("k",)
+    pl._record(compiled, key)
+    assert pl.direct(key), f"{name}: direct launch not taken (the launcher layout is not the known one)"
+    grid = (132,)
+    for i, (k, v) in enumerate(kvs + kvs[:1]):
+        values = values_of(k, v)
+        # Triton's path: the compiled kernel's run with the descriptor objects in place
+        full = dict(fixed, **dict(zip(names, values)), **dict(zip(descriptors, descs_of(k, v))))
+        bound = [full[n] for n in kernel.arg_names]
+        calls.clear()
+        compiled.run(grid[0], 1, 1, 777, compiled.function, compiled.packed_metadata, None, None, None, *bound)
+        ref = calls[-1]
+        fills = drv.utils.fills
+        pl(grid, values, key, key_of(k, v), lambda: descs_of(k, v))
+        got = calls[-1]
+        assert len(ref) == len(got), f"{name}: {len(got)} launch arguments, Triton passes {len(ref)}"
+        bad = [j for j, (a, b) in enumerate(zip(ref, got)) if not _same(a, b)]
+        assert not bad, f"{name}: launch arguments differ at {bad[:5]}: {[ (ref[j], got[j]) for j in bad[:3]]}"
+        # a new K/V (the last call: the first K/V again, evicted from the 2-entry cache by then)
+        # converts every descriptor argument once
+        new = drv.utils.fills - fills
+        assert new == len(descriptors), f"{name}: {new} descriptor fills on call {i}, expected {len(descriptors)}"
+        # the same K/V again: no descriptor built
+        fills = drv.utils.fills
+        pl(grid, values, key, key_of(k, v), lambda: descs_of(k, v))
+        assert drv.utils.fills == fills, f"{name}: a repeated call built descriptors"
+        assert all(_same(a, b) for a, b in zip(calls[-1], ref)), f"{name}: a repeated call's arguments differ"
+    rec = pl.records[key]
+    assert len(rec.entries) <= 2, f"{name}: the descriptor cache holds {len(rec.entries)} > 2"
+    print(f"{name}: direct launch arguments == Triton's ({len(ref)} arguments, "
+          f"{len(rec.direct.desc_meta)} descriptors), cache bounded", flush=True)
+
+
+def main() -> int:
+    drv = _Driver()
+    triton.runtime.driver.set_active(drv)
+    dt = torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    plan_tensors = {n: torch.zeros(64, dtype=torch.int32) for n in
+                    ("tile_segment", "tile_row_offset", "NumTiles", "seg_seq", "seg_row0", "seg_len", "seg_pos0",
+                     "seg_stride", "cu_kv_lens")}
+    plan_ints = dict(window=-1, num_head_groups=8, heads_per_section=8, group_size=4, G_PACK=4, HAS_WINDOW=False)
+    q = torch.zeros(512, 32, 128, dtype=dt)
+    out = torch.zeros(512, 32, 128, dtype=dt)
+    lse = torch.zeros(512, 32, dtype=torch.float32)
+    for label, page, gather in (("sm90 packed", None, False), ("sm90 paged64", 64, False), ("sm90 paged4", 4, True)):
+        compiled = compile_variant(128, 128, 4, 3, 0, False, False, False, True, page)
+        if page is None:
+            kvs = [(torch.zeros(4096, 8, 128, dtype=dt), torch.zeros(4096, 8, 128, dtype=dt)) for _ in range(3)]
+            kvs[2] = (torch.zeros(4000, 8, 128, dtype=dt), torch.zeros(4000, 8, 128, dtype=dt))  # another shape
+        else:
+            kvs = [(torch.zeros(4096 // page, page, 8, 128, dtype=dt), torch.zeros(4096 // page, page, 8, 128, dtype=dt))
+                   for _ in range(3)]
+        fixed = dict(plan_tensors, **plan_ints, **ws.kernel_constexprs(128, 128, dt, page, gather=gather),
+                     HAS_SINKS=False, RETURN_LSE=True)
+        fixed = {k: v for k, v in fixed.items() if k not in ("HAS_SINKS", "RETURN_LSE")}
+        names = ws._PER_CALL + (ws._DESCRIPTORS if gather else ())
+        descriptors = () if gather else ws._DESCRIPTORS
+
+        def values_of(k, v, gather=gather):
+            _, ints, _ = ws.kv_facts(k, v)
+            vals = (q, k, v, out, lse, out, q, 0.1, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                    lse.stride(0), lse.stride(1), 0, 0) + ints + (False, True)
+            return vals + ((k, k, k) if gather else ())
+
+        check(label, compiled, ws._cp_attn_fwd_sm90, fixed, names, descriptors, values_of,
+              lambda k, v: ws.kv_descriptors(k, v, 128), ws.kv_key, kvs)
+    for label, page in (("mla packed", None), ("mla paged64", 64)):
+        compiled = compile_mla_variant(4, False, False, True, page)
+        w = mla.D_LATENT + mla.D_ROPE
+        shapes = [(4096, 1, w), (4096, 1, w), (2048, 1, w)] if page is None else [(64, 64, 1, w)] * 3
+        kvs = []
+        for s in shapes:
+            k = torch.zeros(*s, dtype=dt)
+            kvs.append((k, k[..., : mla.D_LATENT]))
+        qm, om = torch.zeros(256, 16, w, dtype=dt), torch.zeros(256, 16, mla.D_LATENT, dtype=dt)
+        lm = torch.zeros(256, 16, dtype=torch.float32)
+        fixed = dict(plan_tensors, **plan_ints, **mla.kernel_constexprs(dt, page))
+
+        def values_of(k, v, qm=qm, om=om, lm=lm):
+            return (qm, om, lm, om, qm, 0.1, qm.stride(0), qm.stride(1), om.stride(0), om.stride(1), lm.stride(0),
+                    lm.stride(1), 0, 0, False, True)
+
+        check(label, compiled, mla._mla_fwd_sm90, fixed, mla._PER_CALL, mla._DESCRIPTORS, values_of,
+              lambda k, v: mla.k_descriptors(k), mla.kv_key, kvs)
+    print("all direct launches match triton", triton.__version__)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
