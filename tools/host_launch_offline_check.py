@@ -28,7 +28,7 @@ from triton.backends.nvidia import driver as nv_driver
 import cpattn.kernels.triton_mla as mla
 import cpattn.kernels.triton_sm90 as ws
 from cpattn.kernels import _launch
-from sm90_offline_check import compile_mla_variant, compile_variant
+from sm90_offline_check import compile_mla_decode_variant, compile_mla_variant, compile_variant
 
 
 class _Utils:
@@ -168,6 +168,30 @@ def main() -> int:
                     lm.stride(1), 0, 0, False, True)
 
         check(label, compiled, mla._mla_fwd_sm90, fixed, mla._PER_CALL, mla._DESCRIPTORS, values_of,
+              lambda k, v: mla.k_descriptors(k), mla.kv_key, kvs)
+    dec_tensors = {n: torch.zeros(64, dtype=torch.int32) for n in
+                   ("item_seq", "item_r0", "item_k0", "item_k1", "item_ws", "NumItems", "q_lens", "seq_lens",
+                    "cu_q_lens", "cu_local_kv")}
+    for label, page in (("mla decode packed", None), ("mla decode paged64", 64)):
+        compiled = compile_mla_decode_variant(64, False, page, 2, 1)
+        w = mla.D_LATENT + mla.D_ROPE
+        shapes = [(4096, 1, w), (4096, 1, w), (2048, 1, w)] if page is None else [(64, 64, 1, w)] * 3
+        kvs = []
+        for s_ in shapes:
+            k = torch.zeros(*s_, dtype=dt)
+            kvs.append((k, k[..., : mla.D_LATENT]))
+        qm, om = torch.zeros(8, 128, w, dtype=dt), torch.zeros(8, 128, mla.D_LATENT, dtype=dt)
+        lm = torch.zeros(8, 128, dtype=torch.float32)
+        wo, wl = torch.zeros(40, 1, 128, mla.D_LATENT), torch.zeros(40, 1, 128)
+        fixed = dict(dec_tensors, rank=1, num_head_groups=2, G_PACK=64, CP_SIZE=2, INTERLEAVE=1,
+                     **mla.kernel_constexprs(dt, page))
+
+        def values_of(k, v, qm=qm, om=om, lm=lm, wo=wo, wl=wl):
+            return (qm, om, lm, om, qm, wo, wl, 0.1, qm.stride(0), qm.stride(1), om.stride(0), om.stride(1),
+                    lm.stride(0), lm.stride(1), 0, 0, wo.stride(0), wo.stride(1), wo.stride(2), wl.stride(0),
+                    wl.stride(1), False)
+
+        check(label, compiled, mla._mla_decode_sm90, fixed, mla._DECODE_PER_CALL, mla._DESCRIPTORS, values_of,
               lambda k, v: mla.k_descriptors(k), mla.kv_key, kvs)
     print("all direct launches match triton", triton.__version__)
     return 0
