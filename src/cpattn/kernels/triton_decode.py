@@ -458,12 +458,14 @@ def launch_combine(out: Tensor, lse: Tensor, sinks: Optional[Tensor], ws_o: Tens
     )
 
 
-def merge_parts(parts: Tensor, part_lse: Tensor, out: Tensor, lse: Tensor, *, num_sms: int) -> None:
+def merge_parts(parts: Tensor, part_lse: Tensor, out: Tensor, lse: Tensor, *, num_sms: int,
+                blocks: Optional[tuple[int, int, int]] = None) -> None:
     """Fused exact merge: ``parts`` [C, N, H, Dv] and ``part_lse`` [C, N, H] (any strides, last dim
     of ``parts`` contiguous, e.g. typed views into a received byte buffer) into ``out`` [N, H, Dv]
-    and ``lse`` [N, H] float32 (both last dims contiguous). One launch, no sync; C >= 1, N > 0."""
+    and ``lse`` [N, H] float32 (both last dims contiguous). One launch, no sync; C >= 1, N > 0.
+    ``blocks``: (BLOCK_S, BLOCK_H, BLOCK_DV) instead of :func:`merge_blocks`' choice (tests)."""
     c, n, h, dv = parts.shape
-    block_s, block_h, block_dv = merge_blocks(c, h, dv, n, num_sms)
+    block_s, block_h, block_dv = blocks or merge_blocks(c, h, dv, n, num_sms)
     grid = (n, -(-h // block_h), -(-dv // block_dv))
     _merge_parts[grid](
         Out=out, Lse=lse, Parts=parts, PartLse=part_lse, num_parts=c, num_heads=h,
