@@ -11,6 +11,7 @@ NaN there cannot leak); all parts empty give ``(0, -inf)``; finite LSEs of any s
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
@@ -83,6 +84,9 @@ def merge_path(out_parts: Tensor, lse_parts: Tensor, *, dim: int = 0) -> str:
     if (out_parts.dim() != 4 or out_parts.dtype not in _FUSED_DTYPES or lse_parts.dtype not in _FUSED_DTYPES
             or out_parts.numel() == 0 or out_parts.stride(-1) != 1):
         return "torch"
+    loaded = sys.modules.get(_MERGE_KERNELS)
+    if out_parts.is_cuda and loaded is not None:  # the per-layer case: the kernels are loaded, decide in O(1)
+        return "torch" if loaded.INTERPRETED else "triton"
     from .kernels import triton_available, triton_device_reason
 
     if triton_available() is not None or triton_device_reason(out_parts.device, _MERGE_KERNELS) is not None:
@@ -98,8 +102,11 @@ def _merge_fused(parts: Tensor, part_lse: Tensor) -> tuple[Tensor, Tensor]:
     out = torch.empty((n, h, dv), dtype=parts.dtype, device=parts.device)
     lse = torch.empty((n, h), dtype=torch.float32, device=parts.device)
     if parts.is_cuda:
-        num_sms = torch.cuda.get_device_properties(parts.device).multi_processor_count
-        with torch.cuda.device(parts.device):
+        num_sms = torch.cuda.get_device_properties(parts.device).multi_processor_count  # cached by torch
+        if parts.device.index != torch.cuda.current_device():
+            with torch.cuda.device(parts.device):  # parts on a non-current GPU
+                triton_decode.merge_parts(parts, part_lse, out, lse, num_sms=num_sms)
+        else:
             triton_decode.merge_parts(parts, part_lse, out, lse, num_sms=num_sms)
     else:
         triton_decode.merge_parts(parts, part_lse, out, lse, num_sms=4)
