@@ -17,6 +17,7 @@ def test_decode_bench_tiny(tmp_path):
     assert len(rows) == 2 * 2 * 2 * 2 * 2  # shapes x L x B x C x q_len
     assert all(r["kv_bytes_ok"] for r in rows) and all(r["attn_ms"] > 0 for r in rows)
     assert {r["cp"] for r in rows} == {1, 2} and {r["shape"] for r in rows} == {"gqa", "mla"}
+    assert {r["merge_path"] for r in rows if r["cp"] > 1} == {"torch"}  # CPU without the interpreter
     cross = payload["crossover"]
     assert len(cross["rows"]) == 3 and all(r["bytes_pass_kv"] >= 0 for r in cross["rows"])
     assert any("crossover" in line for line in payload["summary"])

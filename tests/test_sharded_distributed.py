@@ -52,7 +52,7 @@ def _paged_shard(keys, vals, lens, c, i, r, ps, g, room=None):
     num_pages = sum(pages) + 1
     perm = torch.randperm(num_pages, generator=g)
     table = torch.zeros(len(lens), max(pages), dtype=torch.int32)
-    kc = torch.full((num_pages, ps, hkv, d), float("nan"), dtype=keys.dtype)
+    kc = torch.full((num_pages, ps, hkv, d), float("nan"), dtype=keys.dtype)  # the keys' dtype (bf16 on the GPU)
     vc = torch.full((num_pages, ps, hkv, dv), float("nan"), dtype=vals.dtype)
     off = row = 0
     for b, n in enumerate(lens):
@@ -142,7 +142,8 @@ def _extend_checks(rank, world, results):
         ref, _ = attention_oracle(q, keys, vals, ext, pre, window_left=window, sinks=sk)
         k_ext = keys[meta.kv_extend_index]
         v_ext = vals[meta.kv_extend_index]
-        for algo in ("pass_kv", "pass_q"):
+        errors = {}
+    for algo in ("pass_kv", "pass_q"):
             pre_k = torch.cat([keys[o : o + p] for o, p in zip(_starts(kv_lens), pre)])
             pre_v = torch.cat([vals[o : o + p] for o, p in zip(_starts(kv_lens), pre)])
             kc, vc, table = _paged_shard(pre_k, pre_v, pre, world, inter, rank, ps,
@@ -219,6 +220,7 @@ def _single_rank_extend(device, dtype, tol, ext, pre, d, ps):
     meta = s.build_metadata(ext, pre, rank=0, kv_sharding=sh).to(device)
     pre_k = torch.cat([keys[o : o + p] for o, p in zip(_starts(kv_lens), pre)])
     pre_v = torch.cat([vals[o : o + p] for o, p in zip(_starts(kv_lens), pre)])
+    errors = {}
     for algo in ("pass_kv", "pass_q"):
         kc, vc, table = _paged_shard(pre_k, pre_v, pre, 1, 1, 0, ps, g, room=kv_lens)
         kc, vc = kc.to(device), vc.to(device)
@@ -231,14 +233,35 @@ def _single_rank_extend(device, dtype, tol, ext, pre, d, ps):
         out = plan.run(s.shard(q.to(device), meta), s.shard(keys[idx].to(device), meta),
                        s.shard(vals[idx].to(device), meta), kc, vc).cpu()
         n = meta.num_local_tokens
-        assert (out[:n].double() - ref[meta.local_token_indices.cpu()]).abs().max() < tol, algo
-        assert (out[n:] == 0).all()
+        errors[algo] = (out[:n].double() - ref[meta.local_token_indices.cpu()]).abs().max().item()
+        assert (out[n:] == 0).all(), algo
+    assert all(e < tol for e in errors.values()), f"max |error| per algorithm {errors} (tolerance {tol})"
 
 
 def test_sharded_extend_triton_single_rank(interp):
     """C = 1 (no collective): both algorithms with the Triton kernels (interpreter) equal the
     fp64 oracle; pass-Q runs the split-KV kernel with many query rows per sequence."""
     _single_rank_extend("cpu", torch.float32, 2e-5, [21, 0, 5], [13, 6, 40], 16, 4)
+
+
+def test_sharded_extend_triton_single_rank_bf16(interp):
+    """The GPU test's dtype (bf16) under the interpreter: the caches are the keys' dtype (the GPU
+    test failed building float32 caches for bf16 keys), and a cache of another dtype is a
+    ValueError naming it."""
+    _single_rank_extend("cpu", torch.bfloat16, 3e-2, [21, 0, 5], [13, 6, 40], 16, 4)
+    g = torch.Generator().manual_seed(0)
+    s, sh = cpattn.ZigzagStrategy(1), cpattn.KVSharding(1)
+    meta = s.build_metadata([5], [7], rank=0, kv_sharding=sh)
+    keys = torch.randn(12, 2, 16, generator=g).bfloat16()
+    kc, vc, table = _paged_shard(keys[:7], keys[:7], [7], 1, 1, 0, 4, g, room=[12])
+    assert kc.dtype == torch.bfloat16
+    plan = cpattn.plan_sharded_extend(meta, page_table=table, page_size=4, num_pages=kc.shape[0], num_q_heads=4,
+                                      num_kv_heads=2, head_dim=16, dtype=torch.bfloat16, algorithm="pass_kv",
+                                      backend="torch")
+    q = torch.randn(meta.num_physical_tokens, 4, 16).bfloat16()
+    k = torch.randn(meta.num_physical_tokens, 2, 16).bfloat16()
+    with pytest.raises(ValueError, match="k_cache must be torch.bfloat16"):
+        plan.run(q, k, k, kc.float(), vc)
 
 
 @pytest.mark.gpu

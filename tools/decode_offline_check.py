@@ -56,14 +56,39 @@ def _split_sig(name, hq, hkv, d, dv, q_len, c, i, paged, page, window, sinks, v_
     return fn, sig, consts, dict(num_warps=warps, num_stages=stages), (rows, g_pack, block_m, block_n, warps, stages)
 
 
-def _combine_sig(dv, sinks, dtype):
+def _combine_sig(dv, sinks, dtype, blocks):
     fn = td._shard_attn_combine
     sig = {n: "i32" for n in fn.arg_names}
     sig.update(Out=f"*{dtype}", Lse="*fp32", Sinks="*fp32", WsO="*fp32", WsLse="*fp32", row_ws0="*i32",
                row_nsplit="*i32", row_ti="*i32")
-    consts = dict(HEAD_DIM_V=dv, BLOCK_H=64 if dv <= 128 else 16, HAS_SINKS=sinks)
+    block_s, block_h, block_dv = blocks
+    consts = dict(HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv, HAS_SINKS=sinks)
     sig.update({n: "constexpr" for n in consts})
     return fn, sig, consts
+
+
+def _merge_sig(dv, dtype, blocks):
+    fn = td._merge_parts
+    sig = {n: "i32" for n in fn.arg_names}
+    sig.update(Out=f"*{dtype}", Lse="*fp32", Parts=f"*{dtype}", PartLse="*fp32")
+    block_s, block_h, block_dv = blocks
+    consts = dict(HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv)
+    sig.update({n: "constexpr" for n in consts})
+    return fn, sig, consts
+
+
+#: (what, Dv, sinks, dtype, (parts, heads, rows)) of the combine / merge variants: the block sizes
+#: are merge_blocks' choice for an H200 (132 SMs).
+MERGE_VARIANTS = [
+    ("combine B=1 L=128k gqa", 128, False, "bf16", (171, 32, 1)),
+    ("combine B=64 gqa", 128, True, "bf16", (3, 32, 256)),
+    ("combine B=1 mla", 512, True, "bf16", (200, 128, 1)),
+    ("combine B=64 q4 mla", 512, False, "bf16", (2, 128, 256)),
+    ("merge C=8 N=64 gqa", 128, False, "bf16", (8, 32, 64)),
+    ("merge C=8 N=64 mla", 512, False, "bf16", (8, 128, 64)),
+    ("merge C=4 N=1 fp32", 128, False, "fp32", (4, 32, 1)),
+    ("merge C=8 N=256 fp16", 128, False, "fp16", (8, 32, 256)),
+]
 
 
 def _attrs(fn, sig) -> dict:
@@ -86,10 +111,17 @@ def main() -> None:
         print(f"split {v[0]}: ROWS={rows} G_PACK={g_pack} BLOCK_M={block_m} BLOCK_N={block_n} warps={warps} "
               f"stages={stages}: smem {k.metadata.shared} B, {ttgir.count('async_copy_global_to_local')} async "
               f"copies, {ttgir.count('warp_group_dot ')} wgmma; {check.ptxas_report(k.asm['ptx'])}", flush=True)
-    for dv, sinks in ((128, False), (512, True)):
-        fn, sig, consts = _combine_sig(dv, sinks, "bf16")
-        k = triton.compile(ASTSource(fn, sig, consts, _attrs(fn, sig)), target=target, options=dict(num_warps=4))
-        print(f"combine Dv={dv} sinks={sinks}: smem {k.metadata.shared} B; {check.ptxas_report(k.asm['ptx'])}")
+    for what, dv, sinks, dtype, (parts, heads, rows) in MERGE_VARIANTS:
+        blocks = td.merge_blocks(parts, heads, dv, rows, 132)
+        if what.startswith("combine"):
+            fn, sig, consts = _combine_sig(dv, sinks, dtype, blocks)
+            attrs = _attrs(fn, sig)
+        else:  # strides of received views are not 16-divisible in general: pointers only
+            fn, sig, consts = _merge_sig(dv, dtype, blocks)
+            attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
+        k = triton.compile(ASTSource(fn, sig, consts, attrs), target=target, options=dict(num_warps=4))
+        print(f"{what} Dv={dv} {dtype}: BLOCK_S/H/DV={blocks}: smem {k.metadata.shared} B; "
+              f"{check.ptxas_report(k.asm['ptx'])}", flush=True)
 
 
 if __name__ == "__main__":

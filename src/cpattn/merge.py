@@ -11,6 +11,7 @@ NaN there cannot leak); all parts empty give ``(0, -inf)``; finite LSEs of any s
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
@@ -21,7 +22,7 @@ from ._validation import check_tensor
 from . import collectives as _collectives
 from .collectives import PART_ALIGN_BYTES
 
-__all__ = ["merge_partials", "merge_states"]
+__all__ = ["merge_partials", "merge_states", "merge_path"]
 
 
 def _all_to_all_into(output: Tensor, input: Tensor, group) -> None:
@@ -43,6 +44,12 @@ def merge_states(out_parts: Tensor, lse_parts: Tensor, *, dim: int = 0) -> tuple
         (out, lse): out in out_parts' dtype without the parts dim ([N, H, Dv]); lse float32
         (float64 if an input is float64) [N, H]. Math in float32 (float64 for float64 inputs).
 
+    [C, N, H, Dv] parts on a CUDA device (or on the CPU under the Triton interpreter) in
+    fp16/bf16/fp32 run as ONE fused Triton launch that reads the parts through their strides
+    (no copy; e.g. the typed views of ``merge_partials``' received buffer), with no host sync
+    (CUDA-graph capturable); every other case runs the torch reference (see :func:`merge_path`).
+    Both have the same semantics.
+
     Example::
 
         out, lse = cpattn.merge_states(torch.stack([o0, o1]), torch.stack([l0, l1]))
@@ -59,6 +66,55 @@ def merge_states(out_parts: Tensor, lse_parts: Tensor, *, dim: int = 0) -> tuple
     if not -lse_parts.dim() <= dim < lse_parts.dim():
         raise ValueError(f"dim {dim} out of range for lse_parts of shape {list(lse_parts.shape)}")
     dim %= lse_parts.dim()
+    if merge_path(out_parts, lse_parts, dim=dim) == "triton":
+        return _merge_fused(out_parts.movedim(dim, 0), lse_parts.movedim(dim, 0))
+    return _merge_states_torch(out_parts, lse_parts, dim)
+
+
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MERGE_KERNELS = "cpattn.kernels.triton_decode"
+
+
+def merge_path(out_parts: Tensor, lse_parts: Tensor, *, dim: int = 0) -> str:
+    """Which implementation :func:`merge_states` runs for these (valid) inputs: ``"triton"`` (the
+    fused one-launch kernel: [C, N, H, Dv] / [C, N, H] parts, any strides with the last dim of
+    ``out_parts`` contiguous, fp16/bf16/fp32, C >= 1, nothing empty, on a CUDA device, or on the
+    CPU under the Triton interpreter) or ``"torch"`` (the reference: every other case, float64
+    included). O(1) host work, no sync."""
+    if (out_parts.dim() != 4 or out_parts.dtype not in _FUSED_DTYPES or lse_parts.dtype not in _FUSED_DTYPES
+            or out_parts.numel() == 0 or out_parts.stride(-1) != 1):
+        return "torch"
+    loaded = sys.modules.get(_MERGE_KERNELS)
+    if out_parts.is_cuda and loaded is not None:  # the per-layer case: the kernels are loaded, decide in O(1)
+        return "torch" if loaded.INTERPRETED else "triton"
+    from .kernels import triton_available, triton_device_reason
+
+    if triton_available() is not None or triton_device_reason(out_parts.device, _MERGE_KERNELS) is not None:
+        return "torch"
+    return "triton"
+
+
+def _merge_fused(parts: Tensor, part_lse: Tensor) -> tuple[Tensor, Tensor]:
+    """The fused kernel over [C, N, H, Dv] / [C, N, H] (one launch)."""
+    from .kernels import triton_decode
+
+    c, n, h, dv = parts.shape
+    out = torch.empty((n, h, dv), dtype=parts.dtype, device=parts.device)
+    lse = torch.empty((n, h), dtype=torch.float32, device=parts.device)
+    if parts.is_cuda:
+        num_sms = torch.cuda.get_device_properties(parts.device).multi_processor_count  # cached by torch
+        if parts.device.index != torch.cuda.current_device():
+            with torch.cuda.device(parts.device):  # parts on a non-current GPU
+                triton_decode.merge_parts(parts, part_lse, out, lse, num_sms=num_sms)
+        else:
+            triton_decode.merge_parts(parts, part_lse, out, lse, num_sms=num_sms)
+    else:
+        triton_decode.merge_parts(parts, part_lse, out, lse, num_sms=4)
+    return out, lse
+
+
+def _merge_states_torch(out_parts: Tensor, lse_parts: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """The torch reference of :func:`merge_states` (validated inputs, ``dim`` normalized)."""
     work = torch.float64 if torch.float64 in (out_parts.dtype, lse_parts.dtype) else torch.float32
     lse = lse_parts.to(work)
     if lse.shape[dim] == 0:

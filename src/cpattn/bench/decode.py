@@ -3,7 +3,9 @@
 Decode (one GPU): what ONE rank of a C-rank sharded cache does per layer: split-KV attention of
 the step's queries (q_len 1 or 4 per sequence, replicated) over its 1/C shard of every sequence
 (paged, page 64, pages scattered), plus the arithmetic of the exact merge of C partials
-(``merge_states``; the collective itself is measured by ``--distributed``). Grid: C = 1, 2, 4,
+(``merge_states`` over typed views into one packed byte buffer, as ``merge_partials`` reads
+what it received: the fused Triton merge on the GPU, ``merge_path`` in each row; the collective
+itself is measured by ``--distributed``). Grid: C = 1, 2, 4,
 8; B = 1, 8, 64; L = 128k and 1M keys; GQA 32/8 D128 and MLA absorbed (128 heads, D 576 /
 Dv 512, v a view of k); bf16. Per config: attention and merge time (median, back to back), HBM
 GB/s of the attention (KV bytes read / time; MLA reads each latent row once), KV bytes per rank
@@ -36,6 +38,8 @@ from typing import Callable, Optional
 import torch
 
 import cpattn
+from cpattn import merge as _merge
+from cpattn.merge import merge_path
 
 from .common import header, progress, time_cuda_back_to_back, write_json
 
@@ -137,6 +141,18 @@ def kv_row_bytes(hkv: int, d: int, dv: int, v_from_k: bool, item: int) -> int:
     return hkv * (d + (0 if v_from_k else dv)) * item
 
 
+def received_parts(out: torch.Tensor, lse: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """C copies of one rank's (out [N, H, Dv], lse [N, H]) laid out as ``merge_partials`` receives
+    them: typed strided views [C, N, H, Dv] / [C, N, H] into one packed uint8 buffer (what the
+    merge arithmetic reads after the all-gather)."""
+    n = out.shape[0]
+    packed, layout = _merge._pack([out, lse.float()], n)
+    received = packed.unsqueeze(0).expand(c, *packed.shape).contiguous()
+    outs, lses = _merge._unpack(received, layout, [(out.dtype, tuple(out.shape[1:])), (torch.float32,
+                                                                                       tuple(lse.shape[1:]))])
+    return outs, lses
+
+
 # ----------------------------------------------------------------------------- decode grid
 def decode_case(pool: Pool, time_fn, *, name: str, shape, c: int, b: int, keys: int, q_len: int, ps: int, backend: str,
                 options: Optional[dict], iters: int, rank: int = 0) -> dict:
@@ -161,8 +177,7 @@ def decode_case(pool: Pool, time_fn, *, name: str, shape, c: int, b: int, keys: 
                                        dtype=dtype, page_size=ps, backend=backend, backend_options=options)
     out, lse = plan.run(q, kc, vc, page_table=table)
     attn_ms = time_fn(lambda: plan.run(q, kc, vc, page_table=table, out=out, lse=lse), iters)
-    outs = out.unsqueeze(0).expand(c, *out.shape).contiguous()
-    lses = lse.unsqueeze(0).expand(c, *lse.shape).contiguous()
+    outs, lses = received_parts(out, lse, c)
     merge_ms = time_fn(lambda: cpattn.merge_states(outs, lses), iters) if c > 1 else 0.0
     item = torch.empty((), dtype=dtype).element_size()
     row = kv_row_bytes(hkv, d, dv, v_from_k, item)
@@ -176,6 +191,7 @@ def decode_case(pool: Pool, time_fn, *, name: str, shape, c: int, b: int, keys: 
         hbm_gbps=round(read / (attn_ms * 1e-3) / 1e9, 1), kv_bytes_rank=allocated, kv_bytes_bound=int(bound),
         kv_bytes_ok=allocated <= bound, tflops=round(2.0 * hq * (d + dv) * q_len * sum(local) / (attn_ms * 1e-3) / 1e12,
                                                     1),
+        merge_path=merge_path(outs, lses) if c > 1 else None,
         splits=getattr(impl, "num_items", None), split_keys=getattr(impl, "split", None),
         config=list(getattr(impl, "config", ()) or ()), family=plan.family,
     )
@@ -209,7 +225,8 @@ def run_decode_grid(args, device, dtype, shapes) -> tuple[list[dict], list[str]]
                                         ps=args.page_size, backend=args.backend, options=options, iters=args.iters)
                         rows.append(r)
                         progress(f"decode {name} C={c} B={b} L={_k(keys)} q={q_len}: attn {r['attn_ms']:.4f} ms "
-                                 f"{r['hbm_gbps']:.0f} GB/s ({r['tflops']} TF/s), merge {r['merge_ms']:.4f} ms, "
+                                 f"{r['hbm_gbps']:.0f} GB/s ({r['tflops']} TF/s), merge {r['merge_ms']:.4f} ms "
+                                 f"({r['merge_path']}), "
                                  f"{r['splits']} items x {r['split_keys']} keys")
     pool.buf = None
     return rows, skipped
@@ -272,8 +289,8 @@ def crossover_case(device, dtype, time_fn, *, c: int, tokens: int, prefix: int, 
     shard = cpattn.plan_shard_attention(dmeta, page_size=ps, backend=backend, **kw)
     shard_ms = time_fn(lambda: shard.run(q_all, kc, vc, page_table=table), iters)
     p = meta.num_physical_tokens
-    outs = torch.randn(c, p, hq, dv, device=device, dtype=dtype)
-    lses = torch.randn(c, p, hq, device=device)
+    outs, lses = received_parts(torch.randn(p, hq, dv, device=device, dtype=dtype), torch.randn(p, hq, device=device),
+                                c)
     merge_ms = time_fn(lambda: cpattn.merge_states(outs, lses), iters) if c > 1 else 0.0
     link = model.link_bytes_per_s
     lat = model.collective_latency_s * 1e3 if c > 1 else 0.0

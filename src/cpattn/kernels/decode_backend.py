@@ -84,7 +84,7 @@ def plan_work(host, spec: AttentionSpec, *, rows: int, num_head_groups: int, ali
     ``capacity``: a DecodeCapacity: tables sized for it (static plans). Returns a dict with the
     int32 tensors ``item_seq, item_r0, item_k0, item_k1, item_ws, num_items, row_ws0,
     row_nsplit, row_ti`` and host ints ``num_items_host``, ``num_ws``, ``grid_items``,
-    ``split``.
+    ``split``, ``max_splits`` (most splits of one tile).
     """
     sh, rank = host.sharding, host.rank
     c, inter = sh.cp_size, sh.interleave
@@ -157,7 +157,7 @@ def plan_work(host, spec: AttentionSpec, *, rows: int, num_head_groups: int, ali
         item_k0=pad(k0, grid_items, 0), item_k1=pad(k1, grid_items, 0), item_ws=pad(item_ws, grid_items, -1),
         num_items=torch.tensor([num_items], dtype=torch.int32),
         row_ws0=pad(row_ws0, rows_cap, 0), row_nsplit=pad(row_nsplit, rows_cap, 0), row_ti=pad(row_ti, rows_cap, 0),
-        num_items_host=num_items, num_ws=num_ws, ws_cap=ws_cap, grid_items=grid_items, split=split,
+        num_items_host=num_items, num_ws=num_ws, max_splits=int(n_split.max()) if num_tiles else 0, ws_cap=ws_cap, grid_items=grid_items, split=split,
     )
 
 
@@ -217,8 +217,12 @@ class _TritonShardRun:
         self.static = dmeta.is_static
         self.run_combine = self.static or self.num_ws > 0
         self.ws_shape = (max(1, work["ws_cap"]), rows, hq, dv)  # never a null pointer
-        block_h = min(_next_pow2(hq), max(1, 8192 // dv))  # [BLOCK_H, Dv] fp32 accumulator of the combine
-        self.combine_grid = (dmeta.num_query_token_rows, -(-hq // block_h))
+        # combine: (row, head block, column block) programs reading splits in chunks; a static
+        # plan's geometry depends on its capacity only (the captured grid replays every step)
+        max_splits = work["grid_items"] if self.static else work["max_splits"]
+        block_s, block_h, block_dv = triton_decode.merge_blocks(max_splits, hq, dv, dmeta.num_query_token_rows,
+                                                                num_sms)
+        self.combine_grid = (dmeta.num_query_token_rows, -(-hq // block_h), -(-dv // block_dv))
         apply_sinks = spec.has_sinks and dmeta.rank == 0  # counted once: on rank 0 only
         d1, d2 = triton_attn.split_head_dim(d)
         self.d1 = d1
@@ -232,7 +236,8 @@ class _TritonShardRun:
             **triton_attn.dot_settings(spec.dtype),
         )
         self.combine_args = dict(row_ws0=dev["row_ws0"], row_nsplit=dev["row_nsplit"], row_ti=dev["row_ti"],
-                                 HEAD_DIM_V=dv, BLOCK_H=block_h, HAS_SINKS=apply_sinks)
+                                 HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv,
+                                 HAS_SINKS=apply_sinks)
         self.sinks_used = apply_sinks
         self._split, self._combine = triton_decode.launch_split, triton_decode.launch_combine
         self.family = "mla-split-kv" if self._mla is not None else "split-kv"

@@ -279,52 +279,115 @@ def _shard_attn_split(
         tl.store(WsLse + ws.to(tl.int64) * stride_li + i * stride_lr + head, lse, mask=valid)
 
 
+# ----------------------------------------------------------------------------- exact merge (shared)
+@triton.jit
+def _merge_block(o_base, l_base, n_parts, stride_po, stride_pl, stride_oh, stride_lh, heads, hmask, offs_dv, dmask,
+                 sink, HAS_SINK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_DV: tl.constexpr):
+    """Exact merge of ``n_parts`` partial results for BLOCK_H heads x BLOCK_DV columns.
+
+    Part ``s``, head ``h``, column ``d`` at ``o_base + s * stride_po + h * stride_oh + d``, its
+    natural-log LSE at ``l_base + s * stride_pl + h * stride_lh``; ``sink`` [BLOCK_H] (natural
+    log, -inf: none) joins the denominator as a part with output 0. Two passes over the parts in
+    chunks of BLOCK_S: the max LSE, then the weighted sum ``w = exp(lse - shift)`` (1 where
+    ``lse == shift``, so +inf == +inf is no NaN); outputs of parts with weight 0 are not loaded
+    (masked), so NaN there cannot leak; a NaN LSE gives weight NaN and a NaN row. ``sink`` is
+    -inf where there is none (HAS_SINK False: no sink anywhere). Returns
+    (out [BLOCK_H, BLOCK_DV] fp32, lse [BLOCK_H] fp32): (0, -inf) when every weight is 0.
+    """
+    offs_s = tl.arange(0, BLOCK_S)
+    m = sink
+    for s0 in range(0, n_parts, BLOCK_S):
+        s = s0 + offs_s
+        lmask = (s < n_parts)[:, None] & hmask[None, :]
+        lse_s = tl.load(l_base + s.to(tl.int64)[:, None] * stride_pl + heads[None, :] * stride_lh, mask=lmask,
+                        other=float("-inf")).to(tl.float32)
+        m = tl.maximum(m, tl.max(lse_s, 0))
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros_like(shift)
+    if HAS_SINK:
+        total += tl.where(sink == shift, 1.0, tl.exp(sink - shift))
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    for s0 in range(0, n_parts, BLOCK_S):
+        s = s0 + offs_s
+        lmask = (s < n_parts)[:, None] & hmask[None, :]
+        s64 = s.to(tl.int64)
+        lse_s = tl.load(l_base + s64[:, None] * stride_pl + heads[None, :] * stride_lh, mask=lmask,
+                        other=float("-inf")).to(tl.float32)
+        w = tl.exp(tl.where(lse_s == shift[None, :], 0.0, lse_s - shift[None, :]))  # [BLOCK_S, BLOCK_H]
+        use = (w != 0.0) & lmask  # NaN != 0: a NaN weight reads its part (and stays NaN)
+        o_ptrs = o_base + s64[:, None, None] * stride_po + heads[None, :, None] * stride_oh + offs_dv[None, None, :]
+        o_s = tl.load(o_ptrs, mask=use[:, :, None] & dmask[None, None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w[:, :, None] * o_s, 0)  # unread parts: w = 0 and o_s = 0
+        total += tl.sum(w, 0)
+    has_mass = total != 0.0
+    out = acc * tl.where(has_mass, 1.0 / tl.where(has_mass, total, 1.0), 0.0)[:, None]
+    lse = tl.where(has_mass, shift + tl.log(tl.where(has_mass, total, 1.0)), float("-inf"))
+    return out, lse
+
+
 # ----------------------------------------------------------------------------- combine kernel
 @triton.jit
 def _shard_attn_combine(
     Out, Lse, Sinks, WsO, WsLse, row_ws0, row_nsplit, row_ti,
     num_heads, stride_om, stride_oh, stride_lm, stride_lh, stride_sink,
     stride_wi, stride_wr, stride_wh, stride_li, stride_lr,
-    HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
-    """Merge the splits of one query row (BLOCK_H heads) exactly; rows of one-split tiles were
-    written by the split kernel; pad rows (no split) get 0 / -inf."""
+    """Merge the splits of one query row exactly, for BLOCK_H heads x BLOCK_DV columns (grid:
+    rows x head blocks x column blocks); rows of one-split tiles were written by the split
+    kernel; pad rows (no split) get 0 / -inf. Splits are read in chunks of BLOCK_S."""
     row = tl.program_id(0)
     hb = tl.program_id(1)
+    db = tl.program_id(2)
     ns = tl.load(row_nsplit + row)
     if ns == 1:
         return
     ws0 = tl.load(row_ws0 + row).to(tl.int64)
-    ti = tl.load(row_ti + row)
+    ti = tl.load(row_ti + row).to(tl.int64)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
-    offs_dv = tl.arange(0, HEAD_DIM_V)
-    if HAS_SINKS:
-        use = ns > 1
-        m = tl.where(use, tl.load(Sinks + heads * stride_sink, mask=hmask, other=0.0).to(tl.float32), float("-inf"))
-        l = tl.where(use, 1.0, 0.0) + tl.zeros([BLOCK_H], dtype=tl.float32)
+    offs_dv = db * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    dmask = offs_dv < HEAD_DIM_V
+    if HAS_SINKS:  # counted once, here (a multi-split tile's splits carry none); not on pad rows
+        sink = tl.load(Sinks + heads * stride_sink, mask=hmask, other=float("-inf")).to(tl.float32)
+        sink = tl.where(ns > 1, sink, float("-inf"))
     else:
-        m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        l = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM_V], dtype=tl.float32)
-    for s in range(ns):
-        w = ws0 + s
-        lse_s = tl.load(WsLse + w * stride_li + ti * stride_lr + heads, mask=hmask, other=float("-inf"))
-        o_s = tl.load(WsO + w * stride_wi + ti * stride_wr + heads[:, None] * stride_wh + offs_dv[None, :],
-                      mask=hmask[:, None], other=0.0)
-        m_new = tl.maximum(m, lse_s)
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a = tl.exp(m - shift)
-        b = tl.exp(lse_s - shift)
-        acc = acc * a[:, None] + o_s * b[:, None]
-        l = l * a + b
-        m = m_new
-    has_mass = l != 0.0
-    out = acc * tl.where(has_mass, 1.0 / tl.where(has_mass, l, 1.0), 0.0)[:, None]
-    lse = tl.where(has_mass, m + tl.log(tl.where(has_mass, l, 1.0)), float("-inf"))
+        sink = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    out, lse = _merge_block(WsO + ws0 * stride_wi + ti * stride_wr, WsLse + ws0 * stride_li + ti * stride_lr, ns,
+                            stride_wi, stride_li, stride_wh, 1, heads, hmask, offs_dv, dmask, sink, HAS_SINKS,
+                            BLOCK_S, BLOCK_H, BLOCK_DV)
     o_ptrs = Out + row.to(tl.int64) * stride_om + heads[:, None] * stride_oh + offs_dv[None, :]
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=hmask[:, None])
-    tl.store(Lse + row.to(tl.int64) * stride_lm + heads * stride_lh, lse, mask=hmask)
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
+    lse_mask = heads < tl.where(db == 0, num_heads, 0)  # the first column block writes the lse
+    tl.store(Lse + row.to(tl.int64) * stride_lm + heads * stride_lh, lse, mask=lse_mask)
+
+
+# ----------------------------------------------------------------------------- merge kernel
+@triton.jit
+def _merge_parts(
+    Out, Lse, Parts, PartLse, num_parts, num_heads,
+    stride_pc, stride_pn, stride_ph, stride_lc, stride_ln, stride_lh,
+    stride_on, stride_oh, stride_mn, stride_mh,
+    HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """``merge_states`` of C parts [C, N, H, Dv] / [C, N, H] (any strides, last dim contiguous)
+    into out [N, H, Dv] (out dtype) and lse [N, H] fp32; grid: N x head blocks x column blocks."""
+    n = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    db = tl.program_id(2)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < num_heads
+    offs_dv = db * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    dmask = offs_dv < HEAD_DIM_V
+    none = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    out, lse = _merge_block(Parts + n * stride_pn, PartLse + n * stride_ln, num_parts, stride_pc, stride_lc,
+                            stride_ph, stride_lh, heads, hmask, offs_dv, dmask, none, False, BLOCK_S, BLOCK_H, BLOCK_DV)
+    o_ptrs = Out + n * stride_on + heads[:, None] * stride_oh + offs_dv[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
+    lse_mask = heads < tl.where(db == 0, num_heads, 0)  # the first column block writes the lse
+    tl.store(Lse + n * stride_mn + heads * stride_mh, lse, mask=lse_mask)
 
 
 # ----------------------------------------------------------------------------- host launchers
@@ -355,13 +418,59 @@ def launch_split(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sink
     )
 
 
+def merge_blocks(parts: int, heads: int, dv: int, rows: int, num_sms: int, budget: int = 4096) -> tuple[int, int, int]:
+    """(BLOCK_S, BLOCK_H, BLOCK_DV) of a merge of ``parts`` partials (at most) for ``rows`` rows of
+    ``heads`` x ``dv``: a chunk of BLOCK_S x BLOCK_H x BLOCK_DV <= ``budget`` fp32 elements per
+    load (32 registers a thread at 4 warps), up to 4 heads per program, and narrower column
+    blocks while the grid would have fewer than 2 programs per SM (one long sequence: 171 splits
+    x 32 heads are then 128 programs of [128 x 32] chunks, not one program walking 171 splits)."""
+    p2 = _next_pow2
+    block_dv = min(p2(dv), 128)
+    block_s = min(p2(parts), max(1, budget // block_dv))
+    block_h = 1
+    while block_h < 4 and block_h < p2(heads) and block_s * block_h * 2 * block_dv <= budget:
+        block_h *= 2
+
+    def programs():
+        return rows * -(-heads // block_h) * -(-dv // block_dv)
+
+    while programs() < 2 * num_sms and block_h > 1:
+        block_h //= 2
+    while programs() < 2 * num_sms and block_dv > 32:
+        block_dv //= 2
+        block_s = min(p2(parts), max(1, budget // block_dv))
+    return block_s, block_h, block_dv
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (max(1, x) - 1).bit_length())
+
+
 def launch_combine(out: Tensor, lse: Tensor, sinks: Optional[Tensor], ws_o: Tensor, ws_lse: Tensor, *,
-                   grid: tuple[int, int], combine_args: dict) -> None:
-    """Launch the combine kernel over ``grid`` = (query rows, head blocks)."""
+                   grid: tuple[int, int, int], combine_args: dict) -> None:
+    """Launch the combine kernel over ``grid`` = (query rows, head blocks, column blocks)."""
     _shard_attn_combine[grid](
         Out=out, Lse=lse, Sinks=sinks if sinks is not None else out, WsO=ws_o, WsLse=ws_lse,
         num_heads=out.shape[1], stride_om=out.stride(0), stride_oh=out.stride(1), stride_lm=lse.stride(0),
         stride_lh=lse.stride(1), stride_sink=sinks.stride(0) if sinks is not None else 0,
         stride_wi=ws_o.stride(0), stride_wr=ws_o.stride(1), stride_wh=ws_o.stride(2),
         stride_li=ws_lse.stride(0), stride_lr=ws_lse.stride(1), num_warps=4, **combine_args,
+    )
+
+
+def merge_parts(parts: Tensor, part_lse: Tensor, out: Tensor, lse: Tensor, *, num_sms: int,
+                blocks: Optional[tuple[int, int, int]] = None) -> None:
+    """Fused exact merge: ``parts`` [C, N, H, Dv] and ``part_lse`` [C, N, H] (any strides, last dim
+    of ``parts`` contiguous, e.g. typed views into a received byte buffer) into ``out`` [N, H, Dv]
+    and ``lse`` [N, H] float32 (both last dims contiguous). One launch, no sync; C >= 1, N > 0.
+    ``blocks``: (BLOCK_S, BLOCK_H, BLOCK_DV) instead of :func:`merge_blocks`' choice (tests)."""
+    c, n, h, dv = parts.shape
+    block_s, block_h, block_dv = blocks or merge_blocks(c, h, dv, n, num_sms)
+    grid = (n, -(-h // block_h), -(-dv // block_dv))
+    _merge_parts[grid](
+        Out=out, Lse=lse, Parts=parts, PartLse=part_lse, num_parts=c, num_heads=h,
+        stride_pc=parts.stride(0), stride_pn=parts.stride(1), stride_ph=parts.stride(2),
+        stride_lc=part_lse.stride(0), stride_ln=part_lse.stride(1), stride_lh=part_lse.stride(2),
+        stride_on=out.stride(0), stride_oh=out.stride(1), stride_mn=lse.stride(0), stride_mh=lse.stride(1),
+        HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv, num_warps=4,
     )

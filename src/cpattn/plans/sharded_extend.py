@@ -104,6 +104,8 @@ class ShardedExtendPlan:
                     t.shape[0] * spec.page_size != self.writes.num_slots:
                 raise ValueError(f"{name} must be [num_pages, {spec.page_size}, {spec.num_kv_heads}, {d}] with "
                                  f"num_pages * page_size = {self.writes.num_slots}, got {list(t.shape)}")
+            if t.dtype != spec.dtype or t.device != meta.device:
+                raise ValueError(f"{name} must be {spec.dtype} on {meta.device}, got {t.dtype} on {t.device}")
         check_group(meta, group)  # local checks, before any collective
         if self.algorithm == "pass_kv":
             out, lse = self._pass_kv(q_local, k_local, v_local, k_cache, v_cache, group, sinks, softmax_scale,
