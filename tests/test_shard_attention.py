@@ -74,17 +74,17 @@ def _rank_oracle(q, keys, vals, seq_lens, q_lens, c, i, r, window, sinks, scale)
             vis = mine <= p
             if window >= 0:
                 vis &= mine >= p - window
-            for h in range(hq):
-                kh = h // (hq // hkv)
-                s = (keys[b][mine[vis], kh].double() @ q[row, h].double()) * scale
-                if sinks is not None and r == 0:
-                    s = torch.cat([s, sinks[h : h + 1].double()])
-                if s.numel() == 0:
-                    continue
-                l_ = torch.logsumexp(s, 0)
-                pr = torch.exp(s - l_)[: int(vis.sum())]
-                out[row, h] = pr @ vals[b][mine[vis], kh].double()
-                lse[row, h] = l_
+            kk = keys[b][mine[vis]].double()  # [n_vis, Hkv, D]
+            vv = vals[b][mine[vis]].double()
+            qq = q[row].double().view(hkv, hq // hkv, -1)
+            s = torch.einsum("hgd,nhd->hgn", qq, kk).reshape(hq, -1) * scale  # [Hq, n_vis], head h -> KV h // g
+            if sinks is not None and r == 0:
+                s = torch.cat([s, sinks[:, None].double()], 1)
+            if s.shape[1]:
+                l_ = torch.logsumexp(s, 1)
+                pr = torch.exp(s - l_[:, None])[:, : int(vis.sum())].view(hkv, hq // hkv, -1)
+                out[row] = torch.einsum("hgn,nhd->hgd", pr, vv).reshape(hq, -1)
+                lse[row] = l_
             row += 1
     return out, lse
 
@@ -503,3 +503,27 @@ def test_gpu_cuda_graph_replay_of_decode_steps():
             b = int(fresh.host.row_seq[row])
             slot = int(table_host[b, j // ps]) * ps + j % ps
             assert torch.equal(kc.view(-1, hkv, d)[slot], k_new[row]), (seq, row)
+
+
+def test_plan_work_fit_target_keeps_whole_waves():
+    """Per-sequence rounding of the split can exceed the split target (8 x 128k keys, target
+    132: 136 items); ``fit_target`` grows the split until the items fit, and the items still
+    cover every sequence's keys exactly once, in order."""
+    from types import SimpleNamespace
+
+    from cpattn.kernels.decode_backend import plan_work
+
+    lens = [131072] * 8
+    host = cpattn.KVSharding(1).build_decode_metadata(lens, [1] * 8, rank=0)
+    spec = SimpleNamespace(window_left=-1)
+    kw = dict(rows=1, num_head_groups=2, align=128, num_sms=132, programs_per_sm=2, min_split=256)
+    loose = plan_work(host, spec, **kw)
+    fit = plan_work(host, spec, fit_target=True, **kw)
+    assert loose["num_items_host"] > 132 >= fit["num_items_host"]
+    n = fit["num_items_host"]
+    seq, k0, k1 = fit["item_seq"][:n].long(), fit["item_k0"][:n].long(), fit["item_k1"][:n].long()
+    for b, length in enumerate(lens):
+        mine = seq == b
+        assert k0[mine][0] == 0 and k1[mine][-1] == length
+        assert torch.equal(k0[mine][1:], k1[mine][:-1])  # contiguous, no overlap
+        assert ((k0[mine] % 128) == 0).all()

@@ -78,10 +78,13 @@ def default_config(head_dim: int, head_dim_v: int, interpreted: bool) -> tuple[i
 
 
 def plan_work(host, spec: AttentionSpec, *, rows: int, num_head_groups: int, align: int, num_sms: int,
-              programs_per_sm: int, min_split: int, capacity=None) -> dict:
+              programs_per_sm: int, min_split: int, capacity=None, fit_target: bool = False) -> dict:
     """Work items, workspace slots and combine tables of a decode plan (host tensors + ints).
 
-    ``capacity``: a DecodeCapacity: tables sized for it (static plans). Returns a dict with the
+    ``capacity``: a DecodeCapacity: tables sized for it (static plans). ``fit_target``: grow the
+    split (in ``align`` steps) until the items fit the split target (per-sequence rounding can
+    exceed it by up to one item per tile: 136 items for a 132-item target at B = 8 would start a
+    third, nearly empty wave of one-program-per-SM kernels). Returns a dict with the
     int32 tensors ``item_seq, item_r0, item_k0, item_k1, item_ws, num_items, row_ws0,
     row_nsplit, row_ti`` and host ints ``num_items_host``, ``num_ws``, ``grid_items``,
     ``split``, ``max_splits`` (most splits of one tile).
@@ -116,6 +119,13 @@ def plan_work(host, spec: AttentionSpec, *, rows: int, num_head_groups: int, ali
     split = -(-split // align) * align
     n_split = torch.clamp((span + split - 1) // split, min=1)
     num_items = int(n_split.sum())
+    limit = max(target, num_tiles)
+    for _ in range(256 if fit_target else 0):  # O(B) each; a few steps in practice
+        if num_items <= limit:
+            break
+        split += align
+        n_split = torch.clamp((span + split - 1) // split, min=1)
+        num_items = int(n_split.sum())
     item_tile = torch.repeat_interleave(torch.arange(num_tiles), n_split, output_size=num_items)
     first_item = torch.cumsum(n_split, 0) - n_split
     s = torch.arange(num_items) - first_item[item_tile]
@@ -299,7 +309,7 @@ class _MlaSplit:
     :func:`plan_work`, and the decode family's combine kernel for multi-split tiles."""
 
     def __init__(self, spec: AttentionSpec, dmeta, host, *, num_sms: int, min_split: int, programs_per_sm: int):
-        from . import triton_mla
+        from . import triton_decode, triton_mla
 
         hq = spec.num_q_heads
         g_pack = 1  # heads fill M first: 64 of 128 heads x 1 row, 16 heads x 4 rows
@@ -309,7 +319,7 @@ class _MlaSplit:
         self.num_head_groups = hq // g_pack
         work = plan_work(host, spec, rows=rows, num_head_groups=self.num_head_groups, align=KEY_ALIGN,
                          num_sms=num_sms, programs_per_sm=programs_per_sm, min_split=max(min_split, KEY_ALIGN),
-                         capacity=dmeta.capacity)
+                         capacity=dmeta.capacity, fit_target=True)
         self.split, self.num_items, self.num_ws = work["split"], work["num_items_host"], work["num_ws"]
         key = ("mla-shard-work", rows, g_pack, num_sms, programs_per_sm, min_split)
         dev = _buffers.upload(dmeta, key, {name: work[name] for name in (
@@ -318,8 +328,10 @@ class _MlaSplit:
         self.run_combine = dmeta.is_static or self.num_ws > 0
         dv = spec.head_dim_v
         self.ws_shape = (max(1, work["ws_cap"]), rows, hq, dv)
-        block_h = min(_next_pow2(hq), max(1, 8192 // dv))
-        self.combine_grid = (dmeta.num_query_token_rows, -(-hq // block_h))
+        max_splits = work["grid_items"] if dmeta.is_static else work["max_splits"]
+        block_s, block_h, block_dv = triton_decode.merge_blocks(max_splits, hq, dv, dmeta.num_query_token_rows,
+                                                                num_sms)
+        self.combine_grid = (dmeta.num_query_token_rows, -(-hq // block_h), -(-dv // block_dv))
         apply_sinks = spec.has_sinks and dmeta.rank == 0
         self.plan_args = dict(
             item_seq=dev["item_seq"], item_r0=dev["item_r0"], item_k0=dev["item_k0"], item_k1=dev["item_k1"],
@@ -329,7 +341,8 @@ class _MlaSplit:
             INTERLEAVE=dmeta.sharding.interleave,
         )
         self.combine_args = dict(row_ws0=dev["row_ws0"], row_nsplit=dev["row_nsplit"], row_ti=dev["row_ti"],
-                                 HEAD_DIM_V=dv, BLOCK_H=block_h, HAS_SINKS=apply_sinks)
+                                 HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv,
+                                 HAS_SINKS=apply_sinks)
         self._launch = triton_mla.launch_decode
         self._state = LaunchState()
 
