@@ -239,8 +239,8 @@ def test_gpu_packed_nan_in_another_sequence_stays_there(family, hq, hkv, d, dv):
     out, lse = plan.run(q, k, v, return_lse=True)
     one = cpattn.ContiguousStrategy(1)
     k0, v0 = k[:100].float(), v[:100].float()
-    ref0, ref_lse0 = one.attention(q[:100].float(), k0, v0, one.build_metadata([100], rank=0), backend="torch",
-                                   return_lse=True)
+    ref0, ref_lse0 = one.attention(q[:100].float(), k0, v0, one.build_metadata([100], rank=0).to("cuda"),
+                                   backend="torch", return_lse=True)
     assert torch.isfinite(out[:100]).all() and torch.isfinite(lse[:100]).all()
     assert (out[:100].float() - ref0).abs().max().item() < 2e-2
     assert (lse[:100] - ref_lse0).abs().max().item() < 1e-2
