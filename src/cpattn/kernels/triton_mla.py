@@ -256,6 +256,25 @@ if HAVE_GLUON:
             zero_rows_from(vb_slot, valid, 4)
 
     @gluon.jit
+    def _mla_pv_other(acc, l_i, m_i, s_p, s_alpha, s_m, v_buf, p_ready, phase, v_empty, o_rows: gl.constexpr,
+                      s_rows: gl.constexpr, FENCE: gl.constexpr):
+        """The other warpgroup's block: wait for its P (``p_ready``), rescale the accumulator and
+        partial row sum by its factor, take its running max, add ``P V`` from shared memory and
+        release this warpgroup's hold on the stage (``v_empty``). FENCE: a proxy fence after the
+        wait (values gathered with cp.async)."""
+        mbarrier.wait(p_ready, phase)
+        if FENCE:
+            fence_async_shared()
+        alpha = s_alpha.load(o_rows)
+        l_i = l_i * s_alpha.load(s_rows)
+        m_i = s_m.load(s_rows)
+        acc = acc * gl.expand_dims(alpha, 1)
+        acc_f = warpgroup_mma(s_p, v_buf, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc_f, ))
+        mbarrier.arrive(v_empty, count=1)
+        return acc, l_i, m_i
+
+    @gluon.jit
     def _mla_consumer(smem, kv, rows, dec, W: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
                       RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, PAGE_SIZE: gl.constexpr,
                       COPY_ROWS: gl.constexpr, DECODE: gl.constexpr, CP_SIZE: gl.constexpr,
@@ -339,9 +358,19 @@ if HAVE_GLUON:
         slot: gl.constexpr = W
         other: gl.constexpr = 1 - W
         for j in range(W, num_blocks, 2):
-            mbarrier.wait(k_ready.index(slot), (j // NSTAGE) & 1)
-            if SPARSE:  # cp.async (generic proxy) writes -> wgmma (async proxy) reads
-                fence_async_shared()
+            if SPARSE:
+                # the other warpgroup's block j - 1 first: its stage is released before this
+                # warpgroup waits for block j, so the loader's gather of block j + 1 into it never
+                # waits for block j's copies (with two stages and gathered keys, load latency
+                # would otherwise sit on every block's critical path)
+                if j > 0:
+                    acc, l_i, m_i = _mla_pv_other(acc, l_i, m_i, s_p, s_alpha, s_m, v_bufs.index(other),
+                                                  p_bar.index(W), ((j - 1) // 2) & 1, kv_empty.index(other),
+                                                  o_rows, s_rows, True)
+                mbarrier.wait(k_ready.index(slot), (j // NSTAGE) & 1)
+                fence_async_shared()  # cp.async (generic proxy) writes -> wgmma (async proxy) reads
+            else:
+                mbarrier.wait(k_ready.index(slot), (j // NSTAGE) & 1)
             # ``j >> 30`` is 0, but not provably so: the 36 Q / K tile descriptors of this block's
             # Q K^T are then built in the loop instead of hoisted into (spilled) registers
             z = j >> 30
@@ -349,17 +378,17 @@ if HAVE_GLUON:
                                 is_async=True)
             s_f = warpgroup_mma(qb.index(z), kb.index(slot + z).permute((1, 0)), s_f, is_async=True)
             s_f = warpgroup_mma(qr.index(z), kr.index(slot + z).permute((1, 0)), s_f, is_async=True)
-            if SPARSE:  # this block's entries, read while Q K^T runs
+            if SPARSE:  # this block's entries (per-key mask), read while Q K^T runs
                 kcol = j * BN + offs_n
                 e = gl.load(idx_row + kcol, mask=kcol < topk, other=-1)
                 keep = gl.expand_dims((e >= 0) & (e <= pos0), 0)
-            if j > 0:
+                s = warpgroup_mma_wait(0, deps=(s_f, ))
+                s = gl.where(keep, s, float("-inf"))
+            elif j > 0:
                 # block j - 1 (the other warpgroup's): rescale, add P_{j-1} V_{j-1} from shared memory,
                 # while this block's scores are computed
                 jr = j - 1
                 mbarrier.wait(p_bar.index(W), (jr // 2) & 1)
-                if SPARSE:
-                    fence_async_shared()
                 alpha = s_alpha.load(o_rows)
                 l_i = l_i * s_alpha.load(s_rows)
                 m_i = s_m.load(s_rows)
@@ -369,8 +398,6 @@ if HAVE_GLUON:
                 mbarrier.arrive(kv_empty.index(other), count=1)
             else:
                 s = warpgroup_mma_wait(0, deps=(s_f, ))
-            if SPARSE:
-                s = gl.where(keep, s, float("-inf"))
             p, alpha, m_i, l_i = softmax_block(s, m_i, l_i, n_lo + j * BN, pos, f_lo, f_hi, window, qk_scale, offs_n,
                                                HAS_WINDOW)
             # hand P_j, its rescale factor and the running max to the other warpgroup, which writes
@@ -393,16 +420,8 @@ if HAVE_GLUON:
         # the last block, when it is the other warpgroup's
         jl = num_blocks - 1
         if (num_blocks > 0) & (jl % 2 != W):
-            mbarrier.wait(p_bar.index(W), (jl // 2) & 1)
-            if SPARSE:
-                fence_async_shared()
-            alpha = s_alpha.load(o_rows)
-            l_i = l_i * s_alpha.load(s_rows)
-            m_i = s_m.load(s_rows)
-            acc = acc * gl.expand_dims(alpha, 1)
-            acc_f = warpgroup_mma(s_p, v_bufs.index(other), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc_f, ))
-            mbarrier.arrive(kv_empty.index(other), count=1)
+            acc, l_i, m_i = _mla_pv_other(acc, l_i, m_i, s_p, s_alpha, s_m, v_bufs.index(other), p_bar.index(W),
+                                          (jl // 2) & 1, kv_empty.index(other), o_rows, s_rows, SPARSE)
 
         # epilogue: l = both partial sums; O / l (0 / -inf for rows that saw no key), LSE natural log
         s_l.slice(W * BM, BM).store(l_i)
