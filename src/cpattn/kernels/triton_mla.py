@@ -26,6 +26,11 @@ Paged caches are read with the dense kernel's scheme (TMA copies of ``gcd(page_s
 rows per 64-column chunk, rows past the tile's last key clamped to its page and zeroed in each
 warpgroup's value half of the last block). Causal masking, windows, sinks and LSE follow the
 portable kernel exactly.
+
+Two more modes run the same partitions: split-KV decode (:func:`_mla_decode_sm90`) and sparse
+(DSA) attention (:func:`_mla_sparse_sm90`: a program = one query row x 64 heads, key block ``j``
+= the latent rows its ``idx`` entries ``[64 j, 64 j + 64)`` select, gathered by a 4-warp
+cp.async loader since TMA cannot gather rows on sm_90; per-key validity mask).
 """
 
 from __future__ import annotations
