@@ -475,6 +475,38 @@ def test_strided_views(request, backend):
         assert torch.allclose(o1, o2, atol=1e-6)
 
 
+def test_sparse_family_dispatch(dsa_interp):
+    """The triton sparse backend picks its kernel family at plan time (``plan.family``): the
+    portable kernel under the interpreter (the mla family needs Gluon on sm_90), ``family="mla"``
+    raises naming why it cannot run, unknown families raise; the mla family's host checks (``v``
+    a view of ``k[..., :512]`` with 16-byte rows; heads per program) hold on CPU tensors."""
+    from cpattn.kernels import triton_mla
+
+    s = cpattn.get_strategy("interleave", 2)
+    meta = s.build_metadata([40], [3], rank=1)
+    kw = dict(num_q_heads=16, num_kv_heads=1, head_dim=576, head_dim_v=512, dtype=torch.float32, topk=8)
+    assert s.plan_sparse_attention(meta, **kw, backend="triton").family == "portable"
+    assert s.plan_sparse_attention(meta, **kw, backend="torch").family == "torch"
+    forced = s.plan_sparse_attention(meta, **kw, backend="triton", backend_options={"family": "portable"})
+    assert forced.family == "portable"
+    with pytest.raises(ValueError, match="mla sparse kernel cannot run this plan: the CPU interpreter"):
+        s.plan_sparse_attention(meta, **kw, backend="triton", backend_options={"family": "mla"})
+    with pytest.raises(ValueError, match="family must be one of"):
+        s.plan_sparse_attention(meta, **kw, backend="triton", backend_options={"family": "sm90"})
+    assert "head dims" in triton_mla.sparse_unsupported_reason(192, 128, 1, torch.bfloat16, torch.device("cpu"))
+    assert "num_kv_heads" in triton_mla.sparse_unsupported_reason(576, 512, 2, torch.bfloat16, torch.device("cpu"))
+    assert "dtype" in triton_mla.sparse_unsupported_reason(576, 512, 1, torch.float32, torch.device("cpu"))
+    lat = torch.zeros(10, 1, 576, dtype=torch.bfloat16)
+    assert triton_mla.sparse_layout_ok(lat, lat[..., :512])
+    assert not triton_mla.sparse_layout_ok(lat, lat[..., :512].clone())  # a separate value tensor
+    assert not triton_mla.sparse_layout_ok(lat[:, :, 1:], lat[:, :, 1:513])  # rows not 16-byte aligned
+    wide = torch.zeros(10, 1, 580, dtype=torch.bfloat16)[..., :576]  # 1160-byte rows: not a multiple of 16
+    assert not triton_mla.sparse_layout_ok(wide, wide[..., :512])
+    paged = torch.zeros(3, 5, 1, 576, dtype=torch.bfloat16)
+    assert triton_mla.sparse_layout_ok(paged, paged[..., :512])
+    assert [triton_mla.sparse_head_pack(h) for h in (128, 64, 16, 96, 7)] == [64, 64, 16, 48, 7]
+
+
 def test_bench_sparse_smoke(tmp_path):
     """``python -m cpattn.bench sparse --small --device cpu``: both ops timed, JSON and PNG written."""
     import argparse

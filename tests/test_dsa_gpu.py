@@ -1,7 +1,8 @@
 """DSA on the GPU at real sizes (``-m gpu``; skipped without CUDA): the Triton sparse-attention
-and index top-k kernels against the torch references (DeepSeek-V3.2: 128 heads, D 576 / Dv 512,
-top-k 2048; indexer 64 x 128), packed and paged, fp8 index keys, CUDA-graph replay of a static
-sparse plan across batches, and the reference DSA layer (triton == torch)."""
+(the Hopper MLA family and the portable kernel) and index top-k kernels against the torch
+references and fp64 oracles (DeepSeek-V3.2: 128 heads, D 576 / Dv 512, top-k 2048; indexer 64 x
+128), packed and paged, fp8 index keys, CUDA-graph replay of a static sparse plan across batches,
+and the reference DSA layer (triton == torch)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,124 @@ def test_sparse_absorbed_real_size(paged, sinks):
     n = meta.num_local_tokens
     assert _err(out, ref, n) < 2e-2 and _err(lse, ref_lse, n) < 1e-2
     assert not out[:n].isnan().any() and (out[n:] == 0).all() and torch.isneginf(lse[n:]).all()
+
+
+def _nan_unselected(latent, meta, idx):
+    """NaN in every packed latent row that no valid entry of ``idx`` selects (rows that only
+    future entries point at included): a kernel that reads one gives NaN."""
+    n = meta.num_local_tokens
+    seq, pos = meta.local_seq_ids[:n].long(), meta.local_positions[:n].long()
+    start = meta.cu_kv_lens.long()[seq]
+    e = idx[:n].long()
+    valid = (e >= 0) & (e <= pos[:, None])
+    used = torch.zeros(latent.shape[0], dtype=torch.bool, device=DEV)
+    used[(start[:, None] + e)[valid]] = True
+    latent[~used] = float("nan")
+    return int(valid.sum())
+
+
+def _oracle_rows(q, latent, meta, idx, rows, scale, sinks):
+    """fp64 absorbed sparse attention of the given local rows, explicit index-and-causal mask:
+    row r sees latent row ``cu_kv_lens[seq] + e`` for each entry 0 <= e <= its position."""
+    outs, lses = [], []
+    for r in rows:
+        b, p = int(meta.local_seq_ids[r]), int(meta.local_positions[r])
+        e = idx[r].long()
+        e = e[(e >= 0) & (e <= p)]
+        keys = latent[int(meta.cu_kv_lens[b]) + e, 0].double()  # [n, 576]
+        s = (q[r].double() @ keys.T) * scale  # [H, n]
+        if sinks is not None:
+            s = torch.cat([s, sinks.double()[:, None]], 1)
+        if s.shape[1] == 0:
+            outs.append(torch.zeros(q.shape[1], 512, dtype=torch.float64, device=DEV))
+            lses.append(torch.full((q.shape[1],), float("-inf"), dtype=torch.float64, device=DEV))
+            continue
+        m = s.max(1, keepdim=True).values
+        w = torch.exp(s - m)
+        outs.append((w[:, : keys.shape[0]] @ keys[:, :512]) / w.sum(1, keepdim=True))
+        lses.append((m[:, 0] + torch.log(w.sum(1))))
+    return torch.stack(outs), torch.stack(lses)
+
+
+#: (heads, page_size, sinks, topk, idx dtype, lengths): rank 0 of interleave C = 8; "long"
+#: sequences (most rows see more keys than top-k 2048), "short" ones (every row fewer: the
+#: selection holds every visible key, -1 and future entries).
+_MLA_CASES = [
+    (128, None, False, 2048, torch.int32, "long"),
+    (128, 64, True, 2048, torch.int64, "long"),
+    (16, None, True, 2048, torch.int32, "short"),
+    (16, 1, False, 512, torch.int32, "long"),
+]
+
+
+@pytest.mark.parametrize("heads,page,sinks,topk,idx_dtype,lengths", _MLA_CASES)
+def test_sparse_mla_family_real_size(heads, page, sinks, topk, idx_dtype, lengths):
+    """The Hopper MLA sparse family (plan.family == "mla"): against an fp64 oracle on sampled rows
+    (explicit mask), the torch reference on every row and the portable family; NaN in every latent
+    row no valid entry selects and in unused page slots; a row whose entries are all future or -1
+    gives 0 / -inf (its sink's lse with sinks); pad rows 0 / -inf."""
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    ext, pre = ([9000, 3000], [0, 500]) if lengths == "long" else ([1500, 700], [0, 200])
+    s, meta = _meta("interleave", 8, 0, ext, pre)
+    p, n, n_kv = meta.num_physical_tokens, meta.num_local_tokens, meta.num_kv_tokens
+    q = torch.randn(p, heads, 576, device=DEV, generator=gen).to(torch.bfloat16)
+    latent = torch.randn(n_kv, 1, 576, device=DEV, generator=gen).to(torch.bfloat16)
+    idx = _random_selection(meta, topk, gen)
+    pos = meta.local_positions[:n].long()
+    idx[1] = (pos[1] + 1 + torch.arange(topk, device=DEV)).to(torch.int32)  # only future entries
+    idx[2] = -1
+    idx = idx.to(idx_dtype)
+    assert _nan_unselected(latent, meta, idx) > 0
+    sk = torch.randn(heads, device=DEV, generator=gen) if sinks else None
+    k_in, table = (latent, None) if page is None else _paged(latent, meta, page, gen)
+    kw = dict(num_q_heads=heads, num_kv_heads=1, head_dim=576, head_dim_v=512, dtype=torch.bfloat16, topk=topk,
+              page_size=page, has_sinks=sinks, backend="triton")
+    run = dict(page_table=table, sinks=sk, softmax_scale=192**-0.5, return_lse=True)
+    plan = s.plan_sparse_attention(meta, **kw)
+    assert plan.family == "mla"
+    out, lse = plan.run(q, k_in, k_in[..., :512], idx, **run)
+    portable = s.plan_sparse_attention(meta, **kw, backend_options={"family": "portable", "config": (32, 8, 2)})
+    assert portable.family == "portable"
+    out_p, lse_p = portable.run(q, k_in, k_in[..., :512], idx, **run)
+    ref, ref_lse = s.sparse_attention(q, latent, latent[..., :512], meta, idx, backend="torch",
+                                      **{k: v for k, v in run.items() if k != "page_table"})
+    assert not out[:n].isnan().any() and not lse[:n].isnan().any()
+    assert _err(out, ref, n) < 2e-2 and _err(out, out_p, n) < 2e-2
+    fin = torch.isfinite(ref_lse[:n])
+    assert torch.equal(torch.isneginf(lse[:n]), torch.isneginf(ref_lse[:n]))
+    assert (lse[:n][fin] - ref_lse[:n][fin]).abs().max().item() < 1e-2
+    assert (lse[:n][fin] - lse_p[:n][fin]).abs().max().item() < 1e-2
+    rows = sorted({1, 2, 3, n // 2, n - 1})
+    o64, l64 = _oracle_rows(q, latent, meta, idx, rows, 192**-0.5, sk)
+    assert (out[rows].double() - o64).abs().max().item() < 2e-2
+    fin = torch.isfinite(l64)
+    assert torch.equal(torch.isneginf(lse[rows]), torch.isneginf(l64))
+    assert (lse[rows].double()[fin] - l64[fin]).abs().max().item() < 1e-2
+    assert (out[1:3] == 0).all()  # no valid key: 0 (lse -inf, or the sink's lse)
+    if sinks:
+        assert torch.allclose(lse[1:3], sk.expand(2, heads), atol=1e-5)
+    else:
+        assert torch.isneginf(lse[1:3]).all()
+    assert (out[n:] == 0).all() and torch.isneginf(lse[n:]).all()
+
+
+def test_sparse_mla_family_fallback_per_call(monkeypatch):
+    """The mla family falls back to the portable kernel for a call whose ``v`` is not a view of
+    ``k[..., :512]`` (a copy), with the same result."""
+    monkeypatch.setenv("CPATTN_TRITON_AUTOTUNE", "0")  # the portable kernel's first config: no tuning
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    s, meta = _meta("interleave", 8, 0, [4000], [0])
+    p, n = meta.num_physical_tokens, meta.num_local_tokens
+    q = torch.randn(p, 128, 576, device=DEV, generator=gen).to(torch.bfloat16)
+    latent = torch.randn(meta.num_kv_tokens, 1, 576, device=DEV, generator=gen).to(torch.bfloat16)
+    idx = _random_selection(meta, 256, gen)
+    plan = s.plan_sparse_attention(meta, num_q_heads=128, num_kv_heads=1, head_dim=576, head_dim_v=512,
+                                   dtype=torch.bfloat16, topk=256, backend="triton",
+                                   backend_options={"family": "mla"})
+    assert plan.family == "mla"
+    a = plan.run(q, latent, latent[..., :512], idx)
+    b = plan.run(q, latent, latent[..., :512].clone(), idx)
+    assert _err(a, b, n) < 2e-2 and (a[n:] == 0).all() and (b[n:] == 0).all()
 
 
 def test_sparse_per_head_real_size():

@@ -70,7 +70,8 @@ BLOCK_N_VARIANTS = [
 
 #: Arguments the launcher specializes as 16-divisible in practice (pointers, head-dim strides).
 _DIV16 = ("Q", "K", "V", "Out", "Lse", "Sinks", "PageTable", "stride_qm", "stride_qh", "stride_om", "stride_oh",
-          "stride_kp", "stride_kn", "stride_kh", "stride_vp", "stride_vn", "stride_vh")
+          "stride_kp", "stride_kn", "stride_kh", "stride_vp", "stride_vn", "stride_vh", "Idx", "stride_im", "topk",
+          "row_seq", "row_pos", "row_kv_start")
 
 
 def _attrs(fn) -> dict:
@@ -174,6 +175,29 @@ def compile_mla_decode_variant(g_pack, sinks, page_size, cp_size, interleave, dt
                           options=dict(num_warps=4, maxnreg=168))
 
 
+#: (G_PACK, sinks, lse, page_size, idx dtype): the absorbed-MLA sparse (DSA) variants.
+MLA_SPARSE_VARIANTS = [
+    (64, False, False, None, "i32"),
+    (64, False, True, None, "i32"),
+    (64, True, True, None, "i64"),
+    (64, False, True, 64, "i32"),
+    (64, True, False, 1, "i32"),
+    (16, False, True, 16, "i64"),
+]
+
+
+def compile_mla_sparse_variant(g_pack, sinks, lse, page_size, idx_type, dtype=torch.bfloat16):
+    """The compiled absorbed-MLA sparse (DSA) kernel of one variant, for sm_90a."""
+    fn = mla._mla_sparse_sm90
+    elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
+    sig = _ptr_sig(fn, elem, {})
+    sig.update(Idx=f"*{idx_type}", Sinks="*fp32", row_seq="*i32", row_pos="*i32", row_kv_start="*i64")
+    consts = dict(G_PACK=g_pack, HAS_SINKS=sinks, RETURN_LSE=lse, **mla.sparse_constexprs(dtype, page_size))
+    sig.update({name: "constexpr" for name in consts})
+    return triton.compile(GluonASTSource(fn, sig, consts, _attrs(fn)), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=168))
+
+
 def ptxas_report(ptx: str, sass_path: str | None = None) -> str:
     """ptxas's register / spill lines for ``ptx`` (sm_90a); optionally writes the SASS."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -225,6 +249,11 @@ def main() -> None:
         g_pack, sinks, page, cp, inter = v
         name = f"mla576-512-decode_g{g_pack}{'_sink' if sinks else ''}{f'_page{page}' if page else ''}_cp{cp}i{inter}"
         jobs.append((name, compile_mla_decode_variant, v))
+    for v in MLA_SPARSE_VARIANTS:
+        g_pack, sinks, lse, page, idx_type = v
+        name = f"mla576-512-sparse_g{g_pack}{'_sink' if sinks else ''}{'' if lse else '_nolse'}" \
+               f"{f'_page{page}' if page else ''}_idx{idx_type}"
+        jobs.append((name, compile_mla_sparse_variant, v))
     for name, compile_fn, v in jobs:
         if args.only and args.only not in name:
             continue

@@ -9,7 +9,10 @@ prefill CP), DeepSeek-V3.2 shapes, bf16:
   ``2 * H_i * D_i * (visible pairs)`` (every row scores every key at positions <= its own).
 * ``sparse_attention``: absorbed MLA (128 heads, D 576 / Dv 512, ``v = k[..., :512]``) over the
   selection ``index_topk`` just made (random inputs: a near-random selection). TF/s with FLOPs
-  ``2 * H * (576 + 512) * (valid selected keys)``.
+  ``2 * H * (576 + 512) * (valid selected keys)``. The triton backend runs once per kernel family
+  of ``--families`` (default ``mla,portable``: the Hopper MLA sparse kernel and the portable one,
+  so one run gives the before / after); each row records ``plan.family`` and the largest
+  difference of its output from the first family's (a self-check: bf16 rounding, ~1e-2).
 
 Timing: ``iters`` calls back to back between two CUDA events (median of 3 repeats), after a
 warm-up that also runs the autotuner; the plans are built once per workload (per forward).
@@ -42,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--backends", default=None, help="comma list of triton,torch (default: triton on CUDA, torch on CPU)")
     p.add_argument("--fp8", action="store_true", help="also time index_topk with fp8 keys + fp32 scales")
+    p.add_argument("--families", default="mla,portable",
+                   help="sparse-attention kernel families of the triton backend (comma list of auto,mla,portable; "
+                        "a family that cannot run here is skipped with a note)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=default_out("sparse"), help="output path without extension (JSON + PNG)")
@@ -99,7 +105,7 @@ def _run_workload(s_len: int, args, shp: dict, backends: list[str], device: torc
             out = torch.empty(p, topk, dtype=torch.int32, device=device)
             fn = lambda: dsa.index_topk(q_idx, keys, w, meta, topk, k_scale=k_scale, backend=backend, out=out)  # noqa: E731
             ms = timer(fn)
-            rows.append(dict(workload=name, op="index_topk", variant=label, backend=backend, ms=ms,
+            rows.append(dict(workload=name, op="index_topk", variant=label, backend=backend, family="-", ms=ms,
                              tflops=2.0 * hi * di * pairs / ms / 1e9, work=pairs, rows=n))
             if idx is None and k_scale is None:
                 idx = out.clone()
@@ -109,14 +115,28 @@ def _run_workload(s_len: int, args, shp: dict, backends: list[str], device: torc
     pos = torch.full((p,), -1, dtype=torch.long, device=device)
     pos[:n] = meta.local_positions
     valid = int(((idx >= 0) & (idx <= pos[:, None])).sum())
+    first = None
     for backend in backends:
-        progress(f"{name}: sparse_attention backend={backend} ({valid} valid selected keys)")
-        plan = strategy.plan_sparse_attention(meta, num_q_heads=h, num_kv_heads=1, head_dim=d, head_dim_v=dv,
-                                              dtype=dtype, topk=topk, backend=backend)
-        out = torch.empty(p, h, dv, dtype=dtype, device=device)
-        ms = timer(lambda: plan.run(q, latent, latent[..., :dv], idx, softmax_scale=192**-0.5, out=out))
-        rows.append(dict(workload=name, op="sparse_attention", variant=f"absorbed {d}/{dv}", backend=backend, ms=ms,
-                         tflops=2.0 * h * (d + dv) * valid / ms / 1e9, work=valid, rows=n))
+        families = [f for f in args.families.split(",") if f] if backend == "triton" else [None]
+        for family in families:
+            label = f"backend={backend}" + (f" family={family}" if family else "")
+            progress(f"{name}: sparse_attention {label} ({valid} valid selected keys)")
+            try:
+                plan = strategy.plan_sparse_attention(
+                    meta, num_q_heads=h, num_kv_heads=1, head_dim=d, head_dim_v=dv, dtype=dtype, topk=topk,
+                    backend=backend, backend_options={"family": family} if family else None)
+            except (ValueError, NotImplementedError) as exc:
+                progress(f"{name}: skipped {label}: {exc}")
+                continue
+            out = torch.empty(p, h, dv, dtype=dtype, device=device)
+            ms = timer(lambda: plan.run(q, latent, latent[..., :dv], idx, softmax_scale=192**-0.5, out=out))
+            if first is None:
+                first, diff = out.clone(), 0.0
+            else:
+                diff = (out[:n].float() - first[:n].float()).abs().max().item() if n else 0.0
+            rows.append(dict(workload=name, op="sparse_attention", variant=f"absorbed {d}/{dv}", backend=backend,
+                             family=plan.family, ms=ms, tflops=2.0 * h * (d + dv) * valid / ms / 1e9, work=valid,
+                             rows=n, max_diff_vs_first=diff))
     return rows
 
 
@@ -145,7 +165,7 @@ def _plot(rows: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, op in zip(axes, ops):
         sel = [r for r in rows if r["op"] == op]
-        labels = [f"{r['workload'].split(' ')[0]}\n{r['variant']}\n{r['backend']}" for r in sel]
+        labels = [f"{r['workload'].split(' ')[0]}\n{r['variant']}\n{r['backend']} {r['family']}" for r in sel]
         ax.bar(range(len(sel)), [r["tflops"] for r in sel], color="tab:blue")
         ax.axhline(TARGETS[op], color="tab:red", linestyle="--", label=f"target {TARGETS[op]:.0f} TF/s")
         ax.set_xticks(range(len(sel)), labels, fontsize=7)
@@ -169,10 +189,12 @@ def main(args: argparse.Namespace) -> int:
     rows = []
     for s_len in seqs:
         rows += _run_workload(s_len, args, shp, backends, device, timer)
-    print(f"{'workload':34s} {'op':17s} {'variant':17s} {'backend':8s} {'ms':>10s} {'TF/s':>8s} {'target':>7s}")
+    print(f"{'workload':34s} {'op':17s} {'variant':17s} {'backend':8s} {'family':9s} {'ms':>10s} {'TF/s':>8s} "
+          f"{'target':>7s} {'max|diff|':>9s}")
     for r in rows:
-        print(f"{r['workload']:34s} {r['op']:17s} {r['variant']:17s} {r['backend']:8s} {r['ms']:10.3f} "
-              f"{r['tflops']:8.1f} {TARGETS[r['op']]:7.0f}")
+        diff = f"{r['max_diff_vs_first']:9.2e}" if "max_diff_vs_first" in r else f"{'-':>9s}"
+        print(f"{r['workload']:34s} {r['op']:17s} {r['variant']:17s} {r['backend']:8s} {r['family']:9s} "
+              f"{r['ms']:10.3f} {r['tflops']:8.1f} {TARGETS[r['op']]:7.0f} {diff}")
     out = args.out
     payload = {**header("python -m cpattn.bench sparse"), "shapes": shp, "strategy": args.strategy, "cp": args.cp,
                "rank": args.rank, "targets_tflops": TARGETS, "rows": rows, "tuned_configs": _tuned()}

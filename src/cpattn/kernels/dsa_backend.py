@@ -1,9 +1,15 @@
-"""``backend="triton"`` for the DSA plan kinds: sparse attention (:mod:`.triton_sparse`) and the
-index top-k (:mod:`.triton_index` scores + ``torch.topk``).
+"""``backend="triton"`` for the DSA plan kinds: sparse attention (:mod:`.triton_sparse`, and the
+sparse mode of the Hopper absorbed-MLA kernel :mod:`.triton_mla`) and the index top-k
+(:mod:`.triton_index` scores + ``torch.topk``).
 
 Sparse attention plans a grid of P rows x head blocks over the per-row table
 (:mod:`._dsa_rows`); the per-layer call checks strides, detects ``v = k[..., :Dv]`` and launches
-once (O(1) host work; graph-replayable, static plans included).
+once (O(1) host work; graph-replayable, static plans included). Two kernel families, chosen at
+plan time (``plan.family``): ``"mla"`` (sm_90, Gluon: the absorbed form, Hkv = 1, D 576 / Dv 512,
+bf16/fp16, packed or paged with any page size; a call whose ``v`` is not a view of
+``k[..., :512]`` with 16-byte rows runs the portable kernel instead) and ``"portable"`` (every
+shape, any CUDA GPU and the interpreter). ``auto`` takes ``mla`` where it applies, unless
+``CPATTN_TRITON_SM90=0`` (read at plan time) or a portable-kernel option is given.
 
 The index top-k plans, once per forward, query tiles of one segment each (``BLOCK_M`` rows, in row
 order) and groups consecutive tiles into **chunks** whose score buffer ``[rows, width]`` (width =
@@ -13,13 +19,16 @@ that is cut into key windows merged by a running top-k. Per layer and chunk: one
 runs over chunks (a handful at 128k tokens), never over sequences, and never syncs; the chunk
 geometry comes from the batch, so a graph captured over ``index_topk`` replays only that batch.
 
-``backend_options``: sparse: ``block_h`` (heads per program), ``config`` ((BLOCK_N, num_warps,
-num_stages), bypassing the autotuner); index: ``block_m`` (rows per tile), ``keys_per_program``,
+``backend_options``: sparse: ``family`` (:data:`SPARSE_FAMILIES`; "mla" raises ValueError where
+it cannot run), ``block_h`` (heads per program) and ``config`` ((BLOCK_N, num_warps, num_stages),
+bypassing the autotuner) of the portable kernel, ``planned_launch`` (default True: the mla
+family launches its compiled kernel directly after the first call, see :mod:`._launch`); index: ``block_m`` (rows per tile), ``keys_per_program``,
 ``max_score_elems``, ``config``. Triton is imported lazily.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Mapping, Optional
 
 import torch
@@ -29,6 +38,9 @@ from . import IndexTopkSpec, SparseAttentionSpec, triton_available, triton_devic
 from .. import _buffers
 from ..metadata import CPMetadata
 from ._dsa_rows import device_rows
+
+#: Sparse-attention kernel families ("auto": mla where it applies, else portable).
+SPARSE_FAMILIES = ("auto", "mla", "portable")
 
 _SPARSE_MODULE = "cpattn.kernels.triton_sparse"
 _INDEX_MODULE = "cpattn.kernels.triton_index"
@@ -70,7 +82,10 @@ class _TritonSparseRun:
     def __init__(self, spec: SparseAttentionSpec, meta: CPMetadata, options: Mapping) -> None:
         from . import triton_sparse
 
-        _check_options(options, {"block_h", "config"})
+        _check_options(options, {"block_h", "config", "family", "planned_launch"})
+        family = options.get("family", "auto")
+        if family not in SPARSE_FAMILIES:
+            raise ValueError(f"backend_options family must be one of {SPARSE_FAMILIES}, got {family!r}")
         g = spec.group_size
         block_h = options.get("block_h") or triton_sparse.block_heads(g)
         if block_h < 16 or block_h & (block_h - 1):
@@ -88,13 +103,53 @@ class _TritonSparseRun:
             PAGED=spec.paged, PAGE_SIZE=spec.page_size or 1, **triton_sparse.dot_settings(spec.dtype),
         )
         self._launch = triton_sparse.launch
-        self.family = "triton_sparse"
+        #: why the mla family cannot run this plan (None: it can)
+        self.mla_reason = self._mla_reason(spec, meta, options)
+        if family == "mla" and self.mla_reason is not None:
+            raise ValueError(f"the mla sparse kernel cannot run this plan: {self.mla_reason}")
+        #: the kernel family that runs ("mla" falls back to the portable kernel per call when ``v``
+        #: is not a view of ``k[..., :512]`` with 16-byte rows, see ``__call__``)
+        self.family = "mla" if family in ("auto", "mla") and self.mla_reason is None else "portable"
+        self._mla = None
+        if self.family == "mla":
+            from . import triton_mla
+
+            g_pack = triton_mla.sparse_head_pack(spec.num_q_heads)
+            groups = spec.num_q_heads // g_pack
+            self._mla = triton_mla.launch_sparse
+            self._mla_layout_ok = triton_mla.sparse_layout_ok
+            self.mla_grid = (meta.num_physical_tokens * groups,)
+            self.mla_args = dict(row_seq=rows["row_seq"], row_pos=rows["row_pos"], row_kv_start=rows["row_kv_start"],
+                                 num_head_groups=groups, G_PACK=g_pack)
+            from ._launch import LaunchState
+
+            #: planned launchers per kernel variant (created on first use); disabled: every call
+            #: through the JIT
+            self._mla_state = LaunchState(enabled=bool(options.get("planned_launch", True)))
+
+    @staticmethod
+    def _mla_reason(spec: SparseAttentionSpec, meta: CPMetadata, options: Mapping) -> Optional[str]:
+        from . import triton_mla, triton_sparse
+
+        if triton_sparse.INTERPRETED:
+            return "the CPU interpreter"
+        if options.get("block_h") or options.get("config"):
+            return "a portable-kernel option (block_h / config) was given"
+        if os.environ.get("CPATTN_TRITON_SM90", "1") == "0" and options.get("family", "auto") == "auto":
+            return "CPATTN_TRITON_SM90=0"
+        return triton_mla.sparse_unsupported_reason(spec.head_dim, spec.head_dim_v, spec.num_kv_heads, spec.dtype,
+                                                    meta.device)
 
     def __call__(self, q, k, v, idx, page_table, sinks, softmax_scale, out, lse) -> None:
         q, k, v, idx = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v), _contiguous_last(idx)
         if page_table is not None:
             page_table = _contiguous_last(page_table)
         if self.grid[0] == 0:
+            return
+        if self._mla is not None and self._mla_layout_ok(k, v):
+            _launch_on(q.device, lambda: self._mla(q, k, idx, out, lse, sinks, page_table, grid=self.mla_grid,
+                                                   plan_args=self.mla_args, softmax_scale=softmax_scale,
+                                                   state=self._mla_state))
             return
         _launch_on(q.device, lambda: self._launch(q, k, v, idx, out, lse, sinks, page_table, grid=self.grid,
                                                   plan_args=self.plan_args, softmax_scale=softmax_scale,

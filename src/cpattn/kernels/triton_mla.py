@@ -26,6 +26,11 @@ Paged caches are read with the dense kernel's scheme (TMA copies of ``gcd(page_s
 rows per 64-column chunk, rows past the tile's last key clamped to its page and zeroed in each
 warpgroup's value half of the last block). Causal masking, windows, sinks and LSE follow the
 portable kernel exactly.
+
+Two more modes run the same partitions: split-KV decode (:func:`_mla_decode_sm90`) and sparse
+(DSA) attention (:func:`_mla_sparse_sm90`: a program = one query row x 64 heads, key block ``j``
+= the latent rows its ``idx`` entries ``[64 j, 64 j + 64)`` select, gathered by a 4-warp
+cp.async loader since TMA cannot gather rows on sm_90; per-key validity mask).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from ._tiles import LOG2E
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -62,8 +68,9 @@ BLOCK_N = 64
 STAGES = 2
 #: setmaxnreg budget of each consumer warpgroup (the loader gets the rest of the 64512 registers
 #: of a 384-thread launch at 168: 24 at 240, 40 at 232): paged caches with pages of fewer than 64
-#: keys issue a page-table read per copy group and spill at 24.
-CONSUMER_REGS = {"packed": 240, "paged": 240, "paged_small": 232}
+#: keys issue a page-table read per copy group and spill at 24; the sparse gather (4 rows' offsets
+#: per thread, two blocks in flight) needs 40.
+CONSUMER_REGS = {"packed": 240, "paged": 240, "paged_small": 232, "sparse": 232}
 
 
 def unsupported_reason(d: int, dv: int, num_kv_heads: int, dtype: torch.dtype, page_size: Optional[int],
@@ -85,6 +92,42 @@ def unsupported_reason(d: int, dv: int, num_kv_heads: int, dtype: torch.dtype, p
     return None
 
 
+def sparse_unsupported_reason(d: int, dv: int, num_kv_heads: int, dtype: torch.dtype,
+                              device: torch.device) -> Optional[str]:
+    """Why the sparse (DSA) mode of the absorbed-MLA kernel cannot take this plan (None if it can;
+    any page size: the loader gathers row by row). That ``v`` is a view of ``k[..., :512]`` with
+    16-byte rows is checked per layer by :func:`sparse_layout_ok`."""
+    if (d, dv) != (D_LATENT + D_ROPE, D_LATENT):
+        return f"head dims D={d}, Dv={dv} (the MLA kernel takes D={D_LATENT + D_ROPE}, Dv={D_LATENT})"
+    if num_kv_heads != 1:
+        return f"num_kv_heads={num_kv_heads} (absorbed MLA has one latent KV head)"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {dtype} (needs bf16 or fp16)"
+    if not HAVE_GLUON:
+        return "Gluon unavailable (needs triton >= 3.5, not in interpreter mode)"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return "not an sm_90 GPU"
+    return None
+
+
+def sparse_layout_ok(k: Tensor, v: Tensor) -> bool:
+    """``v`` is ``k[..., :512]`` (same storage and strides) and the latent rows are 16-byte
+    aligned for the cp.async gather: packed ``[rows, 1, 576]`` or paged ``[pages, page_size, 1,
+    576]``, last dim contiguous, base and row / page strides multiples of 16 bytes."""
+    if v.data_ptr() != k.data_ptr() or v.stride() != k.stride() or v.shape[:-1] != k.shape[:-1]:
+        return False
+    if k.stride(-1) != 1 or k.data_ptr() % 16:
+        return False
+    outer = k.stride()[: k.dim() - 2]  # row (packed) or page and slot (paged) strides
+    return all((st * k.element_size()) % 16 == 0 for st in outer)
+
+
+def sparse_head_pack(num_q_heads: int) -> int:
+    """Heads per program of the sparse mode: the largest divisor of ``num_q_heads`` <= 64 (128
+    heads: 2 groups of 64; 16 heads: one group, M rows 16-63 masked)."""
+    return max(g for g in range(1, min(BLOCK_M, num_q_heads) + 1) if num_q_heads % g == 0)
+
+
 def kv_layout_ok(k: Tensor, v: Tensor) -> bool:
     """``v`` is ``k[..., :512]`` (same storage and strides) and ``k`` is TMA-compatible (packed
     ``[rows, 1, 576]`` or paged ``[pages, page_size, 1, 576]``, 16-byte rows)."""
@@ -96,10 +139,78 @@ def kv_layout_ok(k: Tensor, v: Tensor) -> bool:
 if HAVE_GLUON:
 
     @gluon.jit
-    def _mla_loader(smem, kv, rows, W: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+    def _mla_loader(smem, kv, rows, dec, W: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
                     RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                    COPY_ROWS: gl.constexpr):
-        """1 warp: TMA latent blocks ``n_lo + j * BLOCK_N`` (j < num_blocks) into the two stages."""
+                    COPY_ROWS: gl.constexpr, SPARSE: gl.constexpr):
+        """The default partition: TMA latent blocks ``n_lo + j * BLOCK_N`` (j < num_blocks) into the
+        two stages (SPARSE: the cp.async gather of :func:`_mla_sparse_loader`)."""
+        if SPARSE:
+            _mla_sparse_loader(smem, kv, rows, dec, PAGE_SIZE)
+        else:
+            _mla_tma_loader(smem, kv, PAGE_SIZE, COPY_ROWS)
+
+    @gluon.jit
+    def _mla_sparse_rows(idx_row, j, topk, pos, kv_base, pt_row, stride_kp, stride_kn, layout: gl.constexpr,
+                         BN: gl.constexpr, PAGE_SIZE: gl.constexpr):
+        """Element offsets (int64) of the latent rows that entries ``[j * BN, j * BN + BN)`` of the
+        query row's selection pick, and their validity (an entry ``>= 0``, ``<= pos`` and inside the
+        selection), in the row slice of ``layout``. Packed: row ``kv_base + e``; paged: slot
+        ``e % PAGE_SIZE`` of page ``page_table[seq, e // PAGE_SIZE]`` (read for valid entries only)."""
+        n = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
+        e = gl.load(idx_row + n, mask=n < topk, other=-1)
+        ok = (e >= 0) & (e <= pos)
+        p = gl.where(ok, e, 0).to(gl.int64)
+        if PAGE_SIZE > 0:
+            page = gl.load(pt_row + p // PAGE_SIZE, mask=ok, other=0).to(gl.int64)
+            off = page * stride_kp + (p % PAGE_SIZE) * stride_kn
+        else:
+            off = (kv_base + p) * stride_kn
+        return off, ok
+
+    @gluon.jit
+    def _mla_sparse_loader(smem, kv, rows, dec, PAGE_SIZE: gl.constexpr):
+        """4 warps: cp.async the 64 latent rows that block ``j`` of the row's selection picks into
+        stage ``j % 2`` (columns 0-255, 256-511, 512-575 as nine 64-column chunks; 8 threads x 16
+        bytes per row and chunk, each thread 4 rows). Invalid entries are never read: their rows
+        are zero-filled (so 0 * NaN cannot reach the output). Every loader thread arrives on the
+        stage's ``k_ready`` (count 128) when its copies land (cp.async.mbarrier.arrive.noinc), so
+        the loader never blocks on a copy: the next block's rows are looked up while the consumers
+        work."""
+        qa, qb, qr, ka, kb, kr, s_p, s_alpha, s_m, s_l, k_ready, kv_empty, q_bar, p_bar, l_bar = smem
+        K, K2, kv_base, n_lo, num_blocks, key_end, pt_row = kv
+        idx_row, topk, stride_kp, stride_kn = dec
+        pos = rows[13]
+        NSTAGE: gl.constexpr = ka.type.shape[0]
+        BN: gl.constexpr = ka.type.shape[1]
+        HALF: gl.constexpr = ka.type.shape[2]
+        CHUNK: gl.constexpr = kr.type.shape[2]
+        CH: gl.constexpr = HALF // CHUNK
+        NW: gl.constexpr = gl.num_warps()
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+        cols = gl.expand_dims(gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout)), 0)
+        off_n, ok_n = _mla_sparse_rows(idx_row, 0, topk, pos, kv_base, pt_row, stride_kp, stride_kn, layout, BN,
+                                       PAGE_SIZE)
+        for j in range(num_blocks):
+            off = off_n
+            ok = ok_n
+            slot = j % NSTAGE
+            mbarrier.wait(kv_empty.index(slot), ((j // NSTAGE) & 1) ^ 1)
+            ptrs = K + gl.expand_dims(off, 1) + cols
+            mask = gl.expand_dims(ok, 1)
+            a_chunks = ka.index(slot)._reinterpret(ka.dtype, [CH, BN, CHUNK], kr.type.layout)
+            b_chunks = kb.index(slot)._reinterpret(kb.dtype, [CH, BN, CHUNK], kr.type.layout)
+            for c in gl.static_range(CH):  # a / b alternate: one shared-memory barrier per chunk pair
+                async_copy.async_copy_global_to_shared(a_chunks.index(c), ptrs + c * CHUNK, mask=mask)
+                async_copy.async_copy_global_to_shared(b_chunks.index(c), ptrs + (HALF + c * CHUNK), mask=mask)
+            async_copy.async_copy_global_to_shared(kr.index(slot), ptrs + 2 * HALF, mask=mask)
+            async_copy.mbarrier_arrive(k_ready.index(slot), increment_count=False)
+            # the next block's rows (index and page-table reads) while this one is in flight
+            off_n, ok_n = _mla_sparse_rows(idx_row, j + 1, topk, pos, kv_base, pt_row, stride_kp, stride_kn, layout,
+                                           BN, PAGE_SIZE)
+
+    @gluon.jit
+    def _mla_tma_loader(smem, kv, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr):
+        """TMA latent blocks ``n_lo + j * BLOCK_N`` (j < num_blocks) into the two stages."""
         qa, qb, qr, ka, kb, kr, s_p, s_alpha, s_m, s_l, k_ready, kv_empty, q_bar, p_bar, l_bar = smem
         k_desc, kr_desc, kv_row_base, n_lo, num_blocks, key_end, pt_row = kv
         NSTAGE: gl.constexpr = ka.type.shape[0]
@@ -150,16 +261,40 @@ if HAVE_GLUON:
             zero_rows_from(vb_slot, valid, 4)
 
     @gluon.jit
+    def _mla_pv_other(acc, l_i, m_i, s_p, s_alpha, s_m, v_buf, p_ready, phase, v_empty, o_rows: gl.constexpr,
+                      s_rows: gl.constexpr, FENCE: gl.constexpr):
+        """The other warpgroup's block: wait for its P (``p_ready``), rescale the accumulator and
+        partial row sum by its factor, take its running max, add ``P V`` from shared memory and
+        release this warpgroup's hold on the stage (``v_empty``). FENCE: a proxy fence after the
+        wait (values gathered with cp.async)."""
+        mbarrier.wait(p_ready, phase)
+        if FENCE:
+            fence_async_shared()
+        alpha = s_alpha.load(o_rows)
+        l_i = l_i * s_alpha.load(s_rows)
+        m_i = s_m.load(s_rows)
+        acc = acc * gl.expand_dims(alpha, 1)
+        acc_f = warpgroup_mma(s_p, v_buf, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc_f, ))
+        mbarrier.arrive(v_empty, count=1)
+        return acc, l_i, m_i
+
+    @gluon.jit
     def _mla_consumer(smem, kv, rows, dec, W: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
                       RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, PAGE_SIZE: gl.constexpr,
                       COPY_ROWS: gl.constexpr, DECODE: gl.constexpr, CP_SIZE: gl.constexpr,
-                      INTERLEAVE: gl.constexpr):
+                      INTERLEAVE: gl.constexpr, SPARSE: gl.constexpr):
         """4 warps: output columns [W * 256, W * 256 + 256) of the tile's 64 rows; owns blocks j % 2 == W.
 
         DECODE: the tile is a split-KV work item (see :func:`_mla_decode_sm90`): row positions are
         global and map to local key counts of ``rank`` (CP_SIZE > 1), sinks count only when the
         item is its tile's only split (``ws < 0``), and the result goes to ``Out`` / ``Lse`` then,
-        else as an fp32 partial into the workspace slot ``ws``."""
+        else as an fp32 partial into the workspace slot ``ws``.
+
+        SPARSE: the tile is one query row's heads (see :func:`_mla_sparse_sm90`); block ``j`` holds
+        the latent rows of entries ``[64 j, 64 j + 64)`` of its selection, gathered with cp.async
+        (made visible to wgmma by a proxy fence after each wait), and the mask is per key: an
+        entry ``>= 0`` and ``<=`` the row's position (read from ``idx`` here, L1/L2-resident)."""
         qa, qb, qr, ka, kb, kr, s_p, s_alpha, s_m, s_l, k_ready, kv_empty, q_bar, p_bar, l_bar = smem
         k_desc, kr_desc, kv_row_base, n_lo, num_blocks, key_end, pt_row = kv
         (Q, Out, Lse, Sinks, stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
@@ -203,6 +338,8 @@ if HAVE_GLUON:
 
         if DECODE:
             WsO, WsLse, ws, rank, stride_wi, stride_wr, stride_wh, stride_li, stride_lr = dec
+        if SPARSE:
+            idx_row, topk, stride_kp, stride_kn = dec
         m_s = gl.arange(0, BM, layout=s_rows)
         pos = pos0 + (roff + m_s // G_PACK) * pstride
         if CP_SIZE > 1:  # global position -> the last local key it sees (keys are local indices)
@@ -226,7 +363,19 @@ if HAVE_GLUON:
         slot: gl.constexpr = W
         other: gl.constexpr = 1 - W
         for j in range(W, num_blocks, 2):
-            mbarrier.wait(k_ready.index(slot), (j // NSTAGE) & 1)
+            if SPARSE:
+                # the other warpgroup's block j - 1 first: its stage is released before this
+                # warpgroup waits for block j, so the loader's gather of block j + 1 into it never
+                # waits for block j's copies (with two stages and gathered keys, load latency
+                # would otherwise sit on every block's critical path)
+                if j > 0:
+                    acc, l_i, m_i = _mla_pv_other(acc, l_i, m_i, s_p, s_alpha, s_m, v_bufs.index(other),
+                                                  p_bar.index(W), ((j - 1) // 2) & 1, kv_empty.index(other),
+                                                  o_rows, s_rows, True)
+                mbarrier.wait(k_ready.index(slot), (j // NSTAGE) & 1)
+                fence_async_shared()  # cp.async (generic proxy) writes -> wgmma (async proxy) reads
+            else:
+                mbarrier.wait(k_ready.index(slot), (j // NSTAGE) & 1)
             # ``j >> 30`` is 0, but not provably so: the 36 Q / K tile descriptors of this block's
             # Q K^T are then built in the loop instead of hoisted into (spilled) registers
             z = j >> 30
@@ -234,7 +383,13 @@ if HAVE_GLUON:
                                 is_async=True)
             s_f = warpgroup_mma(qb.index(z), kb.index(slot + z).permute((1, 0)), s_f, is_async=True)
             s_f = warpgroup_mma(qr.index(z), kr.index(slot + z).permute((1, 0)), s_f, is_async=True)
-            if j > 0:
+            if SPARSE:  # this block's entries (per-key mask), read while Q K^T runs
+                kcol = j * BN + offs_n
+                e = gl.load(idx_row + kcol, mask=kcol < topk, other=-1)
+                keep = gl.expand_dims((e >= 0) & (e <= pos0), 0)
+                s = warpgroup_mma_wait(0, deps=(s_f, ))
+                s = gl.where(keep, s, float("-inf"))
+            elif j > 0:
                 # block j - 1 (the other warpgroup's): rescale, add P_{j-1} V_{j-1} from shared memory,
                 # while this block's scores are computed
                 jr = j - 1
@@ -258,7 +413,8 @@ if HAVE_GLUON:
             s_m.store(m_i)
             # paged, last block: zero both value halves past the tile's last key before the other
             # warpgroup may read its half (after this warpgroup's Q K^T, with S no longer live)
-            _mla_fix_last_v(ka.index(slot), kb.index(slot), j, num_blocks, n_lo, key_end, PAGE_SIZE)
+            if not SPARSE:  # (the gather zero-fills the rows of invalid entries)
+                _mla_fix_last_v(ka.index(slot), kb.index(slot), j, num_blocks, n_lo, key_end, PAGE_SIZE)
             fence_async_shared()
             mbarrier.arrive(p_bar.index(1 - W), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
@@ -269,14 +425,8 @@ if HAVE_GLUON:
         # the last block, when it is the other warpgroup's
         jl = num_blocks - 1
         if (num_blocks > 0) & (jl % 2 != W):
-            mbarrier.wait(p_bar.index(W), (jl // 2) & 1)
-            alpha = s_alpha.load(o_rows)
-            l_i = l_i * s_alpha.load(s_rows)
-            m_i = s_m.load(s_rows)
-            acc = acc * gl.expand_dims(alpha, 1)
-            acc_f = warpgroup_mma(s_p, v_bufs.index(other), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc_f, ))
-            mbarrier.arrive(kv_empty.index(other), count=1)
+            acc, l_i, m_i = _mla_pv_other(acc, l_i, m_i, s_p, s_alpha, s_m, v_bufs.index(other), p_bar.index(W),
+                                          (jl // 2) & 1, kv_empty.index(other), o_rows, s_rows, SPARSE)
 
         # epilogue: l = both partial sums; O / l (0 / -inf for rows that saw no key), LSE natural log
         s_l.slice(W * BM, BM).store(l_i)
@@ -323,17 +473,17 @@ if HAVE_GLUON:
     def _mla_consumer0(smem, kv, rows, dec, W: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
                        RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, PAGE_SIZE: gl.constexpr,
                        COPY_ROWS: gl.constexpr, DECODE: gl.constexpr, CP_SIZE: gl.constexpr,
-                       INTERLEAVE: gl.constexpr):
+                       INTERLEAVE: gl.constexpr, SPARSE: gl.constexpr):
         _mla_consumer(smem, kv, rows, dec, 0, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE, COPY_ROWS,
-                      DECODE, CP_SIZE, INTERLEAVE)
+                      DECODE, CP_SIZE, INTERLEAVE, SPARSE)
 
     @gluon.jit
     def _mla_consumer1(smem, kv, rows, dec, W: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
                        RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, PAGE_SIZE: gl.constexpr,
                        COPY_ROWS: gl.constexpr, DECODE: gl.constexpr, CP_SIZE: gl.constexpr,
-                       INTERLEAVE: gl.constexpr):
+                       INTERLEAVE: gl.constexpr, SPARSE: gl.constexpr):
         _mla_consumer(smem, kv, rows, dec, 1, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE, COPY_ROWS,
-                      DECODE, CP_SIZE, INTERLEAVE)
+                      DECODE, CP_SIZE, INTERLEAVE, SPARSE)
 
     @gluon.jit
     def _mla_run(Q, k_desc, kr_desc, Out, Lse, Sinks, kv_row_base, pt_row, n_lo, num_blocks, key_end,
@@ -344,8 +494,9 @@ if HAVE_GLUON:
                  RETURN_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr,
                  Q_SMEM: gl.constexpr, QR_SMEM: gl.constexpr, K_SMEM: gl.constexpr, KR_SMEM: gl.constexpr,
                  P_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr, DECODE: gl.constexpr, CP_SIZE: gl.constexpr,
-                 INTERLEAVE: gl.constexpr):
-        """Shared memory, barriers and the three partitions of one program (prefill and decode)."""
+                 INTERLEAVE: gl.constexpr, SPARSE: gl.constexpr):
+        """Shared memory, barriers and the three partitions of one program (prefill, decode and
+        sparse). ``k_desc`` / ``kr_desc``: the latent's TMA descriptors, or (SPARSE) its pointer."""
         dt = Q.dtype.element_ty
         qa = gl.allocate_shared_memory(dt, [1, BLOCK_M, HALF], Q_SMEM)
         qb = gl.allocate_shared_memory(dt, [1, BLOCK_M, HALF], Q_SMEM)
@@ -364,7 +515,10 @@ if HAVE_GLUON:
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         l_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
+            if SPARSE:  # one cp.async arrival per loader thread (the default partition's warps)
+                mbarrier.init(k_ready.index(i), count=32 * gl.num_warps())
+            else:  # the loader's expect-tx arrival
+                mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)
         for i in gl.static_range(2):
             mbarrier.init(p_bar.index(i), count=1)
@@ -377,11 +531,12 @@ if HAVE_GLUON:
                 roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, qk_scale, window, stride_sink)
         # flags in tuple literals (a tuple assigned to a name turns its constexprs into runtime values)
         gl.warp_specialize([
-            (_mla_loader, (smem, kv, rows, 0, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE, COPY_ROWS)),
+            (_mla_loader, (smem, kv, rows, dec, 0, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE, COPY_ROWS,
+                           SPARSE)),
             (_mla_consumer0, (smem, kv, rows, dec, 0, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE,
-                              COPY_ROWS, DECODE, CP_SIZE, INTERLEAVE)),
+                              COPY_ROWS, DECODE, CP_SIZE, INTERLEAVE, SPARSE)),
             (_mla_consumer1, (smem, kv, rows, dec, 1, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE,
-                              COPY_ROWS, DECODE, CP_SIZE, INTERLEAVE)),
+                              COPY_ROWS, DECODE, CP_SIZE, INTERLEAVE, SPARSE)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
     @gluon.jit
@@ -442,7 +597,7 @@ if HAVE_GLUON:
                  stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh, stride_sink,
                  roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, qk_scale, window, dec,
                  BLOCK_M, BLOCK_N, HALF, ROPE, STAGES, G_PACK, HAS_WINDOW, HAS_SINKS, RETURN_LSE, PAGE_SIZE, COPY_ROWS,
-                 Q_SMEM, QR_SMEM, K_SMEM, KR_SMEM, P_SMEM, CONSUMER_REGS, False, 1, 1)
+                 Q_SMEM, QR_SMEM, K_SMEM, KR_SMEM, P_SMEM, CONSUMER_REGS, False, 1, 1, False)
 
     @gluon.jit
     def _mla_decode_sm90(
@@ -494,7 +649,44 @@ if HAVE_GLUON:
                  stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh, stride_sink,
                  seq * 0, slen, row0, pos0, 1, hg, f_lo, f_hi, qk_scale, -1, dec,
                  BLOCK_M, BLOCK_N, HALF, ROPE, STAGES, G_PACK, False, HAS_SINKS, True, PAGE_SIZE, COPY_ROWS,
-                 Q_SMEM, QR_SMEM, K_SMEM, KR_SMEM, P_SMEM, CONSUMER_REGS, True, CP_SIZE, INTERLEAVE)
+                 Q_SMEM, QR_SMEM, K_SMEM, KR_SMEM, P_SMEM, CONSUMER_REGS, True, CP_SIZE, INTERLEAVE, False)
+
+    @gluon.jit
+    def _mla_sparse_sm90(
+        Q, K, Idx, Out, Lse, Sinks, PageTable, row_seq, row_pos, row_kv_start,
+        qk_scale, topk, num_head_groups,
+        stride_qm, stride_qh, stride_im, stride_om, stride_oh, stride_lm, stride_lh, stride_sink, stride_pt,
+        stride_kp, stride_kn,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, ROPE: gl.constexpr, STAGES: gl.constexpr,
+        G_PACK: gl.constexpr, HAS_SINKS: gl.constexpr, RETURN_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+        Q_SMEM: gl.constexpr, QR_SMEM: gl.constexpr, K_SMEM: gl.constexpr, KR_SMEM: gl.constexpr,
+        P_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    ):
+        """Sparse (DSA) attention: a program = one physical query row x one group of ``G_PACK``
+        heads (the 64 M rows; with fewer heads the rows past them are masked), the row's head
+        groups adjacent in the grid (the second reads the gathered rows from L2). Its
+        ``ceil(topk / 64)`` key blocks are the latent rows its ``idx`` entries select (see
+        :func:`_mla_sparse_loader`); pad rows (position -1) run no block and write 0 / -inf."""
+        pid = gl.program_id(0)
+        row = pid // num_head_groups
+        hg = pid - row * num_head_groups
+        pos = gl.load(row_pos + row)
+        seq = gl.load(row_seq + row)
+        kv_base = gl.load(row_kv_start + row).to(gl.int64)
+        num_blocks = gl.where(pos >= 0, gl.cdiv(topk, BLOCK_N), 0)
+        idx_row = Idx + row.to(gl.int64) * stride_im
+        if PAGE_SIZE > 0:
+            pt_row = PageTable + seq.to(gl.int64) * stride_pt
+        else:
+            pt_row = PageTable
+        zero = pid * 0
+        big = zero + (1 << 30)  # no positional mask: f_lo = 0 <= block starts < f_hi
+        dec = (idx_row, topk, stride_kp, stride_kn)
+        _mla_run(Q, K, K, Out, Lse, Sinks, kv_base, pt_row, zero, num_blocks, big,
+                 stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh, stride_sink,
+                 zero, zero + 1, row, pos, zero, hg, zero, big, qk_scale, zero - 1, dec,
+                 BLOCK_M, BLOCK_N, HALF, ROPE, STAGES, G_PACK, False, HAS_SINKS, RETURN_LSE, PAGE_SIZE, 0,
+                 Q_SMEM, QR_SMEM, K_SMEM, KR_SMEM, P_SMEM, CONSUMER_REGS, False, 1, 1, True)
 
 
 def k_descriptors(k: Tensor):
@@ -531,6 +723,16 @@ def kernel_constexprs(dtype: torch.dtype, page_size: Optional[int]) -> dict:
         Q_SMEM=smem_layout(BLOCK_M, HALF_V, dtype), QR_SMEM=smem_layout(BLOCK_M, D_ROPE, dtype),
         K_SMEM=smem_layout(BLOCK_N, HALF_V, dtype), KR_SMEM=smem_layout(BLOCK_N, D_ROPE, dtype),
         P_SMEM=smem_layout(BLOCK_M, BLOCK_N, dtype), CONSUMER_REGS=_consumer_regs(page_size),
+    )
+
+
+def sparse_constexprs(dtype: torch.dtype, page_size: Optional[int]) -> dict:
+    """The sparse kernel's geometry constexprs (tiles, page size, shared-memory layouts, registers)."""
+    return dict(
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HALF=HALF_V, ROPE=D_ROPE, STAGES=STAGES, PAGE_SIZE=page_size or 0,
+        Q_SMEM=smem_layout(BLOCK_M, HALF_V, dtype), QR_SMEM=smem_layout(BLOCK_M, D_ROPE, dtype),
+        K_SMEM=smem_layout(BLOCK_N, HALF_V, dtype), KR_SMEM=smem_layout(BLOCK_N, D_ROPE, dtype),
+        P_SMEM=smem_layout(BLOCK_M, BLOCK_N, dtype), CONSUMER_REGS=CONSUMER_REGS["sparse"],
     )
 
 
@@ -639,3 +841,49 @@ def launch_decode(
            ws[0], ws[1], ws[2], wl[0], wl[1])
     launcher(grid, values, key, key_kv, lambda: k_descriptors(k))
     return True
+
+
+#: Per-call arguments of the sparse (DSA) kernel, in the order of a launch's ``values``.
+_SPARSE_PER_CALL = ("Q", "K", "Idx", "Out", "Lse", "Sinks", "PageTable", "qk_scale", "topk", "stride_qm", "stride_qh",
+                    "stride_im", "stride_om", "stride_oh", "stride_lm", "stride_lh", "stride_sink", "stride_pt",
+                    "stride_kp", "stride_kn", "HAS_SINKS", "RETURN_LSE")
+
+
+def launch_sparse(
+    q: Tensor, k: Tensor, idx: Tensor, out: Tensor, lse: Optional[Tensor], sinks: Optional[Tensor],
+    page_table: Optional[Tensor], *, grid: tuple[int], plan_args: dict, softmax_scale: float, state=None,
+) -> None:
+    """Launch the sparse (DSA) mode into ``out`` [P, Hq, 512] / ``lse`` [P, Hq] float32: q [P, Hq,
+    576]; k the latent, packed ``[rows, 1, 576]`` (key e of a row's sequence at row
+    ``row_kv_start + e``) or paged ``[pages, page_size, 1, 576]`` with ``page_table`` [B, pages]
+    (int32/int64); ``v = k[..., :512]`` is implied (checked by :func:`sparse_layout_ok`); idx
+    [P, topk] int32/int64. ``plan_args``: the row table (``row_seq``, ``row_pos``,
+    ``row_kv_start``), ``num_head_groups`` and ``G_PACK`` (see ``dsa_backend``); ``grid`` = P x
+    head groups. ``state``: the plan's :class:`~cpattn.kernels._launch.LaunchState` (None: every
+    call through the JIT)."""
+    from ._launch import LaunchState, PlannedLaunch
+
+    if state is None:
+        state = LaunchState(enabled=False)
+    paged = page_table is not None
+    page_size = k.shape[1] if paged else None
+    variant = ("sparse", page_size)
+    launcher = state.launchers.get(variant)
+    if launcher is None:
+        fixed = dict(plan_args, **sparse_constexprs(q.dtype, page_size), num_warps=4, maxnreg=168)
+        launcher = state.launchers[variant] = PlannedLaunch(_mla_sparse_sm90, fixed, _SPARSE_PER_CALL,
+                                                            enabled=state.enabled, cache_size=state.cache_size)
+    skp, skn = (k.stride(0), k.stride(1)) if paged else (0, k.stride(0))
+    has_sinks, has_lse = sinks is not None, lse is not None
+    sq, sh, so, soh, si = q.stride(0), q.stride(1), out.stride(0), out.stride(1), idx.stride(0)
+    slm, slh = (lse.stride(0), lse.stride(1)) if has_lse else (0, 0)
+    ssink = sinks.stride(0) if has_sinks else 0
+    spt = page_table.stride(0) if paged else 0
+    pt = page_table if paged else plan_args["row_seq"]
+    topk = idx.shape[1]
+    values = (q, k, idx, out, lse if has_lse else out, sinks if has_sinks else out, pt, float(softmax_scale) * LOG2E,
+              topk, sq, sh, si, so, soh, slm, slh, ssink, spt, skp, skn, has_sinks, has_lse)
+    key = (q.dtype, q.data_ptr() & 15, k.data_ptr() & 15, (idx.dtype, idx.data_ptr() & 15), out.data_ptr() & 15,
+           lse.data_ptr() & 15 if has_lse else -1, (sinks.dtype, sinks.data_ptr() & 15) if has_sinks else None,
+           (pt.dtype, pt.data_ptr() & 15), topk, sq, sh, si, so, soh, slm, slh, ssink, spt, skp, skn)
+    launcher(grid, values, key)

@@ -141,6 +141,11 @@ class SparseAttentionPlan:
     def __repr__(self) -> str:
         return f"SparseAttentionPlan(backend={self.backend!r}, {self.spec}, P={self.meta.num_physical_tokens})"
 
+    @property
+    def family(self) -> str:
+        """The kernel family that runs ("mla" or "portable" for triton; else the backend)."""
+        return getattr(self._impl, "family", self.backend)
+
     def run(
         self,
         q_local: Tensor,
