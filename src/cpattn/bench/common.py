@@ -70,6 +70,31 @@ def time_cuda_back_to_back(fn: Callable[[], object], warmup: int = 3, iters: int
     return statistics.median(times)
 
 
+def time_cuda_graph(fn: Callable[[], object], warmup: int = 3, iters: int = 10, repeats: int = 3) -> float:
+    """Milliseconds per replay of a CUDA graph holding one call of ``fn``, replayed ``iters`` times
+    back to back between two CUDA events (median of ``repeats``): the call's GPU time without any
+    host work, as an engine that captures its decode step sees it."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    del graph
+    return statistics.median(times)
+
+
 def time_host(fn: Callable[[], object], warmup: int = 2, iters: int = 20) -> float:
     """Median milliseconds of ``fn`` on the host clock."""
     for _ in range(warmup):

@@ -250,6 +250,8 @@ class _TritonShardRun:
                                  HAS_SINKS=apply_sinks)
         self.sinks_used = apply_sinks
         self._split, self._combine = triton_decode.launch_split, triton_decode.launch_combine
+        #: planned launches of the split / combine kernels (direct calls after the first)
+        self._state = LaunchState()
         self.family = "mla-split-kv" if self._mla is not None else "split-kv"
         if self._mla is not None:  # what runs (the portable plan stays as the per-call fallback)
             self.split, self.num_items, self.num_ws = self._mla.split, self._mla.num_items, self._mla.num_ws
@@ -283,9 +285,10 @@ class _TritonShardRun:
         ws_lse = torch.empty(self.ws_shape[:3], dtype=torch.float32, device=q.device)
         if self.grid[0]:
             self._split(q, k, v, out, lse, sinks, page_table, ws_o, ws_lse, grid=self.grid, plan_args=self.plan_args,
-                        softmax_scale=softmax_scale, v_from_k=v_from_k, config=self.config)
+                        softmax_scale=softmax_scale, v_from_k=v_from_k, config=self.config, state=self._state)
         if self.run_combine and self.combine_grid[0]:
-            self._combine(out, lse, sinks, ws_o, ws_lse, grid=self.combine_grid, combine_args=self.combine_args)
+            self._combine(out, lse, sinks, ws_o, ws_lse, grid=self.combine_grid, combine_args=self.combine_args,
+                          state=self._state)
 
 
 def mla_unsupported_reason(spec: AttentionSpec, dmeta, interpreted: bool, options: Mapping) -> Optional[str]:
@@ -355,7 +358,8 @@ class _MlaSplit:
                                              state=self._state):
             return False
         if self.run_combine and self.combine_grid[0]:
-            combine(out, lse, sinks, ws_o, ws_lse, grid=self.combine_grid, combine_args=self.combine_args)
+            combine(out, lse, sinks, ws_o, ws_lse, grid=self.combine_grid, combine_args=self.combine_args,
+                    state=self._state)
         return True
 
 

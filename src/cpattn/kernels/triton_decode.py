@@ -391,11 +391,41 @@ def _merge_parts(
 
 
 # ----------------------------------------------------------------------------- host launchers
+#: Per-call arguments of the split kernel, in the order of a planned launch's ``values``.
+_SPLIT_PER_CALL = ("Q", "K", "V", "Out", "Lse", "Sinks", "PageTable", "WsO", "WsLse", "qk_scale", "stride_qm",
+                   "stride_qh", "stride_sink", "stride_kp", "stride_kn", "stride_kh", "stride_vp", "stride_vn",
+                   "stride_vh", "stride_om", "stride_oh", "stride_lm", "stride_lh", "stride_pt", "stride_wi",
+                   "stride_wr", "stride_wh", "stride_li", "stride_lr", "PAGED", "V_FROM_K")
+#: Per-call arguments of the combine kernel.
+_COMBINE_PER_CALL = ("Out", "Lse", "Sinks", "WsO", "WsLse", "num_heads", "stride_om", "stride_oh", "stride_lm",
+                     "stride_lh", "stride_sink", "stride_wi", "stride_wr", "stride_wh", "stride_li", "stride_lr")
+
+
+def _align_key(*tensors) -> tuple:
+    """What the JIT specializes a tensor argument on: dtype and 16-byte alignment."""
+    return tuple((t.dtype, t.data_ptr() & 15) for t in tensors)
+
+
+def _planned(state, name: str, kernel, fixed: dict, names: tuple):
+    from ._launch import PlannedLaunch
+
+    launcher = state.launchers.get(name)
+    if launcher is None:
+        launcher = state.launchers[name] = PlannedLaunch(kernel, fixed, names, enabled=state.enabled,
+                                                         cache_size=state.cache_size)
+    return launcher
+
+
 def launch_split(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sinks: Optional[Tensor],
                  page_table: Optional[Tensor], ws_o: Tensor, ws_lse: Tensor, *, grid: tuple[int],
-                 plan_args: dict, softmax_scale: float, v_from_k: bool, config: tuple[int, int, int]) -> None:
+                 plan_args: dict, softmax_scale: float, v_from_k: bool, config: tuple[int, int, int],
+                 state=None) -> None:
     """Launch the split kernel; ``plan_args`` holds the planned keyword arguments (work items,
-    counts, per-sequence arrays, geometry constexprs), the rest is per layer."""
+    counts, per-sequence arrays, geometry constexprs), the rest is per layer. ``state``: the
+    plan's :class:`~cpattn.kernels._launch.LaunchState` (planned launches: after the first call
+    the compiled kernel is called directly; None: every call through the JIT)."""
+    from ._launch import LaunchState
+
     paged = page_table is not None
     if paged:
         skp, skn, skh = k.stride(0), k.stride(1), k.stride(2)
@@ -406,16 +436,15 @@ def launch_split(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sink
         svp, svn, svh = 0, v.stride(0), v.stride(1)
         pt, stride_pt = plan_args["cu_local_kv"], 0
     block_n, warps, stages = config
-    _shard_attn_split[grid](
-        Q=q, K=k, V=v, Out=out, Lse=lse, Sinks=sinks if sinks is not None else out, PageTable=pt,
-        WsO=ws_o, WsLse=ws_lse, qk_scale=float(softmax_scale) * LOG2E,
-        stride_qm=q.stride(0), stride_qh=q.stride(1), stride_sink=sinks.stride(0) if sinks is not None else 0,
-        stride_kp=skp, stride_kn=skn, stride_kh=skh, stride_vp=svp, stride_vn=svn, stride_vh=svh,
-        stride_om=out.stride(0), stride_oh=out.stride(1), stride_lm=lse.stride(0), stride_lh=lse.stride(1),
-        stride_pt=stride_pt, stride_wi=ws_o.stride(0), stride_wr=ws_o.stride(1), stride_wh=ws_o.stride(2),
-        stride_li=ws_lse.stride(0), stride_lr=ws_lse.stride(1), PAGED=paged, V_FROM_K=v_from_k,
-        BLOCK_N=block_n, num_warps=warps, num_stages=stages, **plan_args,
-    )
+    sk = sinks if sinks is not None else out
+    values = (q, k, v, out, lse, sk, pt, ws_o, ws_lse, float(softmax_scale) * LOG2E, q.stride(0), q.stride(1),
+              sinks.stride(0) if sinks is not None else 0, skp, skn, skh, svp, svn, svh, out.stride(0),
+              out.stride(1), lse.stride(0), lse.stride(1), stride_pt, ws_o.stride(0), ws_o.stride(1),
+              ws_o.stride(2), ws_lse.stride(0), ws_lse.stride(1), paged, v_from_k)
+    key = _align_key(q, k, v, out, lse, sk, pt, ws_o, ws_lse) + values[10:]
+    fixed = dict(plan_args, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    launcher = _planned(state or LaunchState(enabled=False), "split", _shard_attn_split, fixed, _SPLIT_PER_CALL)
+    launcher(grid, values, key)
 
 
 def merge_blocks(parts: int, heads: int, dv: int, rows: int, num_sms: int, budget: int = 4096) -> tuple[int, int, int]:
@@ -447,15 +476,27 @@ def _next_pow2(x: int) -> int:
 
 
 def launch_combine(out: Tensor, lse: Tensor, sinks: Optional[Tensor], ws_o: Tensor, ws_lse: Tensor, *,
-                   grid: tuple[int, int, int], combine_args: dict) -> None:
-    """Launch the combine kernel over ``grid`` = (query rows, head blocks, column blocks)."""
-    _shard_attn_combine[grid](
-        Out=out, Lse=lse, Sinks=sinks if sinks is not None else out, WsO=ws_o, WsLse=ws_lse,
-        num_heads=out.shape[1], stride_om=out.stride(0), stride_oh=out.stride(1), stride_lm=lse.stride(0),
-        stride_lh=lse.stride(1), stride_sink=sinks.stride(0) if sinks is not None else 0,
-        stride_wi=ws_o.stride(0), stride_wr=ws_o.stride(1), stride_wh=ws_o.stride(2),
-        stride_li=ws_lse.stride(0), stride_lr=ws_lse.stride(1), num_warps=4, **combine_args,
-    )
+                   grid: tuple[int, int, int], combine_args: dict, state=None) -> None:
+    """Launch the combine kernel over ``grid`` = (query rows, head blocks, column blocks);
+    ``state`` as in :func:`launch_split`."""
+    from ._launch import LaunchState
+
+    sk = sinks if sinks is not None else out
+    values = (out, lse, sk, ws_o, ws_lse, out.shape[1], out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+              sinks.stride(0) if sinks is not None else 0, ws_o.stride(0), ws_o.stride(1), ws_o.stride(2),
+              ws_lse.stride(0), ws_lse.stride(1))
+    key = _align_key(out, lse, sk, ws_o, ws_lse) + values[5:]
+    launcher = _planned(state or LaunchState(enabled=False), "combine", _shard_attn_combine,
+                        dict(combine_args, num_warps=4), _COMBINE_PER_CALL)
+    launcher(grid, values, key)
+
+
+#: Per-call arguments of the fused merge kernel.
+_MERGE_PER_CALL = ("Out", "Lse", "Parts", "PartLse", "num_parts", "num_heads", "stride_pc", "stride_pn", "stride_ph",
+                   "stride_lc", "stride_ln", "stride_lh", "stride_on", "stride_oh", "stride_mn", "stride_mh")
+#: Compiled merge kernels called directly (a memo of what the JIT compiled, one per geometry;
+#: created on first use, holds no tensors).
+_MERGE_LAUNCHES = None
 
 
 def merge_parts(parts: Tensor, part_lse: Tensor, out: Tensor, lse: Tensor, *, num_sms: int,
@@ -463,14 +504,19 @@ def merge_parts(parts: Tensor, part_lse: Tensor, out: Tensor, lse: Tensor, *, nu
     """Fused exact merge: ``parts`` [C, N, H, Dv] and ``part_lse`` [C, N, H] (any strides, last dim
     of ``parts`` contiguous, e.g. typed views into a received byte buffer) into ``out`` [N, H, Dv]
     and ``lse`` [N, H] float32 (both last dims contiguous). One launch, no sync; C >= 1, N > 0.
-    ``blocks``: (BLOCK_S, BLOCK_H, BLOCK_DV) instead of :func:`merge_blocks`' choice (tests)."""
+    ``blocks``: (BLOCK_S, BLOCK_H, BLOCK_DV) instead of :func:`merge_blocks`' choice (tests).
+    After a geometry's first call the compiled kernel is called directly (planned launch)."""
+    global _MERGE_LAUNCHES
+    from ._launch import LaunchState
+
     c, n, h, dv = parts.shape
     block_s, block_h, block_dv = blocks or merge_blocks(c, h, dv, n, num_sms)
     grid = (n, -(-h // block_h), -(-dv // block_dv))
-    _merge_parts[grid](
-        Out=out, Lse=lse, Parts=parts, PartLse=part_lse, num_parts=c, num_heads=h,
-        stride_pc=parts.stride(0), stride_pn=parts.stride(1), stride_ph=parts.stride(2),
-        stride_lc=part_lse.stride(0), stride_ln=part_lse.stride(1), stride_lh=part_lse.stride(2),
-        stride_on=out.stride(0), stride_oh=out.stride(1), stride_mn=lse.stride(0), stride_mh=lse.stride(1),
-        HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv, num_warps=4,
-    )
+    if _MERGE_LAUNCHES is None:
+        _MERGE_LAUNCHES = LaunchState()
+    ps, ls, os_, ms = parts.stride(), part_lse.stride(), out.stride(), lse.stride()
+    values = (out, lse, parts, part_lse, c, h, ps[0], ps[1], ps[2], ls[0], ls[1], ls[2], os_[0], os_[1], ms[0], ms[1])
+    key = _align_key(out, lse, parts, part_lse) + values[4:]
+    fixed = dict(HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv, num_warps=4)
+    _planned(_MERGE_LAUNCHES, ("merge", dv, block_s, block_h, block_dv), _merge_parts, fixed, _MERGE_PER_CALL)(
+        grid, values, key)
