@@ -114,7 +114,7 @@ def test_gpu_direct_launch_is_bit_identical_to_the_jit(family, d, dv, hq, hkv, p
         # the return_lse record served only its recording (JIT) call; the rotation's record holds
         # one prepared descriptor set per layer
         used = [len(r.entries) for r in with_descs if r.entries]
-        assert used and all(n == len(layers) for n in used), [len(r.entries) for r in with_descs]
+        assert all(n == len(layers) for n in used) and (used or not with_descs), [len(r.entries) for r in with_descs]
     # moved: new values in new buffers while the old ones live (a stale descriptor would read those)
     moved = [_layer_kv(n_kv, hkv, d, dv, family, gen) for _ in range(2)]
     if page is not None:
