@@ -611,11 +611,13 @@ class ExtendCostModel:
 
     pass-KV: ONE all-gather of [extend K/V rows, prefix shard rows]; every rank then runs the
     dense kernel for its queries over the whole prefix + extend:
-        t = latency + (C - 1) (P + Np) kv_row / link + work_max / dense_flops
+        t = latency + launch + (C - 1) (P + Np) kv_row / link + work_max / dense_flops
     pass-Q: ONE all-gather of [q, extend K/V] rows, the shard kernel for ALL new queries over
     this rank's keys, ONE all-to-all of the partials back to the query owners, a local merge:
-        t = 2 latency + (C - 1) P (q_row + kv_row + part_row) / link + work_mean / shard_flops
-            + C P part_row / hbm
+        t = 2 latency + 3 launch + (C - 1) P (q_row + kv_row + part_row) / link
+            + work_mean / shard_flops + C P part_row / hbm
+    ``launch``: the fixed cost of one kernel (pass-Q runs three: split-KV, combine, merge), which
+    decides short extends over short prefixes.
     P: physical rows per rank; Np: the most prefix keys any rank holds; kv_row / q_row /
     part_row: bytes of one token's K+V, q, and (out, lse) partial; work: attention FLOPs
     (``4 Hq (D + Dv) / 2 x`` causal (query, key) pairs: the slowest rank for pass-KV, the mean
@@ -623,10 +625,14 @@ class ExtendCostModel:
     """
 
     link_bytes_per_s: float = 300e9
-    dense_flops_per_s: float = 500e12
-    shard_flops_per_s: float = 250e12
+    #: calibrated on one H200, 2026-12-01 (docs/benchmarks.md: decode benchmark, crossover):
+    #: the dense kernel on extend-shaped work (few query tiles over a long prefix) and the
+    #: split-KV shard kernel at 16k-1M keys, and one kernel's fixed cost
+    dense_flops_per_s: float = 400e12
+    shard_flops_per_s: float = 300e12
     hbm_bytes_per_s: float = 4.0e12
     collective_latency_s: float = 25e-6
+    launch_overhead_s: float = 30e-6
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -657,8 +663,9 @@ class ExtendCostModel:
         bytes_kv = (c - 1) * (p + np_max) * kv_row
         bytes_q = (c - 1) * p * (q_row + kv_row + part_row)
         lat = self.collective_latency_s if c > 1 else 0.0
-        t_kv = lat + bytes_kv / self.link_bytes_per_s + work_max / self.dense_flops_per_s
-        t_q = (2 * lat + bytes_q / self.link_bytes_per_s + work_mean / self.shard_flops_per_s
+        launch = self.launch_overhead_s
+        t_kv = lat + launch + bytes_kv / self.link_bytes_per_s + work_max / self.dense_flops_per_s
+        t_q = (2 * lat + 3 * launch + bytes_q / self.link_bytes_per_s + work_mean / self.shard_flops_per_s
                + c * p * part_row / self.hbm_bytes_per_s)
         return {"pass_kv": t_kv, "pass_q": t_q, "bytes_pass_kv": bytes_kv, "bytes_pass_q": bytes_q}
 

@@ -29,6 +29,7 @@ CPU smoke test (tiny shapes, torch reference or the Triton interpreter)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import statistics
@@ -338,9 +339,7 @@ def crossover_point(rows: list[dict], kv_key: str, q_key: str) -> Optional[float
 def run_crossover(args, device, dtype, shapes) -> dict:
     base = cpattn.ExtendCostModel()
     link = args.link_gbps * 1e9 if args.link_gbps else base.link_bytes_per_s
-    model = cpattn.ExtendCostModel(link_bytes_per_s=link, dense_flops_per_s=base.dense_flops_per_s,
-                                   shard_flops_per_s=base.shard_flops_per_s, hbm_bytes_per_s=base.hbm_bytes_per_s,
-                                   collective_latency_s=base.collective_latency_s)
+    model = dataclasses.replace(base, link_bytes_per_s=link)
     time_fn = timer(device)
     rows = []
     for prefix in _ints(args.crossover_prefixes):
