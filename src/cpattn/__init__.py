@@ -67,7 +67,7 @@ from .strategies import (
     get_strategy,
 )
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "AttentionPlan",

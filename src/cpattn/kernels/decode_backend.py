@@ -10,10 +10,15 @@ than one split): O(1) host work. For static decode plans every table is capacity
 buffers and the split size is chosen so the item count stays within the grid:
 ``items <= target + tiles`` because ``split >= total keys / target``.
 
-``backend_options``: ``config`` ((BLOCK_N, num_warps, num_stages)), ``block_m`` (most query rows x
-heads per program: 16, 32, 64 or 128; default 64, 32 for head dims > 256), ``min_split`` (fewest keys
-per split, a multiple of the key alignment), ``programs_per_sm`` (split target), ``num_sms``
-(override the device's SM count; e.g. to force splits in tests).
+``backend_options``: ``family`` (:data:`FAMILIES`: "auto" runs absorbed MLA (D 576 / Dv 512, one
+latent head, no window) on the Hopper MLA kernel's split-KV mode on sm_90, everything else on the
+Triton split kernel; "portable" forces the Triton kernel; "mla" raises ValueError where it cannot
+run), ``config`` ((BLOCK_N, num_warps, num_stages)), ``block_m`` (most query rows x heads per
+program: 16, 32, 64 or 128; default 64, 32 for head dims > 256), ``min_split`` (fewest keys per
+split, a multiple of the key alignment), ``programs_per_sm`` (split target; default 12, 2 for the
+MLA kernel), ``num_sms`` (override the device's SM count; e.g. to force splits in tests). The
+split, combine (and MLA) kernels are planned launches: after the first call the compiled kernel
+is called directly (:mod:`._launch`).
 """
 
 from __future__ import annotations
