@@ -172,7 +172,8 @@ def plan_work(host, spec: AttentionSpec, *, rows: int, num_head_groups: int, ali
         item_k0=pad(k0, grid_items, 0), item_k1=pad(k1, grid_items, 0), item_ws=pad(item_ws, grid_items, -1),
         num_items=torch.tensor([num_items], dtype=torch.int32),
         row_ws0=pad(row_ws0, rows_cap, 0), row_nsplit=pad(row_nsplit, rows_cap, 0), row_ti=pad(row_ti, rows_cap, 0),
-        num_items_host=num_items, num_ws=num_ws, max_splits=int(n_split.max()) if num_tiles else 0, ws_cap=ws_cap, grid_items=grid_items, split=split,
+        num_items_host=num_items, num_ws=num_ws, max_splits=int(n_split.max()) if num_tiles else 0, ws_cap=ws_cap,
+        grid_items=grid_items, split=split,
     )
 
 

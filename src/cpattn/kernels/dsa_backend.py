@@ -22,8 +22,9 @@ geometry comes from the batch, so a graph captured over ``index_topk`` replays o
 ``backend_options``: sparse: ``family`` (:data:`SPARSE_FAMILIES`; "mla" raises ValueError where
 it cannot run), ``block_h`` (heads per program) and ``config`` ((BLOCK_N, num_warps, num_stages),
 bypassing the autotuner) of the portable kernel, ``planned_launch`` (default True: the mla
-family launches its compiled kernel directly after the first call, see :mod:`._launch`); index: ``block_m`` (rows per tile), ``keys_per_program``,
-``max_score_elems``, ``config``. Triton is imported lazily.
+family launches its compiled kernel directly after the first call, see :mod:`._launch`); index:
+``block_m`` (rows per tile), ``keys_per_program``, ``max_score_elems``, ``config``. Triton is
+imported lazily.
 """
 
 from __future__ import annotations
