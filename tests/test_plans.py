@@ -241,6 +241,31 @@ def test_nan_reaches_the_rows_that_see_it(request, backend, where):
     assert (out[n:] == 0).all() and torch.isneginf(lse[n:]).all()
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_nan_in_a_later_sequence_stays_there(request, backend, where):
+    """Packed K/V: a NaN key / value of sequence 1 (its rows follow sequence 0's in the packed
+    tensor, inside sequence 0's last key block) never reaches sequence 0's rows, which equal the
+    oracle; sequence 1's rows after it are NaN."""
+    if backend == "triton":
+        request.getfixturevalue("interp")
+    s = cpattn.ContiguousStrategy(1, pad_multiple=8)
+    ext, pre = [37, 12], [0, 3]
+    q, k, v, _ = _inputs(ext, pre, 2, 1, 16, 16, torch.float32, seed=9)
+    ref, ref_lse = attention_oracle(q, k, v, ext, pre)
+    bad = 37 + 1  # packed row of sequence 1's key at position 1
+    (k if where == "k" else v)[bad, 0, 4] = float("nan")
+    meta = s.build_metadata(ext, pre, rank=0)
+    ql = s.shard(q, meta)
+    plan = _plan(s, meta, ql, k, v, backend=backend)
+    out, lse = plan.run(ql, k, v, return_lse=True)
+    assert torch.isfinite(out[:37]).all() and torch.isfinite(lse[:37]).all()
+    assert (out[:37].double() - ref[:37]).abs().max() < 2e-5
+    assert (lse[:37].double() - ref_lse[:37]).abs().max() < 2e-5
+    # sequence 1: its query rows sit at positions 3..14, all after the NaN key at position 1
+    assert out[37:49].isnan().any(-1).all()
+
+
 # ----------------------------------------------------------------------------- static plans
 def _data_ptrs(meta) -> dict:
     from cpattn.metadata import DEVICE_FIELDS
