@@ -51,6 +51,21 @@ def time_cuda(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> flo
     return statistics.median(times)
 
 
+def _per_call_ms(issue: Callable[[], object], iters: int, repeats: int) -> float:
+    """Milliseconds per call of ``issue`` run ``iters`` times back to back between two CUDA
+    events, median of ``repeats``."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            issue()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    return statistics.median(times)
+
+
 def time_cuda_back_to_back(fn: Callable[[], object], warmup: int = 3, iters: int = 10, repeats: int = 3) -> float:
     """Milliseconds per call of ``fn`` issued ``iters`` times back to back between two CUDA
     events (median of ``repeats``): the GPU queue stays full, so host-side launch work that is
@@ -58,16 +73,7 @@ def time_cuda_back_to_back(fn: Callable[[], object], warmup: int = 3, iters: int
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return statistics.median(times)
+    return _per_call_ms(fn, iters, repeats)
 
 
 def time_cuda_graph(fn: Callable[[], object], warmup: int = 3, iters: int = 10, repeats: int = 3) -> float:
@@ -82,17 +88,9 @@ def time_cuda_graph(fn: Callable[[], object], warmup: int = 3, iters: int = 10, 
         fn()
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / iters)
+    ms = _per_call_ms(graph.replay, iters, repeats)
     del graph
-    return statistics.median(times)
+    return ms
 
 
 def time_host(fn: Callable[[], object], warmup: int = 2, iters: int = 20) -> float:

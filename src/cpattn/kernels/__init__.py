@@ -250,6 +250,21 @@ def triton_device_reason(device, kernel_module: str) -> Optional[str]:
     return None
 
 
+def triton_unsupported_reason(spec: "AttentionSpec", device, kernel_module: str) -> Optional[str]:
+    """Why the Triton kernels of ``kernel_module`` (dense or shard plans) cannot take ``spec`` on
+    ``device`` (None if they can): the process's interpreter / GPU mode, the head dims and dtypes
+    the kernels accept, fp32 only under the interpreter."""
+    reason = triton_device_reason(device, kernel_module)
+    if reason is not None:
+        return reason
+    from .triton_attn import shape_unsupported_reason
+
+    reason = shape_unsupported_reason(spec.head_dim, spec.head_dim_v, spec.dtype)
+    if reason is None and spec.dtype == torch.float32 and device.type == "cuda":
+        reason = "fp32 runs only under the interpreter (use bf16/fp16 on the GPU)"
+    return reason
+
+
 def module_available(name: str) -> bool:
     """Is a module importable here (without importing it)?"""
     try:

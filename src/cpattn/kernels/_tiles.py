@@ -39,6 +39,14 @@ class TileMap:
     row_offset: Tensor
 
 
+def kv_strides(k, v, paged: bool) -> tuple[int, int, int, int, int, int]:
+    """(page, row, head) element strides of K then V for the Triton kernels: paged caches
+    ``[pages, page_size, Hkv, D]``; packed ``[rows, Hkv, D]`` (page stride 0)."""
+    if paged:
+        return k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)
+    return 0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1)
+
+
 def tile_map(meta: CPMetadata, rows: int, capacity: Optional[int] = None) -> TileMap:
     """Tiles over every segment of ``meta`` including the pad segment (so kernels write pad
     rows). ``capacity``: pad the arrays to this many entries (static plans)."""

@@ -27,7 +27,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from . import AttentionSpec, triton_available, triton_device_reason
+from . import AttentionSpec, triton_available, triton_unsupported_reason
 from .. import _buffers
 from ._launch import LaunchState
 
@@ -376,16 +376,7 @@ class TritonShardBackend:
         return triton_available()
 
     def unsupported_reason(self, spec: AttentionSpec, dmeta) -> Optional[str]:
-        device = dmeta.device
-        reason = triton_device_reason(device, _KERNEL_MODULE)
-        if reason is not None:
-            return reason
-        from .triton_attn import shape_unsupported_reason
-
-        reason = shape_unsupported_reason(spec.head_dim, spec.head_dim_v, spec.dtype)
-        if reason is None and spec.dtype == torch.float32 and device.type == "cuda":
-            reason = "fp32 runs only under the interpreter (use bf16/fp16 on the GPU)"
-        return reason
+        return triton_unsupported_reason(spec, dmeta.device, _KERNEL_MODULE)
 
     def plan(self, spec: AttentionSpec, dmeta, options: Mapping) -> _TritonShardRun:
         return _TritonShardRun(spec, dmeta, options)

@@ -29,7 +29,7 @@ from typing import Mapping, Optional
 import torch
 from torch import Tensor
 
-from . import AttentionSpec, triton_available, triton_device_reason
+from . import AttentionSpec, triton_available, triton_unsupported_reason
 from .. import _buffers
 from ..metadata import CPMetadata
 from ._tiles import gqa_packing, heads_per_l2_section, max_tiles, tile_map
@@ -223,16 +223,7 @@ class TritonBackend:
         return triton_available()
 
     def unsupported_reason(self, spec: AttentionSpec, meta: CPMetadata) -> Optional[str]:
-        device = meta.device
-        reason = triton_device_reason(device, _KERNEL_MODULE)
-        if reason is not None:
-            return reason
-        from .triton_attn import shape_unsupported_reason
-
-        reason = shape_unsupported_reason(spec.head_dim, spec.head_dim_v, spec.dtype)
-        if reason is None and spec.dtype == torch.float32 and device.type == "cuda":
-            reason = "fp32 runs only under the interpreter (use bf16/fp16 on the GPU)"
-        return reason
+        return triton_unsupported_reason(spec, meta.device, _KERNEL_MODULE)
 
     def plan(self, spec: AttentionSpec, meta: CPMetadata, options: Mapping):
         family = options.get("family", "auto")

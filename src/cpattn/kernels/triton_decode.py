@@ -39,13 +39,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ._tiles import LOG2E, kv_strides
+
 #: True when this module's kernels were built for the CPU interpreter (TRITON_INTERPRET=1 at
 #: import): Triton decides at decoration time, so one process runs one kind.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
-LOG2E = 1.4426950408889634
-#: The same constants for use inside kernels (Triton reads only constexpr globals).
-_LOG2E = tl.constexpr(1.4426950408889634)
+#: The constants for use inside kernels (Triton reads only constexpr globals).
+_LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(0.6931471805599453)
 
 
@@ -406,12 +407,14 @@ def _align_key(*tensors) -> tuple:
     return tuple((t.dtype, t.data_ptr() & 15) for t in tensors)
 
 
-def _planned(state, name: str, kernel, fixed: dict, names: tuple):
+def _planned(state, name, kernel, make_fixed, names: tuple):
+    """The plan's :class:`PlannedLaunch` ``name`` of ``kernel``; ``make_fixed()`` (the fixed
+    keyword arguments) runs only when it is created."""
     from ._launch import PlannedLaunch
 
     launcher = state.launchers.get(name)
     if launcher is None:
-        launcher = state.launchers[name] = PlannedLaunch(kernel, fixed, names, enabled=state.enabled,
+        launcher = state.launchers[name] = PlannedLaunch(kernel, make_fixed(), names, enabled=state.enabled,
                                                          cache_size=state.cache_size)
     return launcher
 
@@ -427,14 +430,8 @@ def launch_split(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sink
     from ._launch import LaunchState
 
     paged = page_table is not None
-    if paged:
-        skp, skn, skh = k.stride(0), k.stride(1), k.stride(2)
-        svp, svn, svh = v.stride(0), v.stride(1), v.stride(2)
-        pt, stride_pt = page_table, page_table.stride(0)
-    else:
-        skp, skn, skh = 0, k.stride(0), k.stride(1)
-        svp, svn, svh = 0, v.stride(0), v.stride(1)
-        pt, stride_pt = plan_args["cu_local_kv"], 0
+    skp, skn, skh, svp, svn, svh = kv_strides(k, v, paged)
+    pt, stride_pt = (page_table, page_table.stride(0)) if paged else (plan_args["cu_local_kv"], 0)
     block_n, warps, stages = config
     sk = sinks if sinks is not None else out
     values = (q, k, v, out, lse, sk, pt, ws_o, ws_lse, float(softmax_scale) * LOG2E, q.stride(0), q.stride(1),
@@ -442,8 +439,8 @@ def launch_split(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sink
               out.stride(1), lse.stride(0), lse.stride(1), stride_pt, ws_o.stride(0), ws_o.stride(1),
               ws_o.stride(2), ws_lse.stride(0), ws_lse.stride(1), paged, v_from_k)
     key = _align_key(q, k, v, out, lse, sk, pt, ws_o, ws_lse) + values[10:]
-    fixed = dict(plan_args, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-    launcher = _planned(state or LaunchState(enabled=False), "split", _shard_attn_split, fixed, _SPLIT_PER_CALL)
+    launcher = _planned(state or LaunchState(enabled=False), "split", _shard_attn_split,
+                        lambda: dict(plan_args, BLOCK_N=block_n, num_warps=warps, num_stages=stages), _SPLIT_PER_CALL)
     launcher(grid, values, key)
 
 
@@ -487,7 +484,7 @@ def launch_combine(out: Tensor, lse: Tensor, sinks: Optional[Tensor], ws_o: Tens
               ws_lse.stride(0), ws_lse.stride(1))
     key = _align_key(out, lse, sk, ws_o, ws_lse) + values[5:]
     launcher = _planned(state or LaunchState(enabled=False), "combine", _shard_attn_combine,
-                        dict(combine_args, num_warps=4), _COMBINE_PER_CALL)
+                        lambda: dict(combine_args, num_warps=4), _COMBINE_PER_CALL)
     launcher(grid, values, key)
 
 
@@ -517,6 +514,6 @@ def merge_parts(parts: Tensor, part_lse: Tensor, out: Tensor, lse: Tensor, *, nu
     ps, ls, os_, ms = parts.stride(), part_lse.stride(), out.stride(), lse.stride()
     values = (out, lse, parts, part_lse, c, h, ps[0], ps[1], ps[2], ls[0], ls[1], ls[2], os_[0], os_[1], ms[0], ms[1])
     key = _align_key(out, lse, parts, part_lse) + values[4:]
-    fixed = dict(HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv, num_warps=4)
-    _planned(_MERGE_LAUNCHES, ("merge", dv, block_s, block_h, block_dv), _merge_parts, fixed, _MERGE_PER_CALL)(
-        grid, values, key)
+    _planned(_MERGE_LAUNCHES, ("merge", dv, block_s, block_h, block_dv), _merge_parts,
+             lambda: dict(HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv, num_warps=4),
+             _MERGE_PER_CALL)(grid, values, key)

@@ -727,13 +727,12 @@ def kernel_constexprs(dtype: torch.dtype, page_size: Optional[int]) -> dict:
 
 
 def sparse_constexprs(dtype: torch.dtype, page_size: Optional[int]) -> dict:
-    """The sparse kernel's geometry constexprs (tiles, page size, shared-memory layouts, registers)."""
-    return dict(
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HALF=HALF_V, ROPE=D_ROPE, STAGES=STAGES, PAGE_SIZE=page_size or 0,
-        Q_SMEM=smem_layout(BLOCK_M, HALF_V, dtype), QR_SMEM=smem_layout(BLOCK_M, D_ROPE, dtype),
-        K_SMEM=smem_layout(BLOCK_N, HALF_V, dtype), KR_SMEM=smem_layout(BLOCK_N, D_ROPE, dtype),
-        P_SMEM=smem_layout(BLOCK_M, BLOCK_N, dtype), CONSUMER_REGS=CONSUMER_REGS["sparse"],
-    )
+    """The sparse kernel's geometry constexprs: the dense ones without TMA copy groups (its loader
+    gathers rows with cp.async) and the sparse register split."""
+    consts = kernel_constexprs(dtype, page_size)
+    del consts["COPY_ROWS"]
+    consts["CONSUMER_REGS"] = CONSUMER_REGS["sparse"]
+    return consts
 
 
 #: Per-call arguments of the MLA kernel, in the order of a launch's ``values``.

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._tiles import LOG2E, SM90_SMEM_PER_BLOCK
+from ._tiles import LOG2E, SM90_SMEM_PER_BLOCK, kv_strides
 
 #: True when the kernels were built for the CPU interpreter (TRITON_INTERPRET=1 at import).
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
@@ -247,14 +247,8 @@ def launch(
     blocking, geometry constexprs; see ``dsa_backend``). ``config`` = (BLOCK_N, num_warps,
     num_stages) bypasses the autotuner."""
     paged = page_table is not None
-    if paged:
-        skp, skn, skh = k.stride(0), k.stride(1), k.stride(2)
-        svp, svn, svh = v.stride(0), v.stride(1), v.stride(2)
-        pt, stride_pt = page_table, page_table.stride(0)
-    else:
-        skp, skn, skh = 0, k.stride(0), k.stride(1)
-        svp, svn, svh = 0, v.stride(0), v.stride(1)
-        pt, stride_pt = plan_args["row_seq"], 0
+    skp, skn, skh, svp, svn, svh = kv_strides(k, v, paged)
+    pt, stride_pt = (page_table, page_table.stride(0)) if paged else (plan_args["row_seq"], 0)
     args = dict(
         Q=q, K=k, V=v, Idx=idx, Out=out, Lse=lse if lse is not None else out,
         Sinks=sinks if sinks is not None else out, PageTable=pt, qk_scale=float(softmax_scale) * LOG2E,

@@ -66,6 +66,33 @@ def make_spec(
     return AttentionSpec(hq, hkv, d, dv, dtype, window_left(window_size), page_size, has_sinks)
 
 
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, paged: bool, *, q_name: str = "q_local", k_name: str = "k",
+              v_name: str = "v", q_rows: str = "P", kv_rows: str = "num_kv_tokens") -> tuple[int, int]:
+    """(Hq, Hkv) of the q / k / v of a convenience call (``attention``, ``sparse_attention``,
+    ``shard_attention``, which plan from the tensors), after the checks every plan kind shares:
+    tensors, q ``[rows, Hq, D]`` floating, K/V packed ``[rows, Hkv, D]`` or paged ``[pages,
+    page_size, Hkv, D]`` with q's head dim and the same leading dims, Hq a multiple of Hkv
+    (ValueError / TypeError naming the argument)."""
+    for name, t in ((q_name, q), (k_name, k), (v_name, v)):
+        check_tensor(t, name)
+    if q.dim() != 3:
+        raise ValueError(f"{q_name} must be [{q_rows}, Hq, D], got shape {tuple(q.shape)}")
+    if not q.dtype.is_floating_point:
+        raise TypeError(f"{q_name} must be a floating tensor, got {q.dtype}")
+    if k.dim() != (4 if paged else 3) or v.dim() != k.dim():
+        layout = "[num_pages, page_size, Hkv, D]" if paged else f"[{kv_rows}, Hkv, D]"
+        raise ValueError(f"{k_name} and {v_name} must be {layout}, got shapes {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"{k_name} head dim {k.shape[-1]} != q head dim {q.shape[-1]}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"{k_name} shape {tuple(k.shape)} and {v_name} shape {tuple(v.shape)} differ before the last "
+                         "dim")
+    hq, hkv = q.shape[1], k.shape[-2]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
+    return hq, hkv
+
+
 def check_sinks(sinks: Optional[Tensor], spec: AttentionSpec, device: torch.device) -> None:
     """Per-layer check of ``sinks`` against a plan's spec (shared by every plan kind)."""
     if (sinks is not None) != spec.has_sinks:

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .._validation import check_tensor
 from ..kernels import AttentionSpec, select_backend
-from .dense import check_group_rank, check_sinks, make_spec, result_buffers, window_left
+from .dense import check_group_rank, check_qkv, check_sinks, make_spec, result_buffers, window_left
 
 __all__ = ["ShardAttentionPlan", "plan_shard_attention", "shard_attention"]
 
@@ -220,21 +220,9 @@ def shard_attention(
         out = cpattn.merge_partials(out_p, lse_p, g, meta=dmeta)
     """
     _check_dmeta(dmeta)
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_tensor(t, name)
-    if q.dim() != 3:
-        raise ValueError(f"q must be [Nq, Hq, D], got shape {list(q.shape)}")
-    if not q.dtype.is_floating_point:
-        raise TypeError(f"q must be a floating tensor, got {q.dtype}")
     paged = page_table is not None
-    if k_cache.dim() != (4 if paged else 3) or v_cache.dim() != k_cache.dim():
-        layout = "[num_pages, page_size, Hkv, D]" if paged else "[rows, Hkv, D]"
-        raise ValueError(f"k_cache and v_cache must be {layout}, got {list(k_cache.shape)} and {list(v_cache.shape)}")
-    if k_cache.shape[-1] != q.shape[-1]:
-        raise ValueError(f"k_cache head dim {k_cache.shape[-1]} != q head dim {q.shape[-1]}")
-    hq, hkv = q.shape[1], k_cache.shape[-2]
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
+    hq, hkv = check_qkv(q, k_cache, v_cache, paged, q_name="q", k_name="k_cache", v_name="v_cache", q_rows="Nq",
+                        kv_rows="rows")
     left = window_left(window_size)
     key = ("shard", q.dtype, hq, hkv, q.shape[-1], v_cache.shape[-1], left, k_cache.shape[1] if paged else None,
            sinks is not None, backend)

@@ -23,6 +23,7 @@ from ..metadata import CPMetadata, LengthsLike, build_metadata
 from ..plans import AttentionPlan, plan_attention
 from ..plans.sparse import SparseAttentionPlan, check_index, plan_sparse_attention
 from ..plans import window_left as window_left_of
+from ..plans.dense import check_qkv
 
 __all__ = ["CPStrategy", "block_of", "rotation_offsets"]
 
@@ -337,24 +338,8 @@ class CPStrategy(ABC):
 
     def _cached_plan(self, q, k, v, meta, page_table, window_size, sinks, backend) -> AttentionPlan:
         self.check_metadata(meta)
-        check_tensor(q, "q_local")
-        check_tensor(k, "k")
-        check_tensor(v, "v")
-        if q.dim() != 3:
-            raise ValueError(f"q_local must be [P, Hq, D], got shape {tuple(q.shape)}")
-        if not q.dtype.is_floating_point:
-            raise TypeError(f"q_local must be a floating tensor, got {q.dtype}")
         paged = page_table is not None
-        if k.dim() != (4 if paged else 3) or v.dim() != k.dim():
-            layout = "[num_pages, page_size, Hkv, D]" if paged else "[num_kv_tokens, Hkv, D]"
-            raise ValueError(f"k and v must be {layout}, got shapes {tuple(k.shape)} and {tuple(v.shape)}")
-        if k.shape[-1] != q.shape[-1]:
-            raise ValueError(f"k head dim {k.shape[-1]} != q head dim {q.shape[-1]}")
-        if k.shape[:-1] != v.shape[:-1]:
-            raise ValueError(f"k shape {tuple(k.shape)} and v shape {tuple(v.shape)} differ before the last dim")
-        hq, hkv = q.shape[1], k.shape[-2]
-        if hkv == 0 or hq % hkv != 0:
-            raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
+        hq, hkv = check_qkv(q, k, v, paged)
         window_left = window_left_of(window_size)
         key = (q.dtype, hq, hkv, q.shape[-1], v.shape[-1], window_left, k.shape[1] if paged else None,
                sinks is not None, backend)
@@ -437,24 +422,9 @@ class CPStrategy(ABC):
 
     def _cached_sparse_plan(self, q, k, v, meta, idx, page_table, sinks, backend) -> SparseAttentionPlan:
         self.check_metadata(meta)
-        for name, t in (("q_local", q), ("k", k), ("v", v)):
-            check_tensor(t, name)
-        if q.dim() != 3:
-            raise ValueError(f"q_local must be [P, Hq, D], got shape {tuple(q.shape)}")
-        if not q.dtype.is_floating_point:
-            raise TypeError(f"q_local must be a floating tensor, got {q.dtype}")
-        topk = check_index(idx, meta.num_physical_tokens)
         paged = page_table is not None
-        if k.dim() != (4 if paged else 3) or v.dim() != k.dim():
-            layout = "[num_pages, page_size, Hkv, D]" if paged else "[num_kv_tokens, Hkv, D]"
-            raise ValueError(f"k and v must be {layout}, got shapes {tuple(k.shape)} and {tuple(v.shape)}")
-        if k.shape[-1] != q.shape[-1]:
-            raise ValueError(f"k head dim {k.shape[-1]} != q head dim {q.shape[-1]}")
-        if k.shape[:-1] != v.shape[:-1]:
-            raise ValueError(f"k shape {tuple(k.shape)} and v shape {tuple(v.shape)} differ before the last dim")
-        hq, hkv = q.shape[1], k.shape[-2]
-        if hkv == 0 or hq % hkv != 0:
-            raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
+        hq, hkv = check_qkv(q, k, v, paged)
+        topk = check_index(idx, meta.num_physical_tokens)
         key = ("sparse", q.dtype, hq, hkv, q.shape[-1], v.shape[-1], topk, k.shape[1] if paged else None,
                sinks is not None, backend)
         plan = meta.plan_cache.get(key)
