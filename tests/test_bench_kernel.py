@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
 import torch
 
 from cpattn.bench import kernel as bench
@@ -74,6 +75,7 @@ def test_targets_summary(capsys):
     add("d128 S=64k zigzag C=2 paged16", "fa4", 500, "paged")
     add("mla576 S=16k zigzag C=1", "triton", 510, "mla")
     add("mla576 decode B=8 L=32k q1", "triton", 20, "decode", gbps=2600.0)
+    add("mla576 decode B=8 L=4k q1", "triton", 88, "decode", gbps=364.0, tflops_graph=350.0, gbps_graph=1450.0)
     add("d128 1024x128", "triton", 300, "short")
     add("d128 1024x128", "fa4", 400, "short")
     bench._print_targets(rows)
@@ -81,10 +83,15 @@ def test_targets_summary(capsys):
     assert "dense d128 zigzag triton/fa4: median 1.000" in out and "min 0.893" in out
     assert "d128 S=64k zigzag C=2 paged16: triton 589 TF/s = 0.95x its packed" in out and "1.18x fa4 paged" in out
     assert "mla576 S=16k zigzag C=1: triton 510 TF/s" in out
-    assert "mla576 decode B=8 L=32k q1: triton 2600 GB/s" in out
+    assert "mla576 decode B=8 L=32k q1: triton back to back 2600 GB/s, 20 TF/s (target" in out
+    assert "mla576 decode B=8 L=4k q1: triton back to back 364 GB/s, 88 TF/s; graph replay 1450 GB/s, 350 TF/s" in out
     assert "d128 1024x128: triton 300 TF/s = 0.75x fa4 varlen" in out
 
 
 def test_sm90_options_parse():
     assert bench.parse_options("block_n=64,stages=4,pingpong=1,overlap=2") == dict(
         block_n=64, stages=4, pingpong=True, overlap=2)
+    assert bench.parse_options("programs_per_sm=1,family=mla", "--decode-options") == dict(
+        programs_per_sm=1, family="mla")
+    with pytest.raises(SystemExit, match="--decode-options items are key=value"):
+        bench.parse_options("programs_per_sm", "--decode-options")

@@ -254,6 +254,72 @@ def test_index_topk_chunks_and_windows(dsa_interp, page_size, block_n):
             check_selection(plan.run(ql, k_in, wl, **kw), meta, oracle, 9, 1e-4)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_index_topk_nan_key_reaches_rows_that_see_it(request, backend):
+    """A NaN index key scores NaN for every row that sees it (relu keeps NaN), and NaN ranks
+    first (as in torch.topk): rows at positions >= its position select it, earlier rows and
+    the other sequence never do."""
+    if backend == "triton":
+        request.getfixturevalue("dsa_interp")
+    extend, prefix = [40, 12], [10, 0]
+    s = cpattn.ZigzagStrategy(2)
+    q, k, w, _, _ = _index_inputs(extend, prefix, 2, 16, 7)
+    nan_pos = 23  # key position 23 of sequence 0
+    k[nan_pos, 3] = float("nan")
+    for rank in range(2):
+        meta = s.build_metadata(extend, prefix, rank=rank)
+        idx = dsa.index_topk(s.shard(q, meta), k, s.shard(w, meta), meta, 4, backend=backend)
+        for sq, row0, length, pos0, stride in meta.host_segments:
+            for i in range(length):
+                p = pos0 + i * stride
+                picked = nan_pos in idx[row0 + i].tolist()
+                assert picked == (sq == 0 and p >= nan_pos), (rank, sq, p, idx[row0 + i].tolist())
+
+
+@pytest.mark.parametrize("budget", [16 * 16, 16 * 48, 1 << 12, 1 << 16])
+def test_index_chunks_follow_the_triangle_and_fill_launch_groups(budget):
+    """The index plan's host geometry (rank 0 of interleave C = 2 over a long causal sequence):
+    chunks are consecutive whole tiles under the budget and (when they hold several tiles) within
+    CHUNK_SLACK of their tiles' own rows x keys; their windows cover [0, width) once; launch
+    groups hold the pieces (chunk windows) in order, at most ``budget`` values unless one piece
+    is larger, and list every (tile, window) entry exactly once with its piece's place in the
+    group buffer."""
+    from cpattn.kernels import dsa_backend as db
+
+    meta = cpattn.InterleaveStrategy(2).build_metadata([700, 90], [0, 40], rank=0)
+    tiles = db._row_order_tiles(meta, 16)
+    chunks = db._chunks(tiles, budget, 16, 16)
+    keys, lens = tiles["keys"].tolist(), tiles["len"].tolist()
+    assert [c[0] for c in chunks] == [sum(c[1] for c in chunks[:i]) for i in range(len(chunks))]
+    assert sum(c[1] for c in chunks) == len(keys)
+    for t0, nt, r0, rows, windows in chunks:
+        width = sum(w for _, w in windows)
+        assert [p for p, _ in windows] == [sum(w for _, w in windows[:i]) for i in range(len(windows))]
+        assert width >= max(keys[t0 : t0 + nt]) and width % 16 == 0
+        if nt > 1:
+            area = sum(lens[t] * keys[t] for t in range(t0, t0 + nt))
+            assert rows * width <= budget and rows * width <= db.CHUNK_SLACK * area
+    groups, tab = db._launch_groups(chunks, budget)
+    flat = [pc for g in groups for pc in g[4]]
+    assert [(rows, r0, p_lo, w, last) for rows, r0, _, p_lo, w, last in flat] == [
+        (c[3], c[2], p, w, i == len(c[4]) - 1) for c in chunks for i, (p, w) in enumerate(c[4])]
+    seen = []
+    for e0, entries, widest, used, pieces in groups:
+        assert used <= budget or len(pieces) == 1
+        assert widest == max(pc[4] for pc in pieces)
+        base = 0
+        for rows, _, b, _, w, _ in pieces:
+            assert b == base
+            base += rows * w
+        assert base == used
+        for e in range(e0, e0 + entries):
+            t, piece = int(tab["entry_tile"][e]), int(tab["entry_piece"][e])
+            seen.append((t, int(tab["piece_plo"][piece])))
+            assert int(tab["piece_row0"][piece]) <= int(tiles["row0"][t])
+    want = [(t, p) for t0, nt, _, _, windows in chunks for p, _ in windows for t in range(t0, t0 + nt)]
+    assert sorted(seen) == sorted(want) and len(seen) == len(want)
+
+
 # ----------------------------------------------------------------------------- sparse attention
 def _sparse_inputs(extend, prefix, form, seed, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)

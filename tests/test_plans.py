@@ -593,6 +593,10 @@ def test_decode_shaped_dense_plan_runs_the_decode_family(interp, page):
     n = meta.num_local_tokens
     assert (out[:n].double() - ref).abs().max() < 2e-5 and (lse[:n].double() - ref_lse).abs().max() < 2e-5
     assert (out[n:] == 0).all() and torch.isneginf(lse[n:]).all()
+    # engine buffers holding garbage: every row is written (the combine writes the pad rows)
+    out_buf, lse_buf = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+    plan.run(ql, k_in, v_in, page_table=table, sinks=sk, out=out_buf, lse=lse_buf)
+    assert torch.equal(out_buf, out) and torch.equal(lse_buf, lse)
     forced = s.plan_attention(meta, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
                               backend="triton", backend_options={"family": "portable"})
     assert forced.family == "portable"
@@ -600,3 +604,25 @@ def test_decode_shaped_dense_plan_runs_the_decode_family(interp, page):
         cpattn.ZigzagStrategy(2).plan_attention(cpattn.ZigzagStrategy(2).build_metadata([3], [500], rank=0),
                                                 num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
                                                 backend="triton", backend_options={"family": "decode"})
+
+
+def test_decode_shaped_dense_plan_takes_split_options(interp):
+    """backend_options["decode"] reaches the split-KV family: a forced split target changes the
+    split size (results still equal the oracle); unknown keys raise ValueError naming them."""
+    s = cpattn.ContiguousStrategy(1, pad_multiple=8)
+    ext, pre = [1, 2], [700, 900]
+    q, k, v, _ = _inputs(ext, pre, 4, 2, 16, 16, torch.float32, seed=5)
+    meta = s.build_metadata(ext, pre, rank=0)
+    splits = set()
+    for pps in (1, 8):
+        plan = s.plan_attention(meta, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
+                                backend="triton", backend_options={"decode": {"programs_per_sm": pps, "num_sms": 2}})
+        assert plan.family == "decode"
+        splits.add(plan._impl._impl.split)
+        out = plan.run(s.shard(q, meta), k, v)
+        ref, _ = attention_oracle(q, k, v, ext, pre)
+        assert (out[: meta.num_local_tokens].double() - ref).abs().max() < 2e-5
+    assert len(splits) == 2
+    with pytest.raises(ValueError, match="decode keys.*bogus"):
+        s.plan_attention(meta, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, backend="triton",
+                         backend_options={"decode": {"bogus": 1}})

@@ -57,10 +57,19 @@ def compile_index(h, d, block_m, block_n, warps, stages, k_fp8=False, q_fp8=Fals
                   PAGE_SIZE=paged or 1, HAS_KSCALE=k_fp8, K_DESC_OK=k_desc, DOT_PRECISION="tf32", DOT_UPCAST=False,
                   K_TO_Q=k_fp8 and not q_fp8, BLOCK_N=block_n, HEAD_STAGES=head_stages)
     ptrs = dict(Q=q_t, K=k_t, W="*fp32", KScale="*fp32", Scores="*fp32", PageTable="*i32", tile_row0="*i32",
-                tile_len="*i32", tile_pos0="*i32", tile_stride="*i32", tile_seq="*i32", tile_kv_start="*i64")
+                tile_len="*i32", tile_pos0="*i32", tile_stride="*i32", tile_seq="*i32", tile_kv_start="*i64",
+                entry_tile="*i32", entry_piece="*i32", piece_row0="*i32", piece_plo="*i32", piece_width="*i32",
+                piece_base="*i64")
     sig = _signature(fn, ptrs, ("softmax_scale",), consts)
     return triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=warps, num_stages=stages))
+
+
+def compile_write_selection(block=512):
+    fn = ti._write_selection
+    sig = _signature(fn, dict(Vals="*fp32", Idx="*i64", Out="*i32"), (), dict(BLOCK=block))
+    return triton.compile(ASTSource(fn, sig, dict(BLOCK=block)), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, num_stages=1))
 
 
 def ptxas_report(ptx: str) -> str:
@@ -83,7 +92,7 @@ SPARSE = [  # (D, Dv, BLOCK_H, V_IS_K, BLOCK_N, warps, stages)
     (192, 128, 16, False, 64, 4, 2),
     (192, 128, 16, False, 64, 8, 3),
 ]
-INDEX = [  # (H, D, BLOCK_M, BLOCK_N, warps, stages, k_fp8, q_fp8)
+INDEX = [  # (H, D, BLOCK_M, BLOCK_N, warps, stages, k_fp8, q_fp8); the first: the no-autotune default
     (64, 128, 64, 128, 4, 3, False, False),
     (64, 128, 64, 256, 8, 3, False, False),
     (64, 128, 64, 128, 8, 2, False, False),
@@ -107,7 +116,8 @@ def compile_matrix() -> int:
         for paged, k_desc in ((None, True), (None, False), (64, True), (16, False)):
             compile_index(64, 128, 64, 128, 8, 2, k_fp8=k8, q_fp8=q8, paged=paged, k_desc=k_desc)
             count += 1
-    return count
+    compile_write_selection()
+    return count + 1
 
 
 def main() -> None:

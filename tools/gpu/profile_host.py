@@ -9,7 +9,7 @@ D576 / Dv512):
   their own caches), (c) (b) with ``out=`` given (no output allocation), and the plain JIT call
   (``planned_launch=False``) for comparison; whether the direct launch (prepared descriptors) ran;
 * a self-check: every planned result bit-identical to the JIT call's on each K/V set;
-* cProfile's top lines of the sm90 packed and paged rotating calls;
+* cProfile's top lines of every case's rotating calls;
 * the kernel benchmark's one-call + sync vs back-to-back ratio (``cpattn.bench.common``
   ``time_cuda`` / ``time_cuda_back_to_back``, as ``python -m cpattn.bench kernel`` measures it) at
   16k C=8 D128 (target: within 5%).
@@ -31,7 +31,7 @@ import time
 import torch
 
 import cpattn
-from cpattn.bench.common import time_cuda, time_cuda_back_to_back
+from cpattn.bench.common import time_cuda, time_cuda_back_to_back, time_cuda_graph
 from cpattn.bench.kernel import _flops
 
 TARGET_US = 30.0
@@ -137,16 +137,15 @@ def main() -> int:
         print(f"{name:17s} same K/V {us_same:6.1f} us | rotating 4 {us_rot:6.1f} us | rotating, out= {us_out:6.1f} us"
               f" | JIT {us_jit:6.1f} us | bit-identical to JIT: {same} | {direct_taken(fast)} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
-        if name.startswith("sm90"):
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(300):
-                fast.run(qq, *next(cyc), **extra)
-            prof.disable()
-            torch.cuda.synchronize()
-            text = io.StringIO()
-            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
-            profiles[name] = text.getvalue()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(300):
+            fast.run(qq, *next(cyc), **extra)
+        prof.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(16)
+        profiles[name] = text.getvalue()
     for name, text in profiles.items():
         print(f"\n---- cProfile, {name}, rotating K/V, 300 calls (tottime) ----")
         print("\n".join(line for line in text.splitlines() if line.strip())[:4000])
@@ -164,6 +163,22 @@ def main() -> int:
     print(f"\nkernel bench 16k C=8 D128 (zigzag rank 0, family {plan.family}): back to back {ms:.3f} ms "
           f"({tf:.0f} TF/s), one call + sync {ms_sync:.3f} ms ({tf_sync:.0f} TF/s): sync / back-to-back = "
           f"{ratio:.3f} (target >= 0.95)")
+    from torch.profiler import ProfilerActivity, profile
+
+    for sync in (False, True):  # the kernel's own duration, back to back vs isolated by a sync
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                fn()
+                if sync:
+                    torch.cuda.synchronize()
+            torch.cuda.synchronize()
+        durs = [e.device_time_total for e in prof.events() if e.device_type.name == "CUDA"]
+        print(f"kernel duration ({'one call + sync' if sync else 'back to back'}): median "
+              f"{statistics.median(durs):.1f} us over {len(durs)} GPU ops")
+    graph_ms = time_cuda_graph(fn, warmup=2, iters=20)
+    print(f"graph replay {graph_ms:.3f} ms")
     print("\nsummary (host us per plan.run; target <= 30 for triton):")
     for name, us_same, us_rot, us_out, us_jit, same, how in rows:
         verdict = "PASS" if max(us_same, us_rot) <= TARGET_US else "over"

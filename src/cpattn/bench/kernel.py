@@ -13,7 +13,9 @@ Workload groups (``--workloads`` picks groups or name substrings, comma separate
   C = 1 / 4), packed, plus S=16k C=1 over 64-key pages: ``mla576 S=16k zigzag C=1``.
 * ``decode``: absorbed-MLA decode through a dense plan over a replicated cache (C = 1): B sequences
   (``--decode-batches``) of L keys (``--decode-lens``) with q new tokens each (``--decode-qlens``):
-  ``mla576 decode B=64 L=32k q1``; the JSON adds ``gbps`` (latent bytes read once / time).
+  ``mla576 decode B=64 L=32k q1``; the JSON adds ``gbps`` (latent bytes read once / time) and
+  ``ms_graph`` / ``tflops_graph`` / ``gbps_graph``: the same call replayed from a CUDA graph (GPU
+  time only; engines run decode steps in graphs). ``--decode-options`` tunes the split-KV family.
 * ``short``: many short sequences at C = 1 (``--short``, default 1024 x 128 and 64 x 2048 tokens,
   D128 heads): ``d128 1024x128``, against FA4 varlen on the same segments.
 
@@ -21,6 +23,9 @@ Backends on the same tensors (``--backends``):
 
 * ``triton``: ``plan.run(...)`` of a plan built once per workload with ``backend="triton"`` (the
   family it picks, sm90 / mla / portable, is in the JSON row and the progress line).
+* ``triton-persistent``: ``triton`` with the dense sm90 kernel's persistent schedule
+  (``backend_options={"sm90": {"persistent": True}}``: one resident program per SM walking the
+  work items); other families ignore it.
 * ``triton-portable``: the portable Triton kernel alone (``backend_options={"family": "portable"}``).
 * ``fa4``: ``plan.run(...)`` of an ``backend="fa4"`` plan (one varlen launch plus output set-up).
 * ``fa4-raw``: ``flash_attn.cute.flash_attn_varlen_func`` called directly with the same
@@ -50,11 +55,11 @@ from typing import Callable, Optional
 
 import torch
 
-from .common import default_out, header, progress, time_cuda, time_cuda_back_to_back, write_json
+from .common import default_out, header, progress, time_cuda, time_cuda_back_to_back, time_cuda_graph, write_json
 
 #: (Hq, Hkv, D, Dv) per head shape.
 SHAPES = {"d128": (32, 8, 128, 128), "d192": (16, 16, 192, 128), "mla576": (128, 1, 576, 512)}
-BACKENDS = ("triton", "triton-portable", "fa4", "fa4-raw", "sdpa")
+BACKENDS = ("triton", "triton-persistent", "triton-portable", "fa4", "fa4-raw", "sdpa")
 GROUPS = ("dense", "paged", "mla", "decode", "short")
 #: Where the benchmark runs (a module constant so tests can drive ``main`` on CPU).
 DEVICE = "cuda"
@@ -84,16 +89,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sm90-options", default=None,
                    help="key=value list passed to the dense sm90 kernel of the 'triton' backend "
                         "(backend_options sm90), e.g. block_n=64,stages=4 or overlap=2,pingpong=1")
+    p.add_argument("--decode-options", default=None,
+                   help="key=value list passed to the split-KV family of decode-shaped 'triton' plans "
+                        "(backend_options decode), e.g. programs_per_sm=1")
 
 
-def parse_options(text: str) -> dict:
-    """``"block_n=64,stages=4,pingpong=1"`` -> ``{"block_n": 64, "stages": 4, "pingpong": True}``."""
+def parse_options(text: str, flag: str = "--sm90-options") -> dict:
+    """``"block_n=64,stages=4,pingpong=1"`` -> ``{"block_n": 64, "stages": 4, "pingpong": True}``
+    (``family=`` values stay strings)."""
     out = {}
     for item in [t for t in text.split(",") if t]:
         key, _, value = item.partition("=")
+        key = key.strip()
         if not value:
-            raise SystemExit(f"--sm90-options items are key=value, got {item!r}")
-        out[key.strip()] = bool(int(value)) if key.strip() == "pingpong" else int(value)
+            raise SystemExit(f"{flag} items are key=value, got {item!r}")
+        out[key] = bool(int(value)) if key == "pingpong" else value if key == "family" else int(value)
     return out
 
 
@@ -298,6 +308,8 @@ def main(args: argparse.Namespace) -> int:
         triton_kw = dict(block_m=bm, config=(bn, w, s), family="portable")
     if args.sm90_options:
         triton_kw["sm90"] = parse_options(args.sm90_options)
+    if args.decode_options:
+        triton_kw["decode"] = parse_options(args.decode_options, "--decode-options")
     info = header("python -m cpattn.bench kernel " + " ".join(_argv_summary(args)))
     progress(f"{info['machine']}; backends {backends}; {len(workloads)} workloads")
     dev = DEVICE
@@ -340,6 +352,13 @@ def main(args: argparse.Namespace) -> int:
             if w.group == "decode":
                 row["gbps"] = round(kv_bytes / (ms * 1e-3) / 1e9, 1)
                 extra = f" {row['gbps']:8.1f} GB/s"
+                try:  # decode runs in CUDA graphs in engines: the replayed step's GPU time
+                    ms_graph = time_cuda_graph(fn, warmup=1, iters=iters)
+                    row.update(ms_graph=round(ms_graph, 4), tflops_graph=round(flops / (ms_graph * 1e-3) / 1e12, 1),
+                               gbps_graph=round(kv_bytes / (ms_graph * 1e-3) / 1e9, 1))
+                    extra += f" (graph {ms_graph:.4f} ms {row['tflops_graph']:.1f} TF/s {row['gbps_graph']:.0f} GB/s)"
+                except Exception as exc:  # a backend whose call cannot be captured
+                    progress(f"{w.name}: graph capture failed: {type(exc).__name__}: {exc}"[:300])
             rows.append(row)
             progress(f"{w.name:38s} {backend:15s} {family:8s} {ms:9.3f} ms {tflops:7.1f} TF/s{extra} "
                      f"(one call + sync: {ms_sync:.3f} ms)")
@@ -371,6 +390,9 @@ def _make_fn(backend, s, q, k, v, meta, table, group, w: Workload, triton_kw):
     d = q.shape[-1]
     if backend == "triton":
         return _plan_fn(s, q, k, v, meta, table, "triton", triton_kw)
+    if backend == "triton-persistent":  # the dense sm90 kernel with one resident program per SM
+        options = {**triton_kw, "sm90": {**triton_kw.get("sm90", {}), "persistent": True}}
+        return _plan_fn(s, q, k, v, meta, table, "triton", options)
     if backend == "triton-portable":
         portable = {k_: v_ for k_, v_ in triton_kw.items() if k_ != "sm90"}
         return _plan_fn(s, q, k, v, meta, table, "triton", {**portable, "family": "portable"})
@@ -388,7 +410,7 @@ def _make_fn(backend, s, q, k, v, meta, table, group, w: Workload, triton_kw):
 
 
 def _argv_summary(args) -> list[str]:
-    out = [f"--workloads '{args.workloads}'", f"--sm90-options {args.sm90_options}", f"--shapes {args.shapes}", f"--seqs {args.seqs}", f"--cps {args.cps}",
+    out = [f"--workloads '{args.workloads}'", f"--sm90-options {args.sm90_options}", f"--decode-options {args.decode_options}", f"--shapes {args.shapes}", f"--seqs {args.seqs}", f"--cps {args.cps}",
            f"--pages {args.pages}", f"--mla-seqs {args.mla_seqs}", f"--mla-cps {args.mla_cps}",
            f"--decode-batches {args.decode_batches}", f"--decode-lens {args.decode_lens}",
            f"--decode-qlens {args.decode_qlens}", f"--short {args.short}"]
@@ -447,7 +469,9 @@ def _print_targets(rows: list[dict]) -> None:
             lines.append(f"{w}: triton {v['triton']:.0f} TF/s (target >= 500)")
     for r in rows:
         if r["group"] == "decode" and r["backend"] == "triton":
-            lines.append(f"{r['workload']}: triton {r['gbps']:.0f} GB/s, {r['tflops']:.0f} TF/s "
+            graph = (f"; graph replay {r['gbps_graph']:.0f} GB/s, {r['tflops_graph']:.0f} TF/s"
+                     if "tflops_graph" in r else "")
+            lines.append(f"{r['workload']}: triton back to back {r['gbps']:.0f} GB/s, {r['tflops']:.0f} TF/s{graph} "
                          f"(target at B >= 8: >= 2500 GB/s or >= 400 TF/s)")
     for w, v in table.items():
         if re.fullmatch(r"d128 \d+x\d+", w) and "triton" in v:

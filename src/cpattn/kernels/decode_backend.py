@@ -15,7 +15,7 @@ latent head, no window) on the Hopper MLA kernel's split-KV mode on sm_90, every
 Triton split kernel; "portable" forces the Triton kernel; "mla" raises ValueError where it cannot
 run), ``config`` ((BLOCK_N, num_warps, num_stages)), ``block_m`` (most query rows x heads per
 program: 16, 32, 64 or 128; default 64, 32 for head dims > 256), ``min_split`` (fewest keys per
-split, a multiple of the key alignment), ``programs_per_sm`` (split target; default 12, 2 for the
+split, a multiple of the key alignment), ``programs_per_sm`` (split target; default 12, 1 for the
 MLA kernel), ``num_sms`` (override the device's SM count; e.g. to force splits in tests). The
 split, combine (and MLA) kernels are planned launches: after the first call the compiled kernel
 is called directly (:mod:`._launch`).
@@ -36,9 +36,10 @@ _OPTION_NAMES = {"config", "block_m", "min_split", "programs_per_sm", "num_sms",
 #: Kernel families of shard plans ("auto": the absorbed-MLA Hopper kernel where it applies,
 #: else the portable split-KV kernel).
 FAMILIES = ("auto", "portable", "mla")
-#: Split target of the absorbed-MLA kernel, per SM: one 225 KiB program fits an SM, so 2 gives
-#: two balanced waves (fewer, longer programs than the portable kernel's 12).
-MLA_PROGRAMS_PER_SM = 2
+#: Split target of the absorbed-MLA kernel, per SM: one 225 KiB program fits an SM, so 1 gives
+#: one wave of long programs (measured on H200 against 2 and 4, docs/benchmarks.md: B = 64
+#: L = 4k q1 434 vs 354 TF/s, B = 8 L = 32k q1 395 vs 373, graph replay; fewer partials to combine).
+MLA_PROGRAMS_PER_SM = 1
 
 #: Split starts are multiples of this many keys (every BLOCK_N divides it); on the GPU also the
 #: granularity of split sizes.

@@ -12,12 +12,17 @@ shape, any CUDA GPU and the interpreter). ``auto`` takes ``mla`` where it applie
 ``CPATTN_TRITON_SM90=0`` (read at plan time) or a portable-kernel option is given.
 
 The index top-k plans, once per forward, query tiles of one segment each (``BLOCK_M`` rows, in row
-order) and groups consecutive tiles into **chunks** whose score buffer ``[rows, width]`` (width =
-the chunk's largest key count) stays under ``max_score_elems`` float32 values; a chunk wider than
-that is cut into key windows merged by a running top-k. Per layer and chunk: one score launch
-(tiles x key splits), one ``torch.topk(sorted=False)``, one write of the positions. The host loop
-runs over chunks (a handful at 128k tokens), never over sequences, and never syncs; the chunk
-geometry comes from the batch, so a graph captured over ``index_topk`` replays only that batch.
+order) and groups consecutive tiles into **chunks** whose score block ``[rows, width]`` (width =
+the chunk's largest key count) stays under ``max_score_elems`` float32 values and within
+:data:`CHUNK_SLACK` of its rows' own key counts; a chunk wider than the budget is cut into key
+windows merged by a running top-k. Chunks (their windows: **pieces**) are packed into launch
+groups of at most ``max_score_elems`` values. Per layer and group: one score launch (entries =
+(tile, piece) x key splits) writing every piece's block of the group buffer; per chunk one
+``torch.topk(sorted=False)`` per window and one launch writing the positions (int32, -1 where
+no key). The host loop runs over
+groups and chunks (about ten at 32k or 128k tokens), never over sequences, and never syncs; the
+chunk geometry comes from the batch, so a graph captured over ``index_topk`` replays only that
+batch.
 
 ``backend_options``: sparse: ``family`` (:data:`SPARSE_FAMILIES`; "mla" raises ValueError where
 it cannot run), ``block_h`` (heads per program) and ``config`` ((BLOCK_N, num_warps, num_stages),
@@ -42,6 +47,11 @@ from ._dsa_rows import device_rows
 
 #: Sparse-attention kernel families ("auto": mla where it applies, else portable).
 SPARSE_FAMILIES = ("auto", "mla", "portable")
+
+#: Index top-k chunks end where their score rectangle would exceed this many times their rows'
+#: own key counts: widths follow the causal triangle (one chunk over a sequence's rows would
+#: make torch.topk read twice what is visible), several chunks per score launch.
+CHUNK_SLACK = 1.25
 
 _SPARSE_MODULE = "cpattn.kernels.triton_sparse"
 _INDEX_MODULE = "cpattn.kernels.triton_index"
@@ -200,22 +210,28 @@ def _row_order_tiles(meta: CPMetadata, block_m: int) -> dict[str, Tensor]:
     }
 
 
-def _chunks(tiles: dict[str, Tensor], budget: int, align: int, window_align: int) -> list[tuple]:
+def _chunks(tiles: dict[str, Tensor], budget: int, align: int, window_align: int,
+            slack: float = None) -> list[tuple]:
     """Greedy chunks of consecutive tiles: (first tile, num tiles, first row, rows, windows) with
     windows [(p_lo, width)] covering [0, the chunk's largest key count rounded up to ``align``)
-    under ``budget`` values. Window starts are multiples of ``window_align`` (the kernel's keys per
-    program, a multiple of every BLOCK_N), so key blocks stay BLOCK_N-aligned (inside one page)."""
+    under ``budget`` values. A chunk also stops growing when its rectangle ``rows x width``
+    would exceed ``slack`` times its tiles' own ``rows x keys`` (so widths follow the causal
+    triangle: less for ``torch.topk`` to read). Window starts are multiples of ``window_align``
+    (the kernel's keys per program, a multiple of every BLOCK_N), so key blocks stay
+    BLOCK_N-aligned (inside one page)."""
+    slack = CHUNK_SLACK if slack is None else slack
     row0, length, keys = tiles["row0"].tolist(), tiles["len"].tolist(), tiles["keys"].tolist()
     out = []
     i, n = 0, len(row0)
     while i < n:
-        j, width = i, 0
+        j, width, area = i, 0, 0
         while j < n:
             w = -(-max(width, keys[j]) // align) * align
             rows = row0[j] + length[j] - row0[i]
-            if j > i and rows * w > budget:
+            grown = area + length[j] * keys[j]
+            if j > i and (rows * w > budget or rows * w > slack * grown):
                 break
-            width, j = max(width, keys[j]), j + 1
+            width, area, j = max(width, keys[j]), grown, j + 1
         rows = row0[j - 1] + length[j - 1] - row0[i]
         width = -(-width // align) * align
         window = max(window_align, (budget // max(rows, 1)) // window_align * window_align)
@@ -223,6 +239,43 @@ def _chunks(tiles: dict[str, Tensor], budget: int, align: int, window_align: int
         out.append((i, j - i, row0[i], rows, windows))
         i = j
     return out
+
+
+def _launch_groups(chunks: list[tuple], budget: int) -> tuple[list[tuple], dict[str, Tensor]]:
+    """Pieces (a chunk's rows over one key window) packed in order into launch groups of at most
+    ``budget`` score values (a piece larger than that alone): one score launch per group writes
+    every piece's ``[rows, width]`` block of the group buffer. Returns the groups, each ``(first
+    entry, entries, widest piece, buffer values, pieces)`` with pieces ``(rows, first row, base,
+    p_lo, width, last)`` (``last``: the chunk's last window: its selection is complete), and the
+    host tables: per entry its tile and piece, per piece its first row, p_lo, width and base
+    (element offset in the group buffer)."""
+    entry_tile, entry_piece, p_row0, p_plo, p_width, p_base = [], [], [], [], [], []
+    groups, current, used, widest, first_entry = [], [], 0, 0, 0
+    for t0, nt, r0, rows, windows in chunks:
+        for i, (p_lo, width) in enumerate(windows):
+            if current and used + rows * width > budget:
+                groups.append((first_entry, len(entry_tile) - first_entry, widest, used, current))
+                current, used, widest, first_entry = [], 0, 0, len(entry_tile)
+            piece = len(p_row0)
+            p_row0.append(r0)
+            p_plo.append(p_lo)
+            p_width.append(width)
+            p_base.append(used)
+            current.append((rows, r0, used, p_lo, width, i == len(windows) - 1))
+            used += rows * width
+            widest = max(widest, width)
+            entry_tile += range(t0, t0 + nt)
+            entry_piece += [piece] * nt
+    if current:
+        groups.append((first_entry, len(entry_tile) - first_entry, widest, used, current))
+
+    def i32(x):
+        return torch.tensor(x or [0], dtype=torch.int32)
+
+    tables = {"entry_tile": i32(entry_tile), "entry_piece": i32(entry_piece), "piece_row0": i32(p_row0),
+              "piece_plo": i32(p_plo), "piece_width": i32(p_width),
+              "piece_base": torch.tensor(p_base or [0], dtype=torch.int64)}
+    return groups, tables
 
 
 class _TritonIndexRun:
@@ -241,13 +294,18 @@ class _TritonIndexRun:
                              f"{block_m} / {kpp}")
         tiles = _row_order_tiles(meta, block_m)
         self.chunks = _chunks(tiles, int(budget), 16, kpp)
+        self.groups, pieces = _launch_groups(self.chunks, int(budget))
         self.topk = spec.topk
         self.config = options.get("config")
         size = tiles["row0"].numel()
-        if meta.is_static:  # fixed arena shapes: pad to the capacity's tile bound
+        if meta.is_static:  # fixed arena shapes: pad to the capacity's tile and entry bounds
             from ._tiles import max_tiles
 
             size = max(size, max_tiles(meta, block_m))
+            # only a one-tile chunk is cut into windows, each at least budget // block_m keys
+            window = max(kpp, (int(budget) // block_m) // kpp * kpp)
+            bound = size * -(-max(meta.capacity.max_kv_tokens, 1) // window)
+            pieces = {name: torch.cat([t, t.new_zeros(max(0, bound - t.numel()))]) for name, t in pieces.items()}
         i32 = {}
         for name in ("row0", "len", "pos0", "stride", "seq"):
             padded = torch.zeros(max(size, 1), dtype=torch.int32)
@@ -255,17 +313,21 @@ class _TritonIndexRun:
             i32["tile_" + name] = padded
         start = torch.zeros(max(size, 1), dtype=torch.int64)
         start[: tiles["kv_start"].numel()] = tiles["kv_start"]
-        dev = _buffers.upload(meta, ("dsa-index-tiles", block_m), {**i32, "tile_kv_start": start})
+        dev = _buffers.upload(meta, ("dsa-index-tiles", block_m, kpp, int(budget)),
+                              {**i32, "tile_kv_start": start, **pieces})
         self.plan_args = dict(
             tile_row0=dev["tile_row0"], tile_len=dev["tile_len"], tile_pos0=dev["tile_pos0"],
             tile_stride=dev["tile_stride"], tile_seq=dev["tile_seq"], tile_kv_start=dev["tile_kv_start"],
+            entry_tile=dev["entry_tile"], entry_piece=dev["entry_piece"], piece_row0=dev["piece_row0"],
+            piece_plo=dev["piece_plo"], piece_width=dev["piece_width"], piece_base=dev["piece_base"],
             NUM_HEADS=spec.num_heads, HEAD_DIM=spec.head_dim,
             BLOCK_D=max(16, 1 << max(0, (spec.head_dim - 1).bit_length())), BLOCK_M=block_m, KEYS_PER_PROGRAM=kpp,
             PAGED=spec.paged, PAGE_SIZE=spec.page_size or 1, **triton_index.dot_settings(spec.q_dtype, spec.k_dtype),
         )
         self.kpp = kpp
-        self.buffer_elems = max((rows * w for _, _, _, rows, wins in self.chunks for _, w in wins), default=0)
+        self.buffer_elems = max((g[3] for g in self.groups), default=0)
         self._launch, self._q_layout_ok = triton_index.launch, triton_index.q_layout_ok
+        self._write = triton_index.write_selection
         self.family = "triton_index"
 
     def __call__(self, q_idx, k_idx, weights, k_scale, page_table, softmax_scale, out) -> None:
@@ -282,14 +344,16 @@ class _TritonIndexRun:
 
     def _run(self, q_idx, k_idx, weights, k_scale, page_table, softmax_scale, out, buf) -> None:
         topk = self.topk
-        for t0, nt, r0, rows, windows in self.chunks:
-            best_v = best_p = None
-            for p_lo, width in windows:
-                scores = buf[: rows * width].view(rows, width)
-                self._launch(q_idx, k_idx, weights, k_scale, scores, page_table, grid=(nt, -(-width // self.kpp)),
-                             plan_args=self.plan_args, tile_base=t0, chunk_row0=r0, p_lo=p_lo, width=width,
-                             softmax_scale=softmax_scale, config=self.config)
+        best_v = best_p = None  # the running selection of the chunk whose windows are in flight
+        for e0, entries, widest, _, pieces in self.groups:
+            self._launch(q_idx, k_idx, weights, k_scale, buf, page_table, grid=(entries, -(-widest // self.kpp)),
+                         plan_args=self.plan_args, entry_base=e0, softmax_scale=softmax_scale, config=self.config)
+            for rows, r0, base, p_lo, width, last in pieces:
+                scores = buf[base : base + rows * width].view(rows, width)
                 vals, at = torch.topk(scores, min(topk, width), dim=1, sorted=False)
+                if last and best_v is None:  # a one-window chunk: positions written in one launch
+                    self._write(vals, at, out[r0 : r0 + rows], p_lo)
+                    continue
                 at = at + p_lo
                 if best_v is None:
                     best_v, best_p = vals, at
@@ -297,8 +361,10 @@ class _TritonIndexRun:
                     cand_v, cand_p = torch.cat([best_v, vals], 1), torch.cat([best_p, at], 1)
                     best_v, sel = torch.topk(cand_v, min(topk, cand_v.shape[1]), dim=1, sorted=False)
                     best_p = cand_p.gather(1, sel)
-            best_p = best_p.masked_fill(torch.isneginf(best_v), -1)
-            out[r0 : r0 + rows, : best_p.shape[1]] = best_p.to(torch.int32)
+                if last:
+                    best_p = best_p.masked_fill(torch.isneginf(best_v), -1)
+                    out[r0 : r0 + rows, : best_p.shape[1]] = best_p.to(torch.int32)
+                    best_v = best_p = None
 
 
 class TritonIndexBackend:

@@ -17,7 +17,9 @@ cannot run), ``block_m`` (query rows x packed heads per program), ``config`` ((B
 num_warps, num_stages) of the portable kernel, bypassing the autotuner), ``sm90`` (a dict of
 :data:`SM90_OPTIONS` overrides for the dense Hopper kernel), ``planned_launch`` (default True:
 after a plan's first call, launch the compiled kernel directly, see :mod:`._launch`; False:
-every call through the JIT). ``CPATTN_TRITON_SM90=0`` in the environment (read at plan time)
+every call through the JIT), ``decode`` (a dict of :data:`DECODE_OPTIONS` for decode-shaped
+plans run by the split-KV family: ``programs_per_sm``, ``min_split``, ``num_sms``, ``family``
+as in :mod:`.decode_backend`). ``CPATTN_TRITON_SM90=0`` in the environment (read at plan time)
 makes "auto" use the portable kernel.
 """
 
@@ -42,7 +44,10 @@ _KERNEL_MODULE = "cpattn.kernels.triton_attn"
 #: item; not measured yet, so off).
 SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": 0, "pingpong": False, "persistent": False}
 
-_OPTION_NAMES = {"family", "block_m", "config", "sm90", "planned_launch"}
+_OPTION_NAMES = {"family", "block_m", "config", "sm90", "planned_launch", "decode"}
+#: ``backend_options["decode"]`` keys passed to the split-KV decode family (see
+#: :mod:`.decode_backend`).
+DECODE_OPTIONS = {"programs_per_sm", "min_split", "num_sms", "family"}
 #: Kernel families ("auto": decode, then mla, then sm90, then portable, the first that can run
 #: the plan).
 FAMILIES = ("auto", "portable", "sm90", "mla", "decode")
@@ -70,7 +75,9 @@ def decode_unsupported_reason(spec: AttentionSpec, meta: CPMetadata) -> Optional
 class _DecodeRun:
     """A decode-shaped dense plan run by the split-KV decode family: the placement plan's
     sequences become a decode plan (KV sharded over one rank: every key local), whose rows are
-    exactly the dense plan's local rows; pad rows are written here."""
+    exactly the dense plan's local rows; pad rows are written here. (Letting the combine kernel
+    write the pad rows instead saved host time but was slower under graph replay on H200: its
+    grid then spans the pad rows, e.g. 178 -> 161 TF/s at B = 8 L = 4k q1.)"""
 
     family = "decode"
 
@@ -80,7 +87,19 @@ class _DecodeRun:
 
         host = meta.host if meta.host is not None else meta
         dmeta = KVSharding(1).build_decode_metadata(host.kv_lens, host.extend_lens, rank=0).to(meta.device)
-        self._impl = TritonShardBackend().plan(spec, dmeta, {k: v for k, v in options.items() if k == "config"})
+        unknown = set(options) - _OPTION_NAMES
+        if unknown:
+            raise ValueError(f"unknown triton backend_options {sorted(unknown)} (known: {sorted(_OPTION_NAMES)})")
+        decode = dict(options.get("decode") or {})
+        bad = set(decode) - DECODE_OPTIONS
+        if bad:
+            raise ValueError(f"unknown backend_options decode keys {sorted(bad)} (known: {sorted(DECODE_OPTIONS)})")
+        if "config" in options:
+            decode["config"] = options["config"]
+        self._impl = TritonShardBackend().plan(spec, dmeta, decode)
+        #: the split-KV family that runs ("mla-split-kv" or "split-kv")
+        self.kernel_family = self._impl.family
+
         self.num_local = meta.num_local_tokens
 
     def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse) -> None:
@@ -91,7 +110,6 @@ class _DecodeRun:
         if n:
             lse_rows = lse[:n] if lse is not None else torch.empty(n, q.shape[1], dtype=torch.float32, device=q.device)
             self._impl(q[:n], k, v, page_table, sinks, softmax_scale, out[:n], lse_rows)
-
 
 
 class _TritonRun:
