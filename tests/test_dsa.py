@@ -276,6 +276,23 @@ def test_index_topk_nan_key_reaches_rows_that_see_it(request, backend):
                 assert picked == (sq == 0 and p >= nan_pos), (rank, sq, p, idx[row0 + i].tolist())
 
 
+def test_index_topk_writes_a_strided_out_buffer(dsa_interp):
+    """``out=`` may be any int32 [P, topk] view (here a transposed buffer holding garbage):
+    the selection written into it equals the one written into a fresh contiguous buffer."""
+    extend, prefix = [45, 3, 30], [20, 0, 77]
+    s = cpattn.InterleaveStrategy(2)
+    q, k, w, _, _ = _index_inputs(extend, prefix, 2, 16, 5)
+    meta = s.build_metadata(extend, prefix, rank=0)
+    ql, wl = s.shard(q, meta), s.shard(w, meta)
+    plan = cpattn.plans.plan_index_topk(meta, num_heads=2, head_dim=16, q_dtype=q.dtype, k_dtype=k.dtype, topk=40,
+                                        backend="triton")
+    want = plan.run(ql, k, wl)
+    strided = torch.full((40, meta.num_physical_tokens), 7, dtype=torch.int32).t()
+    got = plan.run(ql, k, wl, out=strided)
+    assert got.data_ptr() == strided.data_ptr() and torch.equal(strided, want)
+    assert bool((want == -1).any())  # rows with fewer than 40 visible keys: -1 slots written too
+
+
 @pytest.mark.parametrize("budget", [16 * 16, 16 * 48, 1 << 12, 1 << 16])
 def test_index_chunks_follow_the_triangle_and_fill_launch_groups(budget):
     """The index plan's host geometry (rank 0 of interleave C = 2 over a long causal sequence):

@@ -410,8 +410,9 @@ def _make_fn(backend, s, q, k, v, meta, table, group, w: Workload, triton_kw):
 
 
 def _argv_summary(args) -> list[str]:
-    out = [f"--workloads '{args.workloads}'", f"--sm90-options {args.sm90_options}", f"--decode-options {args.decode_options}", f"--shapes {args.shapes}", f"--seqs {args.seqs}", f"--cps {args.cps}",
-           f"--pages {args.pages}", f"--mla-seqs {args.mla_seqs}", f"--mla-cps {args.mla_cps}",
+    out = [f"--workloads '{args.workloads}'", f"--sm90-options {args.sm90_options}",
+           f"--decode-options {args.decode_options}", f"--shapes {args.shapes}", f"--seqs {args.seqs}",
+           f"--cps {args.cps}", f"--pages {args.pages}", f"--mla-seqs {args.mla_seqs}", f"--mla-cps {args.mla_cps}",
            f"--decode-batches {args.decode_batches}", f"--decode-lens {args.decode_lens}",
            f"--decode-qlens {args.decode_qlens}", f"--short {args.short}"]
     if args.no_interleave:

@@ -19,10 +19,9 @@ windows merged by a running top-k. Chunks (their windows: **pieces**) are packed
 groups of at most ``max_score_elems`` values. Per layer and group: one score launch (entries =
 (tile, piece) x key splits) writing every piece's block of the group buffer; per chunk one
 ``torch.topk(sorted=False)`` per window and one launch writing the positions (int32, -1 where
-no key). The host loop runs over
-groups and chunks (about ten at 32k or 128k tokens), never over sequences, and never syncs; the
-chunk geometry comes from the batch, so a graph captured over ``index_topk`` replays only that
-batch.
+no key). The host loop runs over groups and chunks (8-16 at 32k or 128k tokens), never over
+sequences, and never syncs; the chunk geometry comes from the batch, so a graph captured over
+``index_topk`` replays only that batch.
 
 ``backend_options``: sparse: ``family`` (:data:`SPARSE_FAMILIES`; "mla" raises ValueError where
 it cannot run), ``block_h`` (heads per program) and ``config`` ((BLOCK_N, num_warps, num_stages),
@@ -211,7 +210,7 @@ def _row_order_tiles(meta: CPMetadata, block_m: int) -> dict[str, Tensor]:
 
 
 def _chunks(tiles: dict[str, Tensor], budget: int, align: int, window_align: int,
-            slack: float = None) -> list[tuple]:
+            slack: Optional[float] = None) -> list[tuple]:
     """Greedy chunks of consecutive tiles: (first tile, num tiles, first row, rows, windows) with
     windows [(p_lo, width)] covering [0, the chunk's largest key count rounded up to ``align``)
     under ``budget`` values. A chunk also stops growing when its rectangle ``rows x width``

@@ -227,26 +227,27 @@ def launch(
 
 
 @triton.jit
-def _write_selection(Vals, Idx, Out, cols, p_lo, stride_v, stride_i, stride_o, BLOCK: tl.constexpr):
+def _write_selection(Vals, Idx, Out, cols, p_lo, stride_v, stride_i, stride_om, stride_on, BLOCK: tl.constexpr):
     """``Out[r, j] = p_lo + Idx[r, j]`` (int32), or -1 where ``Vals[r, j]`` is -inf (no key)."""
     r = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < cols
     v = tl.load(Vals + r * stride_v + offs, mask=ok, other=0.0)
     i = tl.load(Idx + r * stride_i + offs, mask=ok, other=0)
-    tl.store(Out + r * stride_o + offs, tl.where(v == float("-inf"), -1, i + p_lo).to(tl.int32), mask=ok)
+    tl.store(Out + r * stride_om + offs.to(tl.int64) * stride_on,
+             tl.where(v == float("-inf"), -1, i + p_lo).to(tl.int32), mask=ok)
 
 
 def write_selection(vals: Tensor, idx: Tensor, out: Tensor, p_lo: int) -> None:
-    """One launch for what ``torch.topk``'s results need before they are positions: ``out``
-    [rows, k] int32 (any row stride) = ``idx + p_lo``, -1 where ``vals`` is -inf. ``vals``
-    float32 / ``idx`` int64 [rows, k] with contiguous rows."""
+    """One launch for what ``torch.topk``'s results need before they are positions: the first
+    k columns of ``out`` [rows, >= k] int32 (any strides) = ``idx + p_lo``, -1 where ``vals`` is
+    -inf. ``vals`` float32 / ``idx`` int64 [rows, k] with contiguous rows (torch.topk's)."""
     rows, cols = idx.shape
     if rows == 0 or cols == 0:
         return
     block = 512 if not INTERPRETED else 64
     _write_selection[(rows, triton.cdiv(cols, block))](vals, idx, out, cols, p_lo, vals.stride(0), idx.stride(0),
-                                                      out.stride(0), BLOCK=block, num_warps=4)
+                                                      out.stride(0), out.stride(1), BLOCK=block, num_warps=4)
 
 
 def k_layout_ok(k: Tensor) -> bool:
