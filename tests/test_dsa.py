@@ -293,17 +293,19 @@ def test_index_topk_writes_a_strided_out_buffer(dsa_interp):
     assert bool((want == -1).any())  # rows with fewer than 40 visible keys: -1 slots written too
 
 
-@pytest.mark.parametrize("budget", [16 * 16, 16 * 48, 1 << 12, 1 << 16])
-def test_index_chunks_follow_the_triangle_and_fill_launch_groups(budget):
-    """The index plan's host geometry (rank 0 of interleave C = 2 over a long causal sequence):
-    chunks are consecutive whole tiles under the budget and (when they hold several tiles) within
-    CHUNK_SLACK of their tiles' own rows x keys; their windows cover [0, width) once; launch
-    groups hold the pieces (chunk windows) in order, at most ``budget`` values unless one piece
-    is larger, and list every (tile, window) entry exactly once with its piece's place in the
-    group buffer."""
+@settings(max_examples=40, deadline=None)
+@given(batches(max_seqs=4, max_len=700, max_prefix=300), st.sampled_from(NAMES),
+       st.sampled_from([16 * 16, 16 * 48, 1 << 12, 1 << 16]), st.integers(0, 7))
+def test_index_chunks_follow_the_triangle_and_fill_launch_groups(batch, name, budget, rank_seed):
+    """The index plan's host geometry over ragged batches: chunks are consecutive whole tiles
+    under the budget and (when they hold several tiles) within CHUNK_SLACK of their tiles' own
+    rows x keys; their windows cover [0, width) once; launch groups hold the pieces (chunk
+    windows) in order, at most ``budget`` values unless one piece is larger, and list every
+    (tile, window) entry exactly once with its piece's place in the group buffer."""
     from cpattn.kernels import dsa_backend as db
 
-    meta = cpattn.InterleaveStrategy(2).build_metadata([700, 90], [0, 40], rank=0)
+    cp, extend, prefix, pad = batch
+    meta = cpattn.get_strategy(name, cp, pad_multiple=pad).build_metadata(extend, prefix, rank=rank_seed % cp)
     tiles = db._row_order_tiles(meta, 16)
     chunks = db._chunks(tiles, budget, 16, 16)
     keys, lens = tiles["keys"].tolist(), tiles["len"].tolist()
