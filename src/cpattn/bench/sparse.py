@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=default_out("sparse"), help="output path without extension (JSON + PNG)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--empty-cache", action="store_true",
+                   help="release the CUDA caching allocator's free blocks before each sequence length (the 128k "
+                        "point measured slower after the 32k one in the same process: a placement experiment)")
 
 
 def _shapes(small: bool) -> dict:
@@ -188,6 +191,9 @@ def main(args: argparse.Namespace) -> int:
     timer = _timer(device, args.iters, args.warmup)
     rows = []
     for s_len in seqs:
+        if args.empty_cache and device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
         rows += _run_workload(s_len, args, shp, backends, device, timer)
     print(f"{'workload':34s} {'op':17s} {'variant':17s} {'backend':8s} {'family':9s} {'ms':>10s} {'TF/s':>8s} "
           f"{'target':>7s} {'max|diff|':>9s}")
