@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import cpattn
+from graph_utils import capture_graph
 
 pytest.importorskip("triton")
 
@@ -212,15 +213,7 @@ def test_gpu_direct_launch_under_graph_capture(family, d, dv, hq, hkv, page):
         for (k, v), o in zip(layers, outs):
             fast.run(q, k, v, page_table=table, sinks=sinks, out=o)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)
     for _ in range(2):
         for k, v in layers:
             k.normal_(generator=gen)

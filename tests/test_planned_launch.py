@@ -325,6 +325,29 @@ def test_mla_launch_reports_a_separate_value_tensor():
     assert not mla.launch(q, k, k[..., :512].clone(), out, None, None, None, **kw) and len(seen) == 1
 
 
+def test_mla_decode_launch_takes_its_own_variant_and_the_kv_facts():
+    """The split-KV decode launch reads the same per-K/V facts as the prefill launch, under its
+    own launcher variant ("decode", page size), with the workspace strides in its values."""
+    mla = pytest.importorskip("cpattn.kernels.triton_mla")
+    state = _launch.LaunchState()
+    seen = []
+    state.launchers[("decode", 0)] = lambda grid, values, key, desc_key=(), make=None: seen.append(
+        (values, desc_key))
+    q = torch.zeros(8, 128, 576, dtype=torch.bfloat16)
+    out = torch.zeros(8, 128, 512, dtype=torch.bfloat16)
+    lse = torch.zeros(8, 128)
+    ws_o, ws_lse = torch.zeros(3, 1, 128, 512), torch.zeros(3, 1, 128)
+    k = torch.zeros(64, 1, 576, dtype=torch.bfloat16)
+    kw = dict(grid=(4,), plan_args={}, softmax_scale=0.5, state=state)
+    assert mla.launch_decode(q, k, k[..., :512], out, lse, None, None, ws_o, ws_lse, **kw)
+    values, desc_key = seen[-1]
+    named = dict(zip(mla._DECODE_PER_CALL, values))
+    assert named["WsO"] is ws_o and named["stride_wi"] == 128 * 512 and named["stride_li"] == 128
+    assert desc_key == mla.kv_key(k, k[..., :512]) and state.kv.get(desc_key) == 0
+    assert not mla.launch_decode(q, k, k[..., :512].clone(), out, lse, None, None, ws_o, ws_lse, **kw)
+    assert len(seen) == 1
+
+
 # ----------------------------------------------------------------------------- portable, interpreter
 def test_portable_plan_right_after_kv_moves_and_strides_change(interp):
     """Layer after layer with different K/V buffers (and a strided view) through one portable

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import cpattn
+from graph_utils import capture_graph
 
 pytest.importorskip("triton")
 
@@ -336,15 +337,7 @@ def test_gpu_static_plan_graph_replay(family, d, dv, hq, hkv, page, options):
             plan.run(s.shard(x, meta), *kv, page_table=None if page is None else table, out=out, lse=lse)
 
         if graph is None:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                step()
-                step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
+            graph = capture_graph(step)
         graph.replay()
         torch.cuda.synchronize()
         fresh = s.build_metadata(ext, pre, rank=1).to("cuda")

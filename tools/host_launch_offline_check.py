@@ -53,6 +53,14 @@ class _Driver:
         return 777
 
 
+def latent_sets(page, dt):
+    """Three latent caches (packed: two of one shape, one of another; paged: 64 pages of 64) as
+    (k, v = k[..., :512]) pairs: the K/V sets the MLA launch checks rotate through."""
+    w = mla.D_LATENT + mla.D_ROPE
+    shapes = [(4096, 1, w), (4096, 1, w), (2048, 1, w)] if page is None else [(64, 64, 1, w)] * 3
+    return [(k, k[..., : mla.D_LATENT]) for k in (torch.zeros(*s, dtype=dt) for s in shapes)]
+
+
 def _launcher(compiled, calls: list):
     """A ``CudaLauncher`` of the installed triton around a recording C ``launch``."""
 
@@ -154,11 +162,7 @@ def main() -> int:
     for label, page in (("mla packed", None), ("mla paged64", 64)):
         compiled = compile_mla_variant(4, False, False, True, page)
         w = mla.D_LATENT + mla.D_ROPE
-        shapes = [(4096, 1, w), (4096, 1, w), (2048, 1, w)] if page is None else [(64, 64, 1, w)] * 3
-        kvs = []
-        for s in shapes:
-            k = torch.zeros(*s, dtype=dt)
-            kvs.append((k, k[..., : mla.D_LATENT]))
+        kvs = latent_sets(page, dt)
         qm, om = torch.zeros(256, 16, w, dtype=dt), torch.zeros(256, 16, mla.D_LATENT, dtype=dt)
         lm = torch.zeros(256, 16, dtype=torch.float32)
         fixed = dict(plan_tensors, **plan_ints, **mla.kernel_constexprs(dt, page))
@@ -175,11 +179,7 @@ def main() -> int:
     for label, page in (("mla decode packed", None), ("mla decode paged64", 64)):
         compiled = compile_mla_decode_variant(64, False, page, 2, 1)
         w = mla.D_LATENT + mla.D_ROPE
-        shapes = [(4096, 1, w), (4096, 1, w), (2048, 1, w)] if page is None else [(64, 64, 1, w)] * 3
-        kvs = []
-        for s_ in shapes:
-            k = torch.zeros(*s_, dtype=dt)
-            kvs.append((k, k[..., : mla.D_LATENT]))
+        kvs = latent_sets(page, dt)
         qm, om = torch.zeros(8, 128, w, dtype=dt), torch.zeros(8, 128, mla.D_LATENT, dtype=dt)
         lm = torch.zeros(8, 128, dtype=torch.float32)
         wo, wl = torch.zeros(40, 1, 128, mla.D_LATENT), torch.zeros(40, 1, 128)

@@ -92,6 +92,26 @@ def _ptr_sig(fn, elem: str, descs: dict) -> dict:
     return sig
 
 
+def _compile(fn, sig: dict, consts: dict):
+    """``fn`` compiled for sm_90a with its constexprs (4 warps per partition, 168 registers)."""
+    sig.update({name: "constexpr" for name in consts})
+    return triton.compile(GluonASTSource(fn, sig, consts, _attrs(fn)), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=168))
+
+
+def _elem(dtype) -> str:
+    return "*bf16" if dtype == torch.bfloat16 else "*fp16"
+
+
+def _latent_sig(fn, dtype, page_size) -> dict:
+    """Signature of an absorbed-MLA kernel reading the latent through its two TMA descriptors."""
+    width = mla.D_LATENT + mla.D_ROPE
+    k = torch.empty(4096, 1, width, dtype=dtype) if page_size is None else \
+        torch.empty(4096 // page_size, page_size, 1, width, dtype=dtype)
+    k_desc, kr_desc = mla.k_descriptors(k)
+    return _ptr_sig(fn, _elem(dtype), dict(k_desc=k_desc, kr_desc=kr_desc))
+
+
 def _kv(d, dv, dtype, page_size, hkv=8, rows=4096):
     if page_size is None:
         return torch.empty(rows, hkv, d, dtype=dtype), torch.empty(rows, hkv, dv, dtype=dtype)
@@ -104,7 +124,7 @@ def compile_variant(d, dv, g_pack, stages, overlap, pingpong, window, sinks, lse
     """The compiled dense kernel (``.asm["ptx"]``, ``.metadata.shared``) of one variant, for sm_90a."""
     fn = ws._cp_attn_fwd_sm90
     k, v = _kv(d, dv, dtype, page_size)
-    elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
+    elem = _elem(dtype)
     if page_size is not None and not ws.paged_tma_ok(k, v, block_n):  # the cp.async gather loader
         sig = _ptr_sig(fn, elem, {})
         sig.update(k_desc=elem, k2_desc=elem, v_desc=elem)
@@ -114,9 +134,7 @@ def compile_variant(d, dv, g_pack, stages, overlap, pingpong, window, sinks, lse
     consts = dict(G_PACK=g_pack, HAS_WINDOW=window, HAS_SINKS=sinks, RETURN_LSE=lse,
                   **ws.kernel_constexprs(d, dv, dtype, page_size, block_n, stages, overlap, pingpong,
                                          persistent=persistent))
-    sig.update({name: "constexpr" for name in consts})
-    return triton.compile(GluonASTSource(fn, sig, consts, _attrs(fn)), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, maxnreg=168))
+    return _compile(fn, sig, consts)
 
 
 #: (G_PACK, window, sinks, lse, page_size): the absorbed-MLA variants compiled by default.
@@ -133,17 +151,10 @@ MLA_VARIANTS = [
 def compile_mla_variant(g_pack, window, sinks, lse, page_size=None, dtype=torch.bfloat16):
     """The compiled absorbed-MLA kernel of one variant, for sm_90a."""
     fn = mla._mla_fwd_sm90
-    width = mla.D_LATENT + mla.D_ROPE
-    k = torch.empty(4096, 1, width, dtype=dtype) if page_size is None else \
-        torch.empty(4096 // page_size, page_size, 1, width, dtype=dtype)
-    k_desc, kr_desc = mla.k_descriptors(k)
-    elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
-    sig = _ptr_sig(fn, elem, dict(k_desc=k_desc, kr_desc=kr_desc))
+    sig = _latent_sig(fn, dtype, page_size)
     consts = dict(G_PACK=g_pack, HAS_WINDOW=window, HAS_SINKS=sinks, RETURN_LSE=lse,
                   **mla.kernel_constexprs(dtype, page_size))
-    sig.update({name: "constexpr" for name in consts})
-    return triton.compile(GluonASTSource(fn, sig, consts, _attrs(fn)), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, maxnreg=168))
+    return _compile(fn, sig, consts)
 
 
 #: (G_PACK, sinks, page_size, cp_size, interleave): the absorbed-MLA split-KV decode variants.
@@ -158,21 +169,14 @@ MLA_DECODE_VARIANTS = [
 def compile_mla_decode_variant(g_pack, sinks, page_size, cp_size, interleave, dtype=torch.bfloat16):
     """The compiled absorbed-MLA split-KV decode kernel of one variant, for sm_90a."""
     fn = mla._mla_decode_sm90
-    width = mla.D_LATENT + mla.D_ROPE
-    k = torch.empty(4096, 1, width, dtype=dtype) if page_size is None else \
-        torch.empty(4096 // page_size, page_size, 1, width, dtype=dtype)
-    k_desc, kr_desc = mla.k_descriptors(k)
-    elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
-    sig = _ptr_sig(fn, elem, dict(k_desc=k_desc, kr_desc=kr_desc))
+    sig = _latent_sig(fn, dtype, page_size)
     sig.update(WsO="*fp32", WsLse="*fp32")
     for name in ("item_seq", "item_r0", "item_k0", "item_k1", "item_ws", "NumItems", "q_lens", "seq_lens",
                  "cu_q_lens", "cu_local_kv"):
         sig[name] = "*i32"
     consts = dict(G_PACK=g_pack, HAS_SINKS=sinks, CP_SIZE=cp_size, INTERLEAVE=interleave,
                   **mla.kernel_constexprs(dtype, page_size))
-    sig.update({name: "constexpr" for name in consts})
-    return triton.compile(GluonASTSource(fn, sig, consts, _attrs(fn)), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, maxnreg=168))
+    return _compile(fn, sig, consts)
 
 
 #: (G_PACK, sinks, lse, page_size, idx dtype): the absorbed-MLA sparse (DSA) variants.
@@ -189,13 +193,10 @@ MLA_SPARSE_VARIANTS = [
 def compile_mla_sparse_variant(g_pack, sinks, lse, page_size, idx_type, dtype=torch.bfloat16):
     """The compiled absorbed-MLA sparse (DSA) kernel of one variant, for sm_90a."""
     fn = mla._mla_sparse_sm90
-    elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
-    sig = _ptr_sig(fn, elem, {})
+    sig = _ptr_sig(fn, _elem(dtype), {})
     sig.update(Idx=f"*{idx_type}", Sinks="*fp32", row_seq="*i32", row_pos="*i32", row_kv_start="*i64")
     consts = dict(G_PACK=g_pack, HAS_SINKS=sinks, RETURN_LSE=lse, **mla.sparse_constexprs(dtype, page_size))
-    sig.update({name: "constexpr" for name in consts})
-    return triton.compile(GluonASTSource(fn, sig, consts, _attrs(fn)), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, maxnreg=168))
+    return _compile(fn, sig, consts)
 
 
 def ptxas_report(ptx: str, sass_path: str | None = None) -> str:

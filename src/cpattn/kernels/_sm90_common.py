@@ -12,6 +12,8 @@ import functools
 
 import math
 
+from typing import Optional
+
 import torch
 
 try:  # Gluon ships with triton >= 3.5
@@ -29,6 +31,18 @@ except (ImportError, AssertionError):  # triton < 3.5, or triton loaded for the 
 TMA_CHUNK = 64
 #: Rows of the smallest TMA copy that keeps the 128-byte swizzle phase (8 rows x 128 bytes).
 TMA_MIN_ROWS = 8
+
+
+def hopper_reason(dtype: torch.dtype, device: torch.device) -> Optional[str]:
+    """Why no warp-specialized Hopper kernel can run here (None if one can): bf16 / fp16, Gluon
+    available, an sm_90 GPU."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {dtype} (needs bf16 or fp16)"
+    if not HAVE_GLUON:
+        return "Gluon unavailable (needs triton >= 3.5, not in interpreter mode)"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return "not an sm_90 GPU"
+    return None
 
 
 def paged_copy_rows(page_size: int, block_n: int) -> int:
@@ -94,6 +108,19 @@ if HAVE_GLUON:
         PERIOD: gl.constexpr = CP_SIZE * INTERLEAVE
         part = gl.minimum(gl.maximum(x % PERIOD - rank * INTERLEAVE, 0), INTERLEAVE)
         return (x // PERIOD) * INTERLEAVE + part
+
+    @gluon.jit
+    def kv_rows(seq, kv_starts, PageTable, stride_pt, PAGE_SIZE: gl.constexpr):
+        """(first TMA row of sequence ``seq``'s keys, its page-table row): paged (PAGE_SIZE > 0):
+        (0, ``PageTable + seq * stride_pt``); packed: (``kv_starts[seq]`` as int32, TMA coordinates
+        being 32-bit, ``PageTable`` unused)."""
+        if PAGE_SIZE > 0:
+            kv_row_base = seq * 0
+            pt_row = PageTable + seq.to(gl.int64) * stride_pt
+        else:
+            kv_row_base = gl.load(kv_starts + seq).to(gl.int32)
+            pt_row = PageTable
+        return kv_row_base, pt_row
 
     @gluon.jit
     def page_of(pt_row, p, last_key, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr):

@@ -40,7 +40,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._sm90_common import HAVE_GLUON, TMA_CHUNK, packed_layout_ok, paged_copy_rows, paged_layout_ok, smem_layout
+from ._sm90_common import (HAVE_GLUON, TMA_CHUNK, hopper_reason, packed_layout_ok, paged_copy_rows,
+                           paged_layout_ok, smem_layout)
 from ._tiles import LOG2E
 
 if HAVE_GLUON:
@@ -55,7 +56,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from ._sm90_common import local_key_count, page_of, page_row, softmax_block, zero_rows_from
+    from ._sm90_common import kv_rows, local_key_count, page_of, page_row, softmax_block, zero_rows_from
 
 #: Latent width (values) and rotary width; D = 576, Dv = 512.
 D_LATENT = 512
@@ -83,31 +84,16 @@ def unsupported_reason(d: int, dv: int, num_kv_heads: int, dtype: torch.dtype, p
         return f"num_kv_heads={num_kv_heads} (absorbed MLA has one latent KV head)"
     if page_size is not None and not paged_copy_rows(page_size, BLOCK_N):
         return f"paged K/V with page_size={page_size} (TMA copies need gcd(page_size, {BLOCK_N}) >= 8)"
-    if dtype not in (torch.bfloat16, torch.float16):
-        return f"dtype {dtype} (needs bf16 or fp16)"
-    if not HAVE_GLUON:
-        return "Gluon unavailable (needs triton >= 3.5, not in interpreter mode)"
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-        return "not an sm_90 GPU"
-    return None
+    return hopper_reason(dtype, device)
 
 
 def sparse_unsupported_reason(d: int, dv: int, num_kv_heads: int, dtype: torch.dtype,
                               device: torch.device) -> Optional[str]:
-    """Why the sparse (DSA) mode of the absorbed-MLA kernel cannot take this plan (None if it can;
-    any page size: the loader gathers row by row). That ``v`` is a view of ``k[..., :512]`` with
-    16-byte rows is checked per layer by :func:`sparse_layout_ok`."""
-    if (d, dv) != (D_LATENT + D_ROPE, D_LATENT):
-        return f"head dims D={d}, Dv={dv} (the MLA kernel takes D={D_LATENT + D_ROPE}, Dv={D_LATENT})"
-    if num_kv_heads != 1:
-        return f"num_kv_heads={num_kv_heads} (absorbed MLA has one latent KV head)"
-    if dtype not in (torch.bfloat16, torch.float16):
-        return f"dtype {dtype} (needs bf16 or fp16)"
-    if not HAVE_GLUON:
-        return "Gluon unavailable (needs triton >= 3.5, not in interpreter mode)"
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-        return "not an sm_90 GPU"
-    return None
+    """Why the sparse (DSA) mode of the absorbed-MLA kernel cannot take this plan (None if it can):
+    the dense conditions without the page-size one (the loader gathers row by row, any page
+    size). That ``v`` is a view of ``k[..., :512]`` with 16-byte rows is checked per layer by
+    :func:`sparse_layout_ok`."""
+    return unsupported_reason(d, dv, num_kv_heads, dtype, None, device)
 
 
 def sparse_layout_ok(k: Tensor, v: Tensor) -> bool:
@@ -575,12 +561,7 @@ if HAVE_GLUON:
         last_r = gl.minimum(roff + ROWS, slen) - 1
         pos_min = pos0 + roff * pstride
         pos_max = pos0 + last_r * pstride
-        if PAGE_SIZE > 0:
-            kv_row_base = seq * 0
-            pt_row = PageTable + seq.to(gl.int64) * stride_pt
-        else:
-            kv_row_base = gl.load(cu_kv_lens + seq).to(gl.int32)  # TMA coordinates are 32-bit
-            pt_row = PageTable
+        kv_row_base, pt_row = kv_rows(seq, cu_kv_lens, PageTable, stride_pt, PAGE_SIZE)
 
         key_end = pos_max + 1
         if HAS_WINDOW:
@@ -638,12 +619,7 @@ if HAVE_GLUON:
         f_lo = pos0 * 0
         f_hi = gl.maximum(((first_local + 1) // BLOCK_N) * BLOCK_N, 0)
         num_blocks = gl.where(live, gl.maximum(gl.cdiv(k1 - k0, BLOCK_N), 0), 0)
-        if PAGE_SIZE > 0:
-            kv_row_base = seq * 0
-            pt_row = PageTable + seq.to(gl.int64) * stride_pt
-        else:
-            kv_row_base = gl.load(cu_local_kv + seq).to(gl.int32)  # TMA coordinates are 32-bit
-            pt_row = PageTable
+        kv_row_base, pt_row = kv_rows(seq, cu_local_kv, PageTable, stride_pt, PAGE_SIZE)
         dec = (WsO, WsLse, ws, rank, stride_wi, stride_wr, stride_wh, stride_li, stride_lr)
         _mla_run(Q, k_desc, kr_desc, Out, Lse, Sinks, kv_row_base, pt_row, k0, num_blocks, k1,
                  stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh, stride_sink,
@@ -747,6 +723,32 @@ def kv_key(k: Tensor, v: Tensor) -> tuple:
     return (k.data_ptr(), v.data_ptr(), k.shape, v.shape, k.stride(), v.stride(), k.dtype)
 
 
+def _latent_page_size(state, k: Tensor, v: Tensor) -> tuple[tuple, int]:
+    """``(kv_key(k, v), page size)`` of the latent for the TMA kernels: 0 packed, -1 not
+    TMA-compatible (:func:`kv_layout_ok`); cached per K/V layout in ``state.kv``."""
+    key_kv = kv_key(k, v)
+    page_size = state.kv.get(key_kv)
+    if page_size is None:
+        page_size = state.kv.put(key_kv, -1 if not kv_layout_ok(k, v) else k.shape[1] if k.dim() == 4 else 0)
+    return key_kv, page_size
+
+
+def _latent_launcher(state, variant, kernel: str, per_call: tuple, plan_args: dict, dtype: torch.dtype,
+                     page_size: int):
+    """The plan's :class:`~cpattn.kernels._launch.PlannedLaunch` ``variant`` of the latent-TMA
+    kernel named ``kernel`` (``page_size`` 0: packed), created on first use with the plan's fixed
+    arguments (the kernel is looked up only then: it exists only where Gluon does)."""
+    from ._launch import PlannedLaunch
+
+    launcher = state.launchers.get(variant)
+    if launcher is None:
+        fixed = dict(plan_args, **kernel_constexprs(dtype, page_size or None), num_warps=4, maxnreg=168)
+        launcher = state.launchers[variant] = PlannedLaunch(globals()[kernel], fixed, per_call,
+                                                            descriptors=_DESCRIPTORS, enabled=state.enabled,
+                                                            cache_size=state.cache_size)
+    return launcher
+
+
 def launch(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tensor], sinks: Optional[Tensor],
     page_table: Optional[Tensor], *, grid: tuple[int], plan_args: dict, softmax_scale: float, state=None,
@@ -759,22 +761,14 @@ def launch(
     :data:`BLOCK_M` rows x heads. ``state``: the plan's :class:`~cpattn.kernels._launch.LaunchState`
     (per-K/V facts, a :class:`PlannedLaunch` per variant with its prepared descriptors; None:
     every call through the JIT)."""
-    from ._launch import LaunchState, PlannedLaunch
+    from ._launch import LaunchState
 
     if state is None:
         state = LaunchState(enabled=False)
-    key_kv = kv_key(k, v)
-    page_size = state.kv.get(key_kv)
-    if page_size is None:  # 0: packed, -1: not TMA-compatible
-        page_size = state.kv.put(key_kv, -1 if not kv_layout_ok(k, v) else k.shape[1] if k.dim() == 4 else 0)
+    key_kv, page_size = _latent_page_size(state, k, v)
     if page_size < 0:
         return False
-    launcher = state.launchers.get(page_size)
-    if launcher is None:
-        fixed = dict(plan_args, **kernel_constexprs(q.dtype, page_size or None), num_warps=4, maxnreg=168)
-        launcher = state.launchers[page_size] = PlannedLaunch(
-            _mla_fwd_sm90, fixed, _PER_CALL, descriptors=_DESCRIPTORS, enabled=state.enabled,
-            cache_size=state.cache_size)
+    launcher = _latent_launcher(state, page_size, "_mla_fwd_sm90", _PER_CALL, plan_args, q.dtype, page_size)
     has_sinks, has_lse = sinks is not None, lse is not None
     qs, os_ = q.stride(), out.stride()
     slm, slh = lse.stride() if has_lse else (0, 0)
@@ -810,23 +804,15 @@ def launch_decode(
     combine kernel). ``plan_args``: the work items and geometry planned by :mod:`.decode_backend`.
     Returns False (launching nothing) when :func:`kv_layout_ok` does not hold. ``state``: the
     plan's :class:`~cpattn.kernels._launch.LaunchState` (None: every call through the JIT)."""
-    from ._launch import LaunchState, PlannedLaunch
+    from ._launch import LaunchState
 
     if state is None:
         state = LaunchState(enabled=False)
-    key_kv = kv_key(k, v)
-    page_size = state.kv.get(key_kv)
-    if page_size is None:  # 0: packed, -1: not TMA-compatible
-        page_size = state.kv.put(key_kv, -1 if not kv_layout_ok(k, v) else k.shape[1] if k.dim() == 4 else 0)
+    key_kv, page_size = _latent_page_size(state, k, v)
     if page_size < 0:
         return False
-    variant = ("decode", page_size)
-    launcher = state.launchers.get(variant)
-    if launcher is None:
-        fixed = dict(plan_args, **kernel_constexprs(q.dtype, page_size or None), num_warps=4, maxnreg=168)
-        launcher = state.launchers[variant] = PlannedLaunch(
-            _mla_decode_sm90, fixed, _DECODE_PER_CALL, descriptors=_DESCRIPTORS, enabled=state.enabled,
-            cache_size=state.cache_size)
+    launcher = _latent_launcher(state, ("decode", page_size), "_mla_decode_sm90", _DECODE_PER_CALL, plan_args,
+                                q.dtype, page_size)
     has_sinks = sinks is not None
     qs, os_, ls, ws, wl = q.stride(), out.stride(), lse.stride(), ws_o.stride(), ws_lse.stride()
     ssink = sinks.stride(0) if has_sinks else 0

@@ -34,8 +34,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._sm90_common import (HAVE_GLUON, TMA_CHUNK, packed_layout_ok, paged_copy_rows, paged_layout_ok,
-                           smem_layout as _smem_layout)
+from ._sm90_common import (HAVE_GLUON, TMA_CHUNK, hopper_reason, packed_layout_ok, paged_copy_rows,
+                           paged_layout_ok, smem_layout as _smem_layout)
 from ._tiles import LOG2E, SM90_SMEM_PER_BLOCK
 
 if HAVE_GLUON:
@@ -50,7 +50,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from ._sm90_common import page_of, page_row, softmax_block as _ws_softmax, zero_rows_from
+    from ._sm90_common import kv_rows, page_of, page_row, softmax_block as _ws_softmax, zero_rows_from
 
 #: (consumer warpgroups) x (rows per consumer): the tile a program covers.
 NUM_CONSUMERS = 2
@@ -87,13 +87,7 @@ def unsupported_reason(d: int, dv: int, dtype: torch.dtype, page_size: Optional[
     per layer by :func:`kv_layout_ok`). Every page size 1..256 runs (``page_size`` None: packed)."""
     if (d, dv) not in SUPPORTED_HEAD_DIMS:
         return f"head dims D={d}, Dv={dv} (needs (D, Dv) in {sorted(SUPPORTED_HEAD_DIMS)})"
-    if dtype not in (torch.bfloat16, torch.float16):
-        return f"dtype {dtype} (needs bf16 or fp16)"
-    if not HAVE_GLUON:
-        return "Gluon unavailable (needs triton >= 3.5, not in interpreter mode)"
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-        return "not an sm_90 GPU"
-    return None
+    return hopper_reason(dtype, device)
 
 
 def kv_layout_ok(k: Tensor, v: Tensor) -> bool:
@@ -287,12 +281,7 @@ if HAVE_GLUON:
         pos_min = pos0 + roff * pstride
         pos_max = pos0 + last_r * pstride
         kvh = (hg * G_PACK) // group_size
-        if PAGE_SIZE > 0:
-            kv_row_base = seq * 0
-            pt_row = PageTable + seq.to(gl.int64) * stride_pt
-        else:
-            kv_row_base = gl.load(cu_kv_lens + seq).to(gl.int32)  # TMA coordinates are 32-bit
-            pt_row = PageTable
+        kv_row_base, pt_row = kv_rows(seq, cu_kv_lens, PageTable, stride_pt, PAGE_SIZE)
         if (PAGE_SIZE > 0) & (COPY_ROWS == 0):  # cp.async gather: element offsets of this KV head
             k_col = kvh * stride_kh
             v_col = kvh * stride_vh
