@@ -603,10 +603,11 @@ def test_bench_sparse_smoke(tmp_path):
     bench_sparse.add_arguments(parser)
     out = tmp_path / "sparse"
     args = parser.parse_args(["--small", "--device", "cpu", "--seqs", "200", "--cp", "2", "--iters", "1",
-                              "--warmup", "0", "--empty-cache", "--out", str(out)])
+                              "--warmup", "0", "--out", str(out)])
     assert bench_sparse.main(args) == 0
     rows = json.loads((tmp_path / "sparse.json").read_text())["rows"]
     assert [r["op"] for r in rows] == ["index_topk", "sparse_attention"]
+    assert rows[1]["options"] == {}
     assert all(r["ms"] > 0 and r["work"] > 0 for r in rows)
     pytest.importorskip("matplotlib")
     assert (tmp_path / "sparse.png").exists()

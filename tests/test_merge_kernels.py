@@ -126,8 +126,16 @@ def test_fused_merge_edge_values(interp):
     lse[:, 7] = torch.tensor([-INF, -INF, 2.0, -INF, -INF])[:, None]
     o[2, 7] = torch.randn(h, dv, generator=g)  # one live part among NaN outputs of -inf parts
     lse[:, 8] = torch.tensor([88.0, -80.0, 0.0, 50.0, -INF])[:, None]  # weights across the fp32 range
-    for parts, part_lse in ((o, lse), received_views(o, lse)):
-        out, res = cpattn.merge_states(parts, part_lse)
+    from cpattn.kernels import triton_decode
+
+    def fused(parts, part_lse, blocks):  # the kernel with given chunks: (8, ..) one pass, (2, ..) three
+        out, res = torch.empty(parts.shape[1:], dtype=parts.dtype), torch.empty(part_lse.shape[1:])
+        triton_decode.merge_parts(parts, part_lse, out, res, num_sms=4, blocks=blocks)
+        return out, res
+
+    runs = [cpattn.merge_states(o, lse), cpattn.merge_states(*received_views(o, lse)), fused(o, lse, (8, 2, 8)),
+            fused(o, lse, (2, 2, 8))]
+    for out, res in runs:
         ref, ref_lse = oracle_merge(o, lse)
         _assert_close(out, res, ref, ref_lse, 2e-6)
         assert (out[0] == 0).all() and torch.isneginf(res[0]).all()
@@ -224,7 +232,7 @@ def test_combine_kernel_against_fp64_oracle(interp, sinks, blocks):
     grid = (n_rows, -(-h // block_h), -(-dv // block_dv))
     triton_decode.launch_combine(out, lse, sink, ws_o, ws_lse, grid=grid, combine_args=dict(
         row_ws0=ws0, row_nsplit=nsplit, row_ti=ti, HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s,
-        BLOCK_DV=block_dv, HAS_SINKS=sinks))
+        BLOCK_DV=block_dv, HAS_SINKS=sinks, ONE_PASS=max(row_splits) <= block_s))
     for r, ns in enumerate(row_splits):
         if ns == 1:  # one-split rows belong to the split kernel: untouched
             assert (out[r] == 7).all() and (lse[r] == 7).all()
@@ -244,16 +252,23 @@ def test_combine_kernel_against_fp64_oracle(interp, sinks, blocks):
 
 
 def test_merge_blocks_spread_few_rows_over_the_gpu():
-    from cpattn.kernels.triton_decode import merge_blocks
+    from cpattn.kernels.triton_decode import merge_blocks, merge_warps
 
-    # B = 1, L = 128k: 171 splits x 32 heads x Dv 128 -> >= 128 programs, chunks of <= 4096 fp32
+    # B = 1, L = 128k: 171 splits x 32 heads x Dv 128 -> >= 128 programs, chunks of <= 8192 fp32
     s, hb, d = merge_blocks(171, 32, 128, 1, 132)
-    assert 1 * -(-32 // hb) * -(-128 // d) >= 128 and s * hb * d <= 4096 and s >= 32
-    # many rows: whole rows of Dv and several heads per program
+    assert 1 * -(-32 // hb) * -(-128 // d) >= 128 and s * hb * d <= 8192 and s >= 32
+    # many rows: whole rows of Dv and heads up to 256 columns per program
     s, hb, d = merge_blocks(3, 32, 128, 256, 132)
-    assert d == 128 and hb == 4 and s == 4
+    assert d == 128 and hb == 2 and s == 4
+    assert merge_blocks(3, 32, 64, 256, 132)[1:] == (4, 64)
     s, hb, d = merge_blocks(8, 128, 512, 64, 132)
-    assert s * hb * d <= 4096 and d >= 32
+    assert s * hb * d <= 8192 and d == 256
+    # an explicit budget / column cap / spread are honoured
+    s, hb, d = merge_blocks(64, 128, 512, 1, 132, budget=4096, max_block_dv=128, programs_per_sm=2)
+    assert s * hb * d <= 4096 and d <= 128 and -(-128 // hb) * -(-512 // d) >= 264
+    # warps along the columns only (512 bytes each), enough for <= 128 chunk elements a lane
+    assert merge_warps((8, 4, 128), 2) == 1 and merge_warps((8, 1, 512), 2) == 2
+    assert merge_warps((8, 1, 512), 4) == 4 and merge_warps((256, 1, 32), 4) == 2 and merge_warps((4, 1, 16), 4) == 1
 
 
 def test_many_splits_end_to_end(interp):

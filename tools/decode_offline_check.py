@@ -56,23 +56,24 @@ def _split_sig(name, hq, hkv, d, dv, q_len, c, i, paged, page, window, sinks, v_
     return fn, sig, consts, dict(num_warps=warps, num_stages=stages), (rows, g_pack, block_m, block_n, warps, stages)
 
 
-def _combine_sig(dv, sinks, dtype, blocks):
+def _combine_sig(dv, sinks, dtype, blocks, one_pass):
     fn = td._shard_attn_combine
     sig = {n: "i32" for n in fn.arg_names}
     sig.update(Out=f"*{dtype}", Lse="*fp32", Sinks="*fp32", WsO="*fp32", WsLse="*fp32", row_ws0="*i32",
                row_nsplit="*i32", row_ti="*i32")
     block_s, block_h, block_dv = blocks
-    consts = dict(HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv, HAS_SINKS=sinks)
+    consts = dict(HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv, HAS_SINKS=sinks,
+                  ONE_PASS=one_pass)
     sig.update({n: "constexpr" for n in consts})
     return fn, sig, consts
 
 
-def _merge_sig(dv, dtype, blocks):
+def _merge_sig(dv, dtype, blocks, one_pass):
     fn = td._merge_parts
     sig = {n: "i32" for n in fn.arg_names}
     sig.update(Out=f"*{dtype}", Lse="*fp32", Parts=f"*{dtype}", PartLse="*fp32")
     block_s, block_h, block_dv = blocks
-    consts = dict(HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv)
+    consts = dict(HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv, ONE_PASS=one_pass)
     sig.update({n: "constexpr" for n in consts})
     return fn, sig, consts
 
@@ -114,13 +115,13 @@ def main() -> None:
     for what, dv, sinks, dtype, (parts, heads, rows) in MERGE_VARIANTS:
         blocks = td.merge_blocks(parts, heads, dv, rows, 132)
         if what.startswith("combine"):
-            fn, sig, consts = _combine_sig(dv, sinks, dtype, blocks)
+            fn, sig, consts = _combine_sig(dv, sinks, dtype, blocks, parts <= blocks[0])
             attrs = _attrs(fn, sig)
         else:  # strides of received views are not 16-divisible in general: pointers only
-            fn, sig, consts = _merge_sig(dv, dtype, blocks)
+            fn, sig, consts = _merge_sig(dv, dtype, blocks, parts <= blocks[0])
             attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
         k = triton.compile(ASTSource(fn, sig, consts, attrs), target=target, options=dict(num_warps=4))
-        print(f"{what} Dv={dv} {dtype}: BLOCK_S/H/DV={blocks}: smem {k.metadata.shared} B; "
+        print(f"{what} Dv={dv} {dtype}: BLOCK_S/H/DV={blocks}{' one pass' if parts <= blocks[0] else ''}: smem {k.metadata.shared} B; "
               f"{check.ptxas_report(k.asm['ptx'])}", flush=True)
 
 

@@ -37,7 +37,9 @@ from cpattn.bench.kernel import _flops
 TARGET_US = 30.0
 
 
-def host_us(fn, calls: int = 400) -> float:
+def host_us(fn, calls: int = 400, idle: bool = False) -> float:
+    """Median host µs of ``fn``; ``idle``: the queue drained before every call (the GPU idle, no
+    pending launches while the call runs), else every 50 calls."""
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
@@ -46,7 +48,7 @@ def host_us(fn, calls: int = 400) -> float:
         t0 = time.perf_counter()
         fn()
         t.append((time.perf_counter() - t0) * 1e6)
-        if i % 50 == 49:
+        if idle or i % 50 == 49:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
     return statistics.median(t)
@@ -133,9 +135,10 @@ def main() -> int:
                               dtype=torch.bfloat16)
         us_out = host_us(lambda: fast.run(qq, *next(cyc), out=out_buf, **extra))
         us_jit = host_us(lambda: jit.run(qq, k0, v0, **extra), calls=100)
+        us_idle = host_us(lambda: fast.run(qq, k0, v0, **extra), calls=100, idle=True)
         rows.append((name, us_same, us_rot, us_out, us_jit, same, direct_taken(fast)))
         print(f"{name:17s} same K/V {us_same:6.1f} us | rotating 4 {us_rot:6.1f} us | rotating, out= {us_out:6.1f} us"
-              f" | JIT {us_jit:6.1f} us | bit-identical to JIT: {same} | {direct_taken(fast)} "
+              f" | JIT {us_jit:6.1f} us | GPU idle {us_idle:6.1f} us | bit-identical to JIT: {same} | {direct_taken(fast)} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
         prof = cProfile.Profile()
         prof.enable()

@@ -76,19 +76,23 @@ def time_cuda_back_to_back(fn: Callable[[], object], warmup: int = 3, iters: int
     return _per_call_ms(fn, iters, repeats)
 
 
-def time_cuda_graph(fn: Callable[[], object], warmup: int = 3, iters: int = 10, repeats: int = 3) -> float:
-    """Milliseconds per replay of a CUDA graph holding one call of ``fn``, replayed ``iters`` times
-    back to back between two CUDA events (median of ``repeats``): the call's GPU time without any
-    host work, as an engine that captures its decode step sees it."""
+def time_cuda_graph(fn: Callable[[], object], warmup: int = 3, iters: int = 10, repeats: int = 3,
+                    calls: int = 1) -> float:
+    """Milliseconds per call of ``fn`` from a CUDA graph holding ``calls`` calls back to back,
+    replayed ``iters`` times between two CUDA events (median of ``repeats``; per replay / calls):
+    the call's GPU time without any host work, as an engine that captures its decode step sees
+    it. ``calls`` 1 charges each call one graph launch; an engine's step graph holds every
+    layer's calls, which ``calls`` > 1 models (one launch shared by ``calls`` calls)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(calls):
+            fn()
     graph.replay()
     torch.cuda.synchronize()
-    ms = _per_call_ms(graph.replay, iters, repeats)
+    ms = _per_call_ms(graph.replay, iters, repeats) / calls
     del graph
     return ms
 

@@ -46,6 +46,9 @@ from .common import header, progress, time_cuda_back_to_back, time_cuda_graph, w
 
 #: (num_q_heads, num_kv_heads, head_dim, head_dim_v, v is a view of k)
 SHAPES = {"gqa": (32, 8, 128, 128, False), "mla": (128, 1, 576, 512, True)}
+#: Calls captured back to back in one CUDA graph for the "layers" timing (per call): an engine's
+#: decode step graph holds every layer's attention and merge, so no call pays a graph launch.
+GRAPH_LAYERS = 10
 TINY_SHAPES = {"gqa": (4, 2, 16, 16, False), "mla": (8, 1, 48, 32, True)}
 
 
@@ -180,12 +183,20 @@ def decode_case(pool: Pool, time_fn, *, name: str, shape, c: int, b: int, keys: 
     attn_ms = time_fn(lambda: plan.run(q, kc, vc, page_table=table, out=out, lse=lse), iters)
     outs, lses = received_parts(out, lse, c)
     merge_ms = time_fn(lambda: cpattn.merge_states(outs, lses), iters) if c > 1 else 0.0
-    attn_graph_ms = merge_graph_ms = None
+    attn_graph_ms = merge_graph_ms = attn_layers_ms = merge_layers_ms = None
     if dev.type == "cuda":  # the same calls replayed from a CUDA graph: GPU time only (no host work)
+        def attn():
+            return plan.run(q, kc, vc, page_table=table, out=out, lse=lse)
+
+        def merge():
+            return cpattn.merge_states(outs, lses)
+
         try:
-            attn_graph_ms = time_cuda_graph(lambda: plan.run(q, kc, vc, page_table=table, out=out, lse=lse),
-                                            iters=iters)
-            merge_graph_ms = time_cuda_graph(lambda: cpattn.merge_states(outs, lses), iters=iters) if c > 1 else 0.0
+            attn_graph_ms = time_cuda_graph(attn, iters=iters)
+            merge_graph_ms = time_cuda_graph(merge, iters=iters) if c > 1 else 0.0
+            # GRAPH_LAYERS calls in one graph, per call: the layers of an engine's step graph
+            attn_layers_ms = time_cuda_graph(attn, iters=iters, calls=GRAPH_LAYERS)
+            merge_layers_ms = time_cuda_graph(merge, iters=iters, calls=GRAPH_LAYERS) if c > 1 else 0.0
         except RuntimeError as exc:  # capture not possible here: eager numbers only
             progress(f"graph timing skipped ({exc})")
     item = torch.empty((), dtype=dtype).element_size()
@@ -200,6 +211,9 @@ def decode_case(pool: Pool, time_fn, *, name: str, shape, c: int, b: int, keys: 
         attn_graph_ms=None if attn_graph_ms is None else round(attn_graph_ms, 5),
         merge_graph_ms=None if merge_graph_ms is None else round(merge_graph_ms, 5),
         rank_graph_ms=None if attn_graph_ms is None else round(attn_graph_ms + merge_graph_ms, 5),
+        attn_layers_ms=None if attn_layers_ms is None else round(attn_layers_ms, 5),
+        merge_layers_ms=None if merge_layers_ms is None else round(merge_layers_ms, 5),
+        rank_layers_ms=None if attn_layers_ms is None else round(attn_layers_ms + merge_layers_ms, 5),
         hbm_gbps_graph=None if attn_graph_ms is None else round(read / (attn_graph_ms * 1e-3) / 1e9, 1),
         hbm_gbps=round(read / (attn_ms * 1e-3) / 1e9, 1), kv_bytes_rank=allocated, kv_bytes_bound=int(bound),
         kv_bytes_ok=allocated <= bound, tflops=round(2.0 * hq * (d + dv) * q_len * sum(local) / (attn_ms * 1e-3) / 1e12,
@@ -379,7 +393,8 @@ def summarize(rows: list[dict], crossover: Optional[dict]) -> list[str]:
             ok = worst[gbps] >= 3500
             lines.append(f"q_len-1 GQA attention >= 3.5 TB/s {label}, {how}: {'PASS' if ok else 'FAIL'} (lowest "
                          f"{worst[gbps]:.0f} GB/s at C={worst['cp']} B={worst['batch']} L={_k(worst['keys'])})")
-    for how, key in (("eager", "rank_ms"), ("graph replay", "rank_graph_ms")):
+    for how, key in (("eager", "rank_ms"), ("graph replay", "rank_graph_ms"),
+                     (f"{GRAPH_LAYERS} layers per graph", "rank_layers_ms")):
         for r in rows:
             if r["cp"] != 8 or r["keys"] < (1 << 20) or r.get(key) is None:
                 continue
@@ -401,9 +416,9 @@ def summarize(rows: list[dict], crossover: Optional[dict]) -> list[str]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| shape | C | B | L | q | attn ms | merge ms | GB/s | TF/s | graph: attn ms | merge ms | GB/s | "
-          "KV bytes/rank | splits |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(f"| shape | C | B | L | q | attn ms | merge ms | GB/s | TF/s | graph: attn ms | merge ms | GB/s | "
+          f"{GRAPH_LAYERS} per graph: attn ms | merge ms | KV bytes/rank | splits |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)
@@ -412,6 +427,7 @@ def print_table(rows: list[dict]) -> None:
         print(f"| {r['shape']} | {r['cp']} | {r['batch']} | {_k(r['keys'])} | {r['q_len']} | {r['attn_ms']:.4f} | "
               f"{r['merge_ms']:.4f} | {r['hbm_gbps']:.0f} | {r['tflops']} | {f(r.get('attn_graph_ms'), '.4f')} | "
               f"{f(r.get('merge_graph_ms'), '.4f')} | {f(r.get('hbm_gbps_graph'), '.0f')} | "
+              f"{f(r.get('attn_layers_ms'), '.4f')} | {f(r.get('merge_layers_ms'), '.4f')} | "
               f"{r['kv_bytes_rank'] / 1e9:.2f} GB | {r['splits']} |")
 
 

@@ -26,11 +26,13 @@ index_topk >= 300 TF/s. Writes JSON rows {workload, op, backend, ms, tflops, wor
 from __future__ import annotations
 
 import argparse
+import itertools
 from typing import Callable
 
 import torch
 
 from .common import default_out, header, progress, time_cuda_back_to_back, time_host, write_json
+from .kernel import parse_options
 
 TARGETS = {"sparse_attention": 450.0, "index_topk": 300.0}
 
@@ -52,9 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=default_out("sparse"), help="output path without extension (JSON + PNG)")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--empty-cache", action="store_true",
-                   help="release the CUDA caching allocator's free blocks before each sequence length (the 128k "
-                        "point measured slower after the 32k one in the same process: a placement experiment)")
+    p.add_argument("--sparse-options", default="",
+                   help="';'-separated backend option sets (name=value,...) of the triton sparse backend, each "
+                        "timed as its own row, e.g. 'l2_prefetch=0;l2_prefetch=2' (empty: the defaults)")
 
 
 def _shapes(small: bool) -> dict:
@@ -121,13 +123,16 @@ def _run_workload(s_len: int, args, shp: dict, backends: list[str], device: torc
     first = None
     for backend in backends:
         families = [f for f in args.families.split(",") if f] if backend == "triton" else [None]
-        for family in families:
-            label = f"backend={backend}" + (f" family={family}" if family else "")
+        option_sets = [parse_options(t, "--sparse-options") for t in args.sparse_options.split(";")] \
+            if backend == "triton" else [{}]
+        for family, opts in itertools.product(families, option_sets):
+            label = f"backend={backend}" + (f" family={family}" if family else "") + (f" {opts}" if opts else "")
             progress(f"{name}: sparse_attention {label} ({valid} valid selected keys)")
+            options = dict({"family": family} if family else {}, **opts)
             try:
                 plan = strategy.plan_sparse_attention(
                     meta, num_q_heads=h, num_kv_heads=1, head_dim=d, head_dim_v=dv, dtype=dtype, topk=topk,
-                    backend=backend, backend_options={"family": family} if family else None)
+                    backend=backend, backend_options=options or None)
             except (ValueError, NotImplementedError) as exc:
                 progress(f"{name}: skipped {label}: {exc}")
                 continue
@@ -138,7 +143,7 @@ def _run_workload(s_len: int, args, shp: dict, backends: list[str], device: torc
             else:
                 diff = (out[:n].float() - first[:n].float()).abs().max().item() if n else 0.0
             rows.append(dict(workload=name, op="sparse_attention", variant=f"absorbed {d}/{dv}", backend=backend,
-                             family=plan.family, ms=ms, tflops=2.0 * h * (d + dv) * valid / ms / 1e9, work=valid,
+                             family=plan.family, options=opts, ms=ms, tflops=2.0 * h * (d + dv) * valid / ms / 1e9, work=valid,
                              rows=n, max_diff_vs_first=diff))
     return rows
 
@@ -191,16 +196,13 @@ def main(args: argparse.Namespace) -> int:
     timer = _timer(device, args.iters, args.warmup)
     rows = []
     for s_len in seqs:
-        if args.empty_cache and device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
         rows += _run_workload(s_len, args, shp, backends, device, timer)
     print(f"{'workload':34s} {'op':17s} {'variant':17s} {'backend':8s} {'family':9s} {'ms':>10s} {'TF/s':>8s} "
           f"{'target':>7s} {'max|diff|':>9s}")
     for r in rows:
         diff = f"{r['max_diff_vs_first']:9.2e}" if "max_diff_vs_first" in r else f"{'-':>9s}"
         print(f"{r['workload']:34s} {r['op']:17s} {r['variant']:17s} {r['backend']:8s} {r['family']:9s} "
-              f"{r['ms']:10.3f} {r['tflops']:8.1f} {TARGETS[r['op']]:7.0f} {diff}")
+              f"{r['ms']:10.3f} {r['tflops']:8.1f} {TARGETS[r['op']]:7.0f} {diff} {r.get('options') or ''}")
     out = args.out
     payload = {**header("python -m cpattn.bench sparse"), "shapes": shp, "strategy": args.strategy, "cp": args.cp,
                "rank": args.rank, "targets_tflops": TARGETS, "rows": rows, "tuned_configs": _tuned()}

@@ -254,7 +254,8 @@ class _TritonShardRun:
         )
         self.combine_args = dict(row_ws0=dev["row_ws0"], row_nsplit=dev["row_nsplit"], row_ti=dev["row_ti"],
                                  HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv,
-                                 HAS_SINKS=apply_sinks)
+                                 HAS_SINKS=apply_sinks, ONE_PASS=max_splits <= block_s,
+                                 num_warps=triton_decode.merge_warps((block_s, block_h, block_dv), 4))
         self.sinks_used = apply_sinks
         self._split, self._combine = triton_decode.launch_split, triton_decode.launch_combine
         #: planned launches of the split / combine kernels (direct calls after the first)
@@ -352,7 +353,8 @@ class _MlaSplit:
         )
         self.combine_args = dict(row_ws0=dev["row_ws0"], row_nsplit=dev["row_nsplit"], row_ti=dev["row_ti"],
                                  HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv,
-                                 HAS_SINKS=apply_sinks)
+                                 HAS_SINKS=apply_sinks, ONE_PASS=max_splits <= block_s,
+                                 num_warps=triton_decode.merge_warps((block_s, block_h, block_dv), 4))
         self._launch = triton_mla.launch_decode
         self._state = LaunchState()
 

@@ -284,7 +284,7 @@ def _shard_attn_split(
 @triton.jit
 def _merge_block(o_base, l_base, n_parts, stride_po, stride_pl, stride_oh, stride_lh, heads, hmask, offs_dv, dmask,
                  sink, HAS_SINK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_DV: tl.constexpr):
+                 BLOCK_DV: tl.constexpr, ONE_PASS: tl.constexpr):
     """Exact merge of ``n_parts`` partial results for BLOCK_H heads x BLOCK_DV columns.
 
     Part ``s``, head ``h``, column ``d`` at ``o_base + s * stride_po + h * stride_oh + d``, its
@@ -293,10 +293,32 @@ def _merge_block(o_base, l_base, n_parts, stride_po, stride_pl, stride_oh, strid
     chunks of BLOCK_S: the max LSE, then the weighted sum ``w = exp(lse - shift)`` (1 where
     ``lse == shift``, so +inf == +inf is no NaN); outputs of parts with weight 0 are not loaded
     (masked), so NaN there cannot leak; a NaN LSE gives weight NaN and a NaN row. ``sink`` is
-    -inf where there is none (HAS_SINK False: no sink anywhere). Returns
+    -inf where there is none (HAS_SINK False: no sink anywhere). ``ONE_PASS`` (``n_parts <=
+    BLOCK_S``): one chunk, its LSEs and outputs loaded together (no load waits for the weights;
+    parts of weight 0 are read but do not count: ``where``, not ``0 * x``). Returns
     (out [BLOCK_H, BLOCK_DV] fp32, lse [BLOCK_H] fp32): (0, -inf) when every weight is 0.
     """
     offs_s = tl.arange(0, BLOCK_S)
+    if ONE_PASS:
+        s64 = offs_s.to(tl.int64)
+        live = offs_s < n_parts
+        lmask = live[:, None] & hmask[None, :]
+        lse_s = tl.load(l_base + s64[:, None] * stride_pl + heads[None, :] * stride_lh, mask=lmask,
+                        other=float("-inf")).to(tl.float32)
+        o_ptrs = o_base + s64[:, None, None] * stride_po + heads[None, :, None] * stride_oh + offs_dv[None, None, :]
+        o_s = tl.load(o_ptrs, mask=lmask[:, :, None] & dmask[None, None, :], other=0.0).to(tl.float32)
+        m = tl.maximum(sink, tl.max(lse_s, 0))
+        shift = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp(tl.where(lse_s == shift[None, :], 0.0, lse_s - shift[None, :]))  # [BLOCK_S, BLOCK_H]
+        use = (w != 0.0) & lmask  # NaN != 0: a NaN weight counts (and stays NaN)
+        acc = tl.sum(tl.where(use[:, :, None], w[:, :, None] * o_s, 0.0), 0)
+        total = tl.sum(w, 0)
+        if HAS_SINK:
+            total += tl.where(sink == shift, 1.0, tl.exp(sink - shift))
+        has_mass = total != 0.0
+        out = acc * tl.where(has_mass, 1.0 / tl.where(has_mass, total, 1.0), 0.0)[:, None]
+        lse = tl.where(has_mass, shift + tl.log(tl.where(has_mass, total, 1.0)), float("-inf"))
+        return out, lse
     m = sink
     for s0 in range(0, n_parts, BLOCK_S):
         s = s0 + offs_s
@@ -334,7 +356,7 @@ def _shard_attn_combine(
     num_heads, stride_om, stride_oh, stride_lm, stride_lh, stride_sink,
     stride_wi, stride_wr, stride_wh, stride_li, stride_lr,
     HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     """Merge the splits of one query row exactly, for BLOCK_H heads x BLOCK_DV columns (grid:
     rows x head blocks x column blocks); rows of one-split tiles were written by the split
@@ -358,7 +380,7 @@ def _shard_attn_combine(
         sink = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     out, lse = _merge_block(WsO + ws0 * stride_wi + ti * stride_wr, WsLse + ws0 * stride_li + ti * stride_lr, ns,
                             stride_wi, stride_li, stride_wh, 1, heads, hmask, offs_dv, dmask, sink, HAS_SINKS,
-                            BLOCK_S, BLOCK_H, BLOCK_DV)
+                            BLOCK_S, BLOCK_H, BLOCK_DV, ONE_PASS)
     o_ptrs = Out + row.to(tl.int64) * stride_om + heads[:, None] * stride_oh + offs_dv[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
     lse_mask = heads < tl.where(db == 0, num_heads, 0)  # the first column block writes the lse
@@ -372,6 +394,7 @@ def _merge_parts(
     stride_pc, stride_pn, stride_ph, stride_lc, stride_ln, stride_lh,
     stride_on, stride_oh, stride_mn, stride_mh,
     HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ONE_PASS: tl.constexpr,
 ):
     """``merge_states`` of C parts [C, N, H, Dv] / [C, N, H] (any strides, last dim contiguous)
     into out [N, H, Dv] (out dtype) and lse [N, H] fp32; grid: N x head blocks x column blocks."""
@@ -384,7 +407,8 @@ def _merge_parts(
     dmask = offs_dv < HEAD_DIM_V
     none = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     out, lse = _merge_block(Parts + n * stride_pn, PartLse + n * stride_ln, num_parts, stride_pc, stride_lc,
-                            stride_ph, stride_lh, heads, hmask, offs_dv, dmask, none, False, BLOCK_S, BLOCK_H, BLOCK_DV)
+                            stride_ph, stride_lh, heads, hmask, offs_dv, dmask, none, False, BLOCK_S, BLOCK_H, BLOCK_DV,
+                            ONE_PASS)
     o_ptrs = Out + n * stride_on + heads[:, None] * stride_oh + offs_dv[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
     lse_mask = heads < tl.where(db == 0, num_heads, 0)  # the first column block writes the lse
@@ -444,28 +468,42 @@ def launch_split(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sink
     launcher(grid, values, key)
 
 
-def merge_blocks(parts: int, heads: int, dv: int, rows: int, num_sms: int, budget: int = 4096) -> tuple[int, int, int]:
+def merge_blocks(parts: int, heads: int, dv: int, rows: int, num_sms: int, budget: int = 8192,
+                 max_block_dv: int = 256, programs_per_sm: int = 2) -> tuple[int, int, int]:
     """(BLOCK_S, BLOCK_H, BLOCK_DV) of a merge of ``parts`` partials (at most) for ``rows`` rows of
-    ``heads`` x ``dv``: a chunk of BLOCK_S x BLOCK_H x BLOCK_DV <= ``budget`` fp32 elements per
-    load (32 registers a thread at 4 warps), up to 4 heads per program, and narrower column
-    blocks while the grid would have fewer than 2 programs per SM (one long sequence: 171 splits
-    x 32 heads are then 128 programs of [128 x 32] chunks, not one program walking 171 splits)."""
+    ``heads`` x ``dv``: columns in blocks of up to ``max_block_dv``, a chunk of BLOCK_S x BLOCK_H x
+    BLOCK_DV <= ``budget`` elements per load (64 registers a thread at 4 warps), up to 4 heads per
+    program, and narrower column blocks while the grid would have fewer than ``programs_per_sm``
+    programs per SM (one long sequence: 171 splits x 32 heads are then 128 programs of [256 x 32]
+    chunks, not one program walking 171 splits). The defaults were measured on H200 against the
+    earlier (4096, 128, 2) (``tools/gpu/combine_sweep.py``: absorbed-MLA combines 1.6-1.9x faster,
+    GQA ones equal or faster)."""
     p2 = _next_pow2
-    block_dv = min(p2(dv), 128)
+    block_dv = min(p2(dv), max_block_dv)
     block_s = min(p2(parts), max(1, budget // block_dv))
     block_h = 1
-    while block_h < 4 and block_h < p2(heads) and block_s * block_h * 2 * block_dv <= budget:
+    while block_h < 4 and block_h < p2(heads) and block_h * block_dv < 256 and block_s * block_h * 2 * block_dv <= budget:
         block_h *= 2
 
     def programs():
         return rows * -(-heads // block_h) * -(-dv // block_dv)
 
-    while programs() < 2 * num_sms and block_h > 1:
+    while programs() < programs_per_sm * num_sms and block_h > 1:
         block_h //= 2
-    while programs() < 2 * num_sms and block_dv > 32:
+    while programs() < programs_per_sm * num_sms and block_dv > 32:
         block_dv //= 2
         block_s = min(p2(parts), max(1, budget // block_dv))
     return block_s, block_h, block_dv
+
+
+def merge_warps(blocks: tuple[int, int, int], elem_bytes: int) -> int:
+    """Warps of a merge / combine program with ``blocks`` reading ``elem_bytes``-wide parts: one per
+    512 bytes of a column block (32 lanes x 16 bytes; more warps would be laid along the parts
+    axis, whose sum then goes through shared memory: 4 warps on a [8, 4, 128] bf16 chunk read
+    at 420 GB/s, 1 warp at 3.3 TB/s on H200), at least one per 4096 chunk elements (<= 128 a
+    lane), at most 4."""
+    block_s, block_h, block_dv = blocks
+    return max(1, min(4, max(block_dv * elem_bytes // 512, -(-block_s * block_h * block_dv // 4096))))
 
 
 def _next_pow2(x: int) -> int:
@@ -475,7 +513,8 @@ def _next_pow2(x: int) -> int:
 def launch_combine(out: Tensor, lse: Tensor, sinks: Optional[Tensor], ws_o: Tensor, ws_lse: Tensor, *,
                    grid: tuple[int, int, int], combine_args: dict, state=None) -> None:
     """Launch the combine kernel over ``grid`` = (query rows, head blocks, column blocks);
-    ``state`` as in :func:`launch_split`."""
+    ``combine_args``: the planned keyword arguments (tables, constexprs; ``num_warps``, default
+    4); ``state`` as in :func:`launch_split`."""
     from ._launch import LaunchState
 
     sk = sinks if sinks is not None else out
@@ -484,7 +523,7 @@ def launch_combine(out: Tensor, lse: Tensor, sinks: Optional[Tensor], ws_o: Tens
               ws_lse.stride(0), ws_lse.stride(1))
     key = _align_key(out, lse, sk, ws_o, ws_lse) + values[5:]
     launcher = _planned(state or LaunchState(enabled=False), "combine", _shard_attn_combine,
-                        lambda: dict(combine_args, num_warps=4), _COMBINE_PER_CALL)
+                        lambda: {"num_warps": 4, **combine_args}, _COMBINE_PER_CALL)
     launcher(grid, values, key)
 
 
@@ -514,6 +553,8 @@ def merge_parts(parts: Tensor, part_lse: Tensor, out: Tensor, lse: Tensor, *, nu
     ps, ls, os_, ms = parts.stride(), part_lse.stride(), out.stride(), lse.stride()
     values = (out, lse, parts, part_lse, c, h, ps[0], ps[1], ps[2], ls[0], ls[1], ls[2], os_[0], os_[1], ms[0], ms[1])
     key = _align_key(out, lse, parts, part_lse) + values[4:]
-    _planned(_MERGE_LAUNCHES, ("merge", dv, block_s, block_h, block_dv), _merge_parts,
-             lambda: dict(HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv, num_warps=4),
+    _planned(_MERGE_LAUNCHES, ("merge", dv, block_s, block_h, block_dv, c <= block_s, parts.element_size()),
+             _merge_parts,
+             lambda: dict(HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv, ONE_PASS=c <= block_s,
+                          num_warps=merge_warps((block_s, block_h, block_dv), parts.element_size())),
              _MERGE_PER_CALL)(grid, values, key)
