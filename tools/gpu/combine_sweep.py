@@ -17,7 +17,7 @@ import itertools
 
 import torch
 
-import cpattn
+from cpattn.bench.common import time_cuda_graph
 from cpattn.bench.decode import SHAPES, Pool, _ints
 from cpattn.kernels import triton_decode
 
@@ -49,23 +49,8 @@ def merge_case(c: int, n: int, h: int, dv: int, dtype=torch.bfloat16) -> None:
 
 
 def graph_us(fn, calls: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return sorted(times)[2]
+    """µs per call of ``fn``, ``calls`` calls captured in one CUDA graph."""
+    return time_cuda_graph(fn, iters=5, calls=calls) * 1e3
 
 
 def main() -> None:

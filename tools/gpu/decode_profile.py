@@ -18,7 +18,7 @@ import torch
 
 import cpattn
 from cpattn.bench.common import time_cuda_graph
-from cpattn.bench.decode import SHAPES, Pool, _ints
+from cpattn.bench.decode import SHAPES, Pool, _ints, random_page_table
 from cpattn.bench.kernel import parse_options
 
 from index_topk_sweep import breakdown
@@ -30,15 +30,8 @@ def case_plan(pool: Pool, shape, c: int, b: int, keys: int, q_len: int, options:
     dev, dtype = pool.device, pool.dtype
     dmeta = cpattn.KVSharding(c).build_decode_metadata([keys] * b, [q_len] * b, rank=0).to(dev)
     local = (dmeta.host or dmeta).local_kv_lens.tolist()
-    pages = [-(-n // ps) for n in local]
-    kc, vc = pool.paged(sum(pages), ps, hkv, d, dv, v_from_k)
-    table = torch.zeros(b, max(pages), dtype=torch.int32)
-    perm = torch.randperm(sum(pages), generator=torch.Generator().manual_seed(b))
-    off = 0
-    for i, n in enumerate(pages):
-        table[i, :n] = perm[off: off + n].int()
-        off += n
-    table = table.to(dev)
+    num_pages, table = random_page_table(local, ps, b, dev)
+    kc, vc = pool.paged(num_pages, ps, hkv, d, dv, v_from_k)
     q = torch.randn(b * q_len, hq, d, device=dev, dtype=dtype)
     plan = cpattn.plan_shard_attention(dmeta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
                                        dtype=dtype, page_size=ps, backend_options=options or None)

@@ -28,7 +28,8 @@ import cpattn
 from cpattn import collectives as _collectives
 
 from .common import header, progress, write_json
-from .decode import SHAPES, TINY_SHAPES, Pool, _ints, _k, crossover_point, kv_row_bytes, plot, print_table
+from .decode import (SHAPES, TINY_SHAPES, Pool, _ints, _k, crossover_point, kv_row_bytes, plot, print_table,
+                     random_page_table)
 
 
 def _barrier(device):
@@ -70,15 +71,8 @@ def _shard_case(pool, device, dtype, rank, c, name, shape, b, keys, q_len, ps, b
     sh = cpattn.KVSharding(c)
     dmeta = sh.build_decode_metadata([keys] * b, [q_len] * b, rank=rank, group=dist.group.WORLD).to(device)
     local = (dmeta.host or dmeta).local_kv_lens.tolist()
-    pages = [-(-n // ps) for n in local]
-    kc, vc = pool.paged(sum(pages), ps, hkv, d, dv, v_from_k)
-    table = torch.zeros(b, max(pages), dtype=torch.int32)
-    perm = torch.randperm(sum(pages), generator=torch.Generator().manual_seed(rank))
-    off = 0
-    for i, n in enumerate(pages):
-        table[i, :n] = perm[off : off + n].int()
-        off += n
-    table = table.to(device)
+    num_pages, table = random_page_table(local, ps, rank, device)
+    kc, vc = pool.paged(num_pages, ps, hkv, d, dv, v_from_k)
     q = torch.randn(b * q_len, hq, d, device=device, dtype=dtype, generator=torch.Generator(device=device).manual_seed(7))
     plan = cpattn.plan_shard_attention(dmeta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
                                        dtype=dtype, page_size=ps, backend=backend)

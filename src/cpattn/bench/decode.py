@@ -141,6 +141,20 @@ class Pool:
         return k, v
 
 
+def random_page_table(local_lens: list[int], ps: int, seed: int, device) -> tuple[int, torch.Tensor]:
+    """(pages in all, page table [B, most pages] int32 on ``device``): sequence ``i`` owns
+    ``ceil(local_lens[i] / ps)`` pages of a pool, taken from a random permutation of it (a
+    scattered cache, as after many allocations)."""
+    pages = [-(-n // ps) for n in local_lens]
+    perm = torch.randperm(sum(pages), generator=torch.Generator().manual_seed(seed))
+    table = torch.zeros(len(pages), max(pages, default=0), dtype=torch.int32)
+    off = 0
+    for i, n in enumerate(pages):
+        table[i, :n] = perm[off : off + n].int()
+        off += n
+    return sum(pages), table.to(device)
+
+
 def kv_row_bytes(hkv: int, d: int, dv: int, v_from_k: bool, item: int) -> int:
     return hkv * (d + (0 if v_from_k else dv)) * item
 
@@ -165,17 +179,8 @@ def decode_case(pool: Pool, time_fn, *, name: str, shape, c: int, b: int, keys: 
     sh = cpattn.KVSharding(c)
     dmeta = sh.build_decode_metadata([keys] * b, [q_len] * b, rank=rank).to(dev)
     local = (dmeta.host or dmeta).local_kv_lens.tolist()
-    pages = [-(-n // ps) for n in local]
-    num_pages = sum(pages)
+    num_pages, table = random_page_table(local, ps, b * 1000 + c, dev)
     kc, vc = pool.paged(num_pages, ps, hkv, d, dv, v_from_k)
-    g = torch.Generator().manual_seed(b * 1000 + c)
-    perm = torch.randperm(num_pages, generator=g)
-    table = torch.zeros(b, max(pages), dtype=torch.int32)
-    off = 0
-    for i, n in enumerate(pages):
-        table[i, :n] = perm[off : off + n].int()
-        off += n
-    table = table.to(dev)
     q = torch.randn(b * q_len, hq, d, device=dev, dtype=dtype)
     plan = cpattn.plan_shard_attention(dmeta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
                                        dtype=dtype, page_size=ps, backend=backend, backend_options=options)
