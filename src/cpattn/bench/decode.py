@@ -423,7 +423,7 @@ def summarize(rows: list[dict], crossover: Optional[dict]) -> list[str]:
 def print_table(rows: list[dict]) -> None:
     print(f"| shape | C | B | L | q | attn ms | merge ms | GB/s | TF/s | graph: attn ms | merge ms | GB/s | "
           f"{GRAPH_LAYERS} per graph: attn ms | merge ms | KV bytes/rank | splits |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- " + "| ---: " * 15 + "|")
 
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)

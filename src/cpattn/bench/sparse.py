@@ -143,8 +143,8 @@ def _run_workload(s_len: int, args, shp: dict, backends: list[str], device: torc
             else:
                 diff = (out[:n].float() - first[:n].float()).abs().max().item() if n else 0.0
             rows.append(dict(workload=name, op="sparse_attention", variant=f"absorbed {d}/{dv}", backend=backend,
-                             family=plan.family, options=opts, ms=ms, tflops=2.0 * h * (d + dv) * valid / ms / 1e9, work=valid,
-                             rows=n, max_diff_vs_first=diff))
+                             family=plan.family, options=opts, ms=ms, tflops=2.0 * h * (d + dv) * valid / ms / 1e9,
+                             work=valid, rows=n, max_diff_vs_first=diff))
     return rows
 
 

@@ -472,17 +472,19 @@ def merge_blocks(parts: int, heads: int, dv: int, rows: int, num_sms: int, budge
                  max_block_dv: int = 256, programs_per_sm: int = 2) -> tuple[int, int, int]:
     """(BLOCK_S, BLOCK_H, BLOCK_DV) of a merge of ``parts`` partials (at most) for ``rows`` rows of
     ``heads`` x ``dv``: columns in blocks of up to ``max_block_dv``, a chunk of BLOCK_S x BLOCK_H x
-    BLOCK_DV <= ``budget`` elements per load (64 registers a thread at 4 warps), up to 4 heads per
-    program, and narrower column blocks while the grid would have fewer than ``programs_per_sm``
+    BLOCK_DV <= ``budget`` elements per load (:func:`merge_warps` gives a lane at most 128 of
+    them), heads packed up to 4 and 256 columns per program, and narrower column blocks while
+    the grid would have fewer than ``programs_per_sm``
     programs per SM (one long sequence: 171 splits x 32 heads are then 128 programs of [256 x 32]
     chunks, not one program walking 171 splits). The defaults were measured on H200 against the
-    earlier (4096, 128, 2) (``tools/gpu/combine_sweep.py``: absorbed-MLA combines 1.6-1.9x faster,
-    GQA ones equal or faster)."""
+    earlier (4096, 128, 2) (``tools/gpu/combine_sweep.py``: the absorbed-MLA combine of a decode
+    step 1.3-2.0x faster, GQA ones equal or faster)."""
     p2 = _next_pow2
     block_dv = min(p2(dv), max_block_dv)
     block_s = min(p2(parts), max(1, budget // block_dv))
     block_h = 1
-    while block_h < 4 and block_h < p2(heads) and block_h * block_dv < 256 and block_s * block_h * 2 * block_dv <= budget:
+    while (block_h < 4 and block_h < p2(heads) and block_h * block_dv < 256
+           and block_s * block_h * 2 * block_dv <= budget):
         block_h *= 2
 
     def programs():
