@@ -53,10 +53,13 @@ def time_cuda(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> flo
 
 def _per_call_ms(issue: Callable[[], object], iters: int, repeats: int) -> float:
     """Milliseconds per call of ``issue`` run ``iters`` times back to back between two CUDA
-    events, median of ``repeats``."""
+    events, median of ``repeats``. One untimed call goes first each time, so the GPU is busy when
+    the start event is recorded: the first timed call does not add the host's latency to an idle
+    GPU (with few iterations of a short call that bias reached several percent)."""
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        issue()
         start.record()
         for _ in range(iters):
             issue()
