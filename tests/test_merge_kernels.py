@@ -271,6 +271,31 @@ def test_merge_blocks_spread_few_rows_over_the_gpu():
     assert merge_warps((8, 1, 512), 4) == 4 and merge_warps((256, 1, 32), 4) == 2 and merge_warps((4, 1, 16), 4) == 1
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 400), st.integers(1, 160), st.sampled_from([16, 64, 100, 128, 512, 576]), st.integers(1, 300),
+       st.sampled_from([16, 132]), st.sampled_from([2, 4]))
+def test_merge_geometry_invariants(parts, heads, dv, rows, num_sms, elem_bytes):
+    """merge_blocks / merge_warps over ragged shapes: powers of two, the chunk within its budget,
+    heads packed only up to 4 and 256 columns, a column block never wider than needed, the grid
+    spread over 2 programs per SM unless one head and 32 columns per program are reached, 1-4
+    warps with <= 128 chunk elements a lane (or the most warps allowed)."""
+    from cpattn.kernels.triton_decode import merge_blocks, merge_warps
+
+    def pow2(x):
+        return x & (x - 1) == 0
+
+    s, hb, d = merge_blocks(parts, heads, dv, rows, num_sms)
+    assert all(pow2(x) and x >= 1 for x in (s, hb, d))
+    assert s * hb * d <= 8192 or s == 1
+    assert s <= max(1, 1 << (parts - 1).bit_length())  # never more chunk rows than parts need
+    assert hb <= 4 and (hb == 1 or hb * d <= 256) and hb <= max(1, 1 << (heads - 1).bit_length())
+    assert d <= 256 and (d <= 32 or d < 2 * dv)
+    programs = rows * -(-heads // hb) * -(-dv // d)
+    assert programs >= 2 * num_sms or (hb == 1 and d <= 32)
+    w = merge_warps((s, hb, d), elem_bytes)
+    assert 1 <= w <= 4 and (s * hb * d <= 128 * 32 * w or w == 4)
+
+
 def test_many_splits_end_to_end(interp):
     """A long sequence cut into ~100 splits per tile through the plan (q_len 1 and 3, sinks,
     window, paged and packed): per-rank partials against the fp64 per-rank oracle and the merge
