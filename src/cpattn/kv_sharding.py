@@ -33,7 +33,7 @@ from torch import Tensor
 
 from . import _buffers
 from ._validation import check_int, check_tensor
-from .metadata import LengthsLike, _exclusive_cumsum, _lengths_hash, as_lengths
+from .metadata import LengthsLike, _exclusive_cumsum, _lengths_hashes, as_lengths
 
 __all__ = [
     "DecodeCapacity",
@@ -293,7 +293,7 @@ def _decode_fingerprint(sh: KVSharding, rank: int, seq: Tensor, ql: Tensor,
     code = zlib.crc32(f"decode/kv{sh.cp_size}x{sh.interleave}".encode()) & 0x7FFFFFFF
     return (
         code, sh.cp_size, sh.interleave, seq.numel(), int(ql.sum()), int(seq.sum()),
-        _lengths_hash(ql, seq, 1103515245, 12345), _lengths_hash(ql, seq, 69069, 1013904223), *cap, rank,
+        *_lengths_hashes(ql, seq), *cap, rank,
     )
 
 

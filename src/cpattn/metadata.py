@@ -268,12 +268,18 @@ def _exclusive_cumsum(x: Tensor) -> Tensor:
 _HASH_P = 2147483647  # 2**31 - 1: products of two residues fit in int64
 
 
-def _lengths_hash(ext: Tensor, pre: Tensor, mult: int, salt: int) -> int:
-    """A vectorized polynomial hash of the (extend, prefix) pairs, in [0, 2**31 - 1)."""
+#: (multiplier, salt) of the two position weightings of :func:`_lengths_hashes`.
+_HASH_WEIGHTS = torch.tensor([[1103515245, 12345], [69069, 1013904223]], dtype=torch.int64)
+
+
+def _lengths_hashes(ext: Tensor, pre: Tensor) -> list[int]:
+    """Two vectorized polynomial hashes of the (extend, prefix) pairs, each in [0, 2**31 - 1):
+    ``sum_i term_i * w_i mod p`` with ``w_i = (i * mult + salt) mod p`` for the two
+    (mult, salt) of :data:`_HASH_WEIGHTS`, computed together (one host read)."""
     i = torch.arange(ext.numel(), dtype=torch.int64)
-    w = (i * mult + salt) % _HASH_P
+    w = (i * _HASH_WEIGHTS[:, :1] + _HASH_WEIGHTS[:, 1:]) % _HASH_P  # [2, B]
     term = ((ext % _HASH_P) * 40503 + (pre % _HASH_P) * 65599 + 1) % _HASH_P
-    return int(((term * w) % _HASH_P).sum() % _HASH_P)
+    return (((term * w) % _HASH_P).sum(1) % _HASH_P).tolist()
 
 
 def plan_fingerprint(
@@ -292,8 +298,7 @@ def plan_fingerprint(
     code = strategy if kv_sharding is None else f"{strategy}/kv{kv_sharding.cp_size}x{kv_sharding.interleave}"
     return (
         zlib.crc32(code.encode()) & 0x7FFFFFFF, cp_size, pad_multiple, ext.numel(), int(ext.sum()),
-        int(ext.sum() + pre.sum()), _lengths_hash(ext, pre, 1103515245, 12345),
-        _lengths_hash(ext, pre, 69069, 1013904223), *cap, rank,
+        int(ext.sum() + pre.sum()), *_lengths_hashes(ext, pre), *cap, rank,
     )
 
 
