@@ -505,6 +505,83 @@ def test_gpu_cuda_graph_replay_of_decode_steps():
             assert torch.equal(kc.view(-1, hkv, d)[slot], k_new[row]), (seq, row)
 
 
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3000), st.integers(0, 5)), min_size=0, max_size=6), st.integers(1, 4),
+       st.sampled_from([1, 4]), st.integers(0, 3), st.sampled_from([1, 2, 4]), st.sampled_from([-1, 0, 37, 500]),
+       st.booleans(), st.booleans())
+def test_plan_work_tables_cover_every_key_once(seqs, cp, inter, rank_seed, rows, window, fit, static):
+    """plan_work's tables over ragged decode batches (q_len 0..5 capped at the length, shard
+    sizes 0 and up, window, static capacity): each tile's items cover its local key range
+    ``[lo aligned down, hi)`` in order without gaps or overlap, splits aligned; a multi-split
+    tile's items own consecutive workspace slots 0.. (single-split: -1); each query row points at
+    its tile's first slot, split count and row in the tile; static tables are capacity-sized
+    with pad entries past the counts."""
+    from types import SimpleNamespace
+
+    from cpattn.kernels.decode_backend import plan_work
+
+    rank = rank_seed % cp
+    sl = [n for n, _ in seqs]
+    ql = [min(q, n) for n, q in seqs]
+    sh = cpattn.KVSharding(cp, inter)
+    if static:
+        dmeta = cpattn.StaticDecodePlanner(sh, max_seqs=8, max_q_len=6, max_query_rows=48, device="cpu").plan(
+            sl, ql, rank=rank)
+    else:
+        dmeta = sh.build_decode_metadata(sl, ql, rank=rank)
+    host = dmeta.host if dmeta.host is not None else dmeta
+    spec = SimpleNamespace(window_left=window)
+    align = 16
+    w = plan_work(host, spec, rows=rows, num_head_groups=2, align=align, num_sms=3, programs_per_sm=2, min_split=16,
+                  capacity=dmeta.capacity, fit_target=fit)
+    n = w["num_items_host"]
+    seq, r0 = w["item_seq"][:n].tolist(), w["item_r0"][:n].tolist()
+    k0, k1, ws = w["item_k0"][:n].tolist(), w["item_k1"][:n].tolist(), w["item_ws"][:n].tolist()
+    assert int(w["num_items"][0]) == n and w["item_seq"].numel() == w["grid_items"] >= n
+    if static:
+        assert w["grid_items"] >= 3 * 2 // 2 + 8 * -(-6 // rows) and w["row_ws0"].numel() == 48
+        assert (w["item_ws"][n:] == -1).all()
+
+    def local(x):  # local keys of positions < x on this rank (the sharding rule, written out)
+        return sum(1 for p in range(x) if (p // inter) % cp == rank)
+
+    tiles = [(b, t0) for b, q in enumerate(ql) for t0 in range(0, q, rows)]
+    at = 0
+    next_ws = 0
+    first_slot = {}
+    for b, t0 in tiles:
+        pos0 = sl[b] - ql[b] + t0
+        last = min(ql[b] - t0, rows) + pos0 - 1
+        hi = local(last + 1)
+        lo = local(max(pos0 - window, 0)) if window >= 0 else 0
+        lo = lo // align * align
+        mine = []
+        while at < n and (seq[at], r0[at]) == (b, t0):
+            mine.append(at)
+            at += 1
+        assert mine, (b, t0)
+        assert k0[mine[0]] == lo and k1[mine[-1]] == max(hi, lo) or (len(mine) == 1 and k1[mine[0]] <= lo)
+        for i, j in zip(mine, mine[1:]):
+            assert k1[i] == k0[j] and k0[j] % align == 0 and k1[i] > k0[i]
+        if len(mine) > 1:
+            assert [ws[i] for i in mine] == list(range(next_ws, next_ws + len(mine)))
+            first_slot[(b, t0)] = next_ws
+            next_ws += len(mine)
+        else:
+            assert ws[mine[0]] == -1
+            first_slot[(b, t0)] = 0
+        first_slot[(b, t0, "n")] = len(mine)
+    assert at == n and next_ws == w["num_ws"]
+    row = 0
+    for b, q in enumerate(ql):
+        for i in range(q):
+            t0 = i // rows * rows
+            assert int(w["row_ti"][row]) == i - t0
+            assert int(w["row_nsplit"][row]) == first_slot[(b, t0, "n")]
+            assert int(w["row_ws0"][row]) == first_slot[(b, t0)]
+            row += 1
+
+
 def test_plan_work_fit_target_keeps_whole_waves():
     """Per-sequence rounding of the split can exceed the split target (8 x 128k keys, target
     132: 136 items); ``fit_target`` grows the split until the items fit, and the items still
