@@ -28,6 +28,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -292,7 +293,7 @@ def _decode_fingerprint(sh: KVSharding, rank: int, seq: Tensor, ql: Tensor,
     cap = (capacity.max_seqs, capacity.max_query_rows, capacity.max_q_len, 0, 0) if capacity else (0,) * 5
     code = zlib.crc32(f"decode/kv{sh.cp_size}x{sh.interleave}".encode()) & 0x7FFFFFFF
     return (
-        code, sh.cp_size, sh.interleave, seq.numel(), int(ql.sum()), int(seq.sum()),
+        code, sh.cp_size, sh.interleave, seq.numel(), int(ql.numpy().sum()), int(seq.numpy().sum()),
         *_lengths_hashes(ql, seq), *cap, rank,
     )
 
@@ -303,36 +304,46 @@ def _build_decode(sh: KVSharding, seq_lens, q_lens, rank, capacity: Optional[Dec
     ql = torch.ones_like(seq) if q_lens is None else as_lengths(q_lens, "q_lens")
     if ql.numel() != seq.numel():
         raise ValueError(f"seq_lens and q_lens must have the same size, got {seq.numel()} and {ql.numel()}")
-    bad = torch.nonzero(ql > seq).flatten()
-    if bad.numel():
+    bad = np.flatnonzero(ql.numpy() > seq.numpy())
+    if bad.size:
         b = int(bad[0])
         raise ValueError(f"q_lens must be <= seq_lens (the queries are the last q_len positions), got "
                          f"q_len {int(ql[b])} > seq_len {int(seq[b])} for sequence {b}")
-    num_seqs, num_rows = seq.numel(), int(ql.sum())
+    num_seqs, num_rows = seq.numel(), int(ql.numpy().sum())
     if capacity is not None:
         over = [(what, got, limit) for what, got, limit in (
             ("sequences", num_seqs, capacity.max_seqs), ("query rows (sum(q_lens))", num_rows, capacity.max_query_rows),
-            ("max q_len", int(ql.max()) if num_seqs else 0, capacity.max_q_len)) if got > limit]
+            ("max q_len", int(ql.numpy().max()) if num_seqs else 0, capacity.max_q_len)) if got > limit]
         if over:
             raise ValueError("batch over the StaticDecodePlanner capacity: " +
                              "; ".join(f"{what} {got} > {limit}" for what, got, limit in over))
-    cu_q = _exclusive_cumsum(ql)
-    local = _local_lengths(seq, rank, sh.cp_size, sh.interleave)
-    row_seq = torch.repeat_interleave(torch.arange(num_seqs), ql, output_size=num_rows)
-    row_pos = (seq - ql)[row_seq] + torch.arange(num_rows) - cu_q[row_seq]
-    mine = torch.nonzero((row_pos // sh.interleave) % sh.cp_size == rank).flatten()
+    # numpy on the host for the [B] / [rows] arithmetic (~1 us per op where a torch op costs several)
+    s_np, q_np = seq.numpy(), ql.numpy()
+    inter, period = sh.interleave, sh.period
+    cu_q = _np_exclusive_cumsum(q_np)
+    local = (s_np // period) * inter + np.clip(s_np % period - rank * inter, 0, inter)
+    row_seq = np.repeat(np.arange(num_seqs), q_np)
+    row_pos = (s_np - q_np)[row_seq] + np.arange(num_rows) - cu_q[row_seq]
+    mine = np.flatnonzero((row_pos // inter) % sh.cp_size == rank)
     pos_mine = row_pos[mine]
-    store_index = (pos_mine // sh.period) * sh.interleave + pos_mine % sh.interleave
+    store_index = (pos_mine // period) * inter + pos_mine % inter
     return DecodeMetadata(
         sharding=sh, rank=rank, num_seqs=num_seqs, num_query_rows=num_rows,
-        max_q_len=int(ql.max()) if num_seqs else 0, max_seq_len=int(seq.max()) if num_seqs else 0,
+        max_q_len=int(q_np.max()) if num_seqs else 0, max_seq_len=int(s_np.max()) if num_seqs else 0,
         num_local_kv_tokens=int(local.sum()), max_local_kv_len=int(local.max()) if num_seqs else 0,
-        num_stored_tokens=mine.numel(), seq_lens=seq, q_lens=ql, cu_q_lens=cu_q, local_kv_lens=local,
-        cu_local_kv_lens=_exclusive_cumsum(local), row_seq=row_seq.to(torch.int32), store_rows=mine,
-        store_index=store_index,
-        counts=torch.tensor([num_rows, num_seqs, mine.numel()], dtype=torch.int32),
+        num_stored_tokens=mine.size, seq_lens=seq, q_lens=ql, cu_q_lens=torch.from_numpy(cu_q),
+        local_kv_lens=torch.from_numpy(local), cu_local_kv_lens=torch.from_numpy(_np_exclusive_cumsum(local)),
+        row_seq=torch.from_numpy(row_seq.astype(np.int32)), store_rows=torch.from_numpy(mine.astype(np.int64)),
+        store_index=torch.from_numpy(store_index),
+        counts=torch.tensor([num_rows, num_seqs, mine.size], dtype=torch.int32),
         fingerprint=_decode_fingerprint(sh, rank, seq, ql, capacity),
     )
+
+
+def _np_exclusive_cumsum(x: np.ndarray) -> np.ndarray:
+    out = np.zeros(x.size + 1, dtype=np.int64)
+    np.cumsum(x, out=out[1:])
+    return out
 
 
 def _agreed(build, group, cp_size: int):

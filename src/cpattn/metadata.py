@@ -32,6 +32,7 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -269,16 +270,16 @@ _HASH_P = 2147483647  # 2**31 - 1: products of two residues fit in int64
 
 
 #: (multiplier, salt) of the two position weightings of :func:`_lengths_hashes`.
-_HASH_WEIGHTS = torch.tensor([[1103515245, 12345], [69069, 1013904223]], dtype=torch.int64)
+_HASH_WEIGHTS = np.array([[1103515245, 12345], [69069, 1013904223]], dtype=np.int64)
 
 
 def _lengths_hashes(ext: Tensor, pre: Tensor) -> list[int]:
-    """Two vectorized polynomial hashes of the (extend, prefix) pairs, each in [0, 2**31 - 1):
-    ``sum_i term_i * w_i mod p`` with ``w_i = (i * mult + salt) mod p`` for the two
-    (mult, salt) of :data:`_HASH_WEIGHTS`, computed together (one host read)."""
-    i = torch.arange(ext.numel(), dtype=torch.int64)
-    w = (i * _HASH_WEIGHTS[:, :1] + _HASH_WEIGHTS[:, 1:]) % _HASH_P  # [2, B]
-    term = ((ext % _HASH_P) * 40503 + (pre % _HASH_P) * 65599 + 1) % _HASH_P
+    """Two vectorized polynomial hashes of the (extend, prefix) pairs (int64 CPU tensors), each
+    in [0, 2**31 - 1): ``sum_i term_i * w_i mod p`` with ``w_i = (i * mult + salt) mod p`` for the
+    two (mult, salt) of :data:`_HASH_WEIGHTS`, computed together (numpy: host arithmetic)."""
+    e, p = ext.numpy(), pre.numpy()
+    w = (np.arange(e.size, dtype=np.int64) * _HASH_WEIGHTS[:, :1] + _HASH_WEIGHTS[:, 1:]) % _HASH_P  # [2, B]
+    term = ((e % _HASH_P) * 40503 + (p % _HASH_P) * 65599 + 1) % _HASH_P
     return (((term * w) % _HASH_P).sum(1) % _HASH_P).tolist()
 
 
