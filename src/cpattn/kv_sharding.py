@@ -365,9 +365,11 @@ def _agreed(build, group, cp_size: int):
 
 
 def _pad_to(x: Tensor, size: int, fill: int) -> Tensor:
-    out = torch.full((size,), fill, dtype=x.dtype)
-    out[: x.numel()] = x
-    return out
+    """The CPU [n] tensor ``x`` in a [size] one, ``fill`` past it (numpy: host arithmetic)."""
+    src = x.numpy()
+    out = np.full(size, fill, dtype=src.dtype)
+    out[: src.size] = src
+    return torch.from_numpy(out)
 
 
 class StaticDecodePlanner:
