@@ -34,7 +34,7 @@ from torch import Tensor
 
 from . import _buffers
 from ._validation import check_int, check_tensor
-from .metadata import LengthsLike, _exclusive_cumsum, _lengths_hashes, as_lengths
+from .metadata import LengthsLike, _lengths_hashes, as_lengths
 
 __all__ = [
     "DecodeCapacity",
