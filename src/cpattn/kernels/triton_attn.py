@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._tiles import LOG2E, SM90_SMEM_PER_BLOCK
+from ._tiles import LOG2E, SM90_SMEM_PER_BLOCK, kv_strides
 
 logger = logging.getLogger("cpattn")
 
@@ -493,10 +493,7 @@ def make_launch(plan_args: dict, config: Optional[tuple[int, int, int]] = None, 
 def kv_facts(k: Tensor, v: Tensor, paged: bool) -> tuple:
     """``(use_tma, K/V ints, their key part)`` of a portable launch over these K/V (ints and
     flags only: a plan caches them per K/V address, shape, strides and dtype)."""
-    if paged:
-        ints = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
-    else:
-        ints = (0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1))
+    ints = kv_strides(k, v, paged)
     use_tma = not paged and not INTERPRETED and _tma_ok(k, v)
     return use_tma, ints, (k.data_ptr() & 15, v.data_ptr() & 15, k.shape[0]) + ints + (use_tma,)
 

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ._sm90_common import (HAVE_GLUON, TMA_CHUNK, hopper_reason, packed_layout_ok, paged_copy_rows,
                            paged_layout_ok, smem_layout as _smem_layout)
-from ._tiles import LOG2E, SM90_SMEM_PER_BLOCK
+from ._tiles import LOG2E, SM90_SMEM_PER_BLOCK, kv_strides
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -707,12 +707,9 @@ def kv_facts(k: Tensor, v: Tensor, block_n: int = 128):
     Ints only: the plan caches these per :func:`kv_key`."""
     if not kv_layout_ok(k, v):
         return False
-    if k.dim() == 4:
-        ints = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
-        variant = (k.shape[1], not paged_tma_ok(k, v, block_n))
-    else:
-        ints = (0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1))
-        variant = (None, False)
+    paged = k.dim() == 4
+    ints = kv_strides(k, v, paged)
+    variant = (k.shape[1], not paged_tma_ok(k, v, block_n)) if paged else (None, False)
     return variant, ints, (k.data_ptr() & 15, v.data_ptr() & 15) + ints
 
 
