@@ -224,3 +224,47 @@ def test_gpu_direct_launch_under_graph_capture(family, d, dv, hq, hkv, page):
         torch.cuda.synchronize()
         for (k, v), o in zip(layers, outs):
             assert torch.equal(o, jit.run(q, k, v, page_table=table, sinks=sinks)), "graph replay != JIT"
+
+
+@pytest.mark.parametrize("shape", ["gqa", "mla"])
+def test_gpu_decode_step_launches_are_direct_and_bit_identical(shape):
+    """A decode step's split + combine (3-D grid) and the fused merge (3-D grid) take the direct
+    launch after their first call, and give the same bits as the plain JIT call."""
+    from cpattn.kernels import triton_decode
+
+    hq, hkv, d, dv, ps = (32, 8, 128, 128, 64) if shape == "gqa" else (128, 1, 576, 512, 64)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    dmeta = cpattn.KVSharding(2).build_decode_metadata([9000, 77, 1], [1, 2, 1], rank=1).to("cuda")
+    local = (dmeta.host or dmeta).local_kv_lens.tolist()
+    pages = [-(-n // ps) for n in local]
+    table = torch.zeros(len(local), max(pages), dtype=torch.int32, device="cuda")
+    table[:] = torch.arange(table.numel(), dtype=torch.int32, device="cuda").view(table.shape)
+    kc = torch.randn(table.numel(), ps, hkv, d, device="cuda", generator=gen).to(torch.bfloat16)
+    vc = kc[..., :dv] if shape == "mla" else torch.randn(table.numel(), ps, hkv, dv, device="cuda",
+                                                          generator=gen).to(torch.bfloat16)
+    q = torch.randn(dmeta.num_query_token_rows, hq, d, device="cuda", generator=gen).to(torch.bfloat16)
+    kw = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=torch.bfloat16, page_size=ps,
+              backend="triton")
+    planned = cpattn.plan_shard_attention(dmeta, **kw)
+    impl = planned._impl
+    runner = impl._mla if impl._mla is not None else impl
+    assert runner.run_combine  # the 9000-key sequence is split
+    results = [planned.run(q, kc, vc, page_table=table) for _ in range(3)]
+    for name in ("split", "combine") if impl._mla is None else ("combine",):
+        launcher = runner._state.launchers[name]
+        assert any(launcher.direct(key) for key in launcher.records), f"{name} not launched directly"
+    # the JIT reference: the same plan with planned launches disabled
+    ref_plan = cpattn.plan_shard_attention(dmeta, **kw)
+    ref_runner = ref_plan._impl._mla if ref_plan._impl._mla is not None else ref_plan._impl
+    ref_runner._state.enabled = False
+    ref = ref_plan.run(q, kc, vc, page_table=table)
+    for out, lse in results:
+        assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
+    # the fused merge of C = 4 parts: direct from its second call, the same bits every call
+    parts = torch.randn(4, *results[0][0].shape, device="cuda", generator=gen).to(torch.bfloat16)
+    part_lse = torch.randn(4, *results[0][1].shape, device="cuda", generator=gen)
+    merged = [cpattn.merge_states(parts, part_lse) for _ in range(3)]
+    assert any(launcher.direct(key) for launcher in triton_decode._MERGE_LAUNCHES.launchers.values()
+               for key in launcher.records)
+    for out, lse in merged[1:]:
+        assert torch.equal(out, merged[0][0]) and torch.equal(lse, merged[0][1])

@@ -671,3 +671,19 @@ def test_plan_tensors_round_trip_through_one_buffer(fields, seed):
     second = arena.upload("k", second_src)
     for name in ts:
         assert second[name].data_ptr() == first[name].data_ptr() and torch.equal(second[name], second_src[name])
+
+
+def test_static_arena_scratch_is_one_fixed_tensor_per_key():
+    """A static planner's kernel workspace: the same tensor for a key on every request, another
+    for another key, and a request of another shape or dtype for a key is refused."""
+    from cpattn import _buffers
+
+    arena = _buffers.StaticArena(torch.device("cpu"))
+    a = arena.scratch("ws", (4, 2, 3), torch.float32)
+    assert arena.scratch("ws", (4, 2, 3), torch.float32) is a
+    b = arena.scratch("ws2", (4, 2, 3), torch.float32)
+    assert b.data_ptr() != a.data_ptr()
+    with pytest.raises(ValueError, match="static scratch 'ws' was sized"):
+        arena.scratch("ws", (5, 2, 3), torch.float32)
+    with pytest.raises(ValueError, match="static scratch 'ws' was sized"):
+        arena.scratch("ws", (4, 2, 3), torch.bfloat16)

@@ -246,6 +246,7 @@ def test_static_decode_plans_same_addresses_same_results(request, backend):
         assert (out[nq:] == 0).all() and torch.isneginf(lse[nq:]).all()
         if backend == "triton":
             now = {k: v.data_ptr() for k, v in plan._impl.plan_args.items() if isinstance(v, torch.Tensor)}
+            now.update(ws_o=plan._impl._ws.o.data_ptr(), ws_lse=plan._impl._ws.lse.data_ptr())  # the workspace too
             ptrs = ptrs or now
             grid = grid or (plan._impl.grid, plan._impl.combine_grid, plan._impl.ws_shape)
             assert now == ptrs and (plan._impl.grid, plan._impl.combine_grid, plan._impl.ws_shape) == grid
@@ -266,6 +267,7 @@ def test_shard_plan_rejects_bad_inputs():
         (dict(page_table=pt[:, :1]), ValueError, "does not cover the rank's shard"),
         (dict(page_table=pt[:1]), ValueError, r"page_table must be \[B=2"),
         (dict(k_cache=kc[:, :2]), ValueError, "paged k_cache"),
+        (dict(v_cache=kc[:5]), ValueError, "paged k_cache"),  # fewer pages than k_cache
         (dict(sinks=None), ValueError, "has_sinks=True"),
         (dict(q=q.double()), TypeError, "q dtype"),
         (dict(out=torch.zeros(3, 4, 4)), ValueError, "out must be"),

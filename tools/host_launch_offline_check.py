@@ -23,8 +23,11 @@ import sys
 
 import torch
 import triton
+from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia import driver as nv_driver
+from triton.compiler import ASTSource
 
+import cpattn.kernels.triton_decode as td
 import cpattn.kernels.triton_mla as mla
 import cpattn.kernels.triton_sm90 as ws
 from cpattn.kernels import _launch
@@ -86,7 +89,8 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def check(name: str, compiled, kernel, fixed: dict, names, descriptors, values_of, descs_of, key_of, kvs) -> None:
+def check(name: str, compiled, kernel, fixed: dict, names, descriptors, values_of, descs_of, key_of, kvs,
+          grid: tuple = (132,)) -> None:
     calls: list = []
     run = _launcher(compiled, calls)
     compiled._run, compiled.module, compiled.function = run, object(), 4242
@@ -95,14 +99,14 @@ def check(name: str, compiled, kernel, fixed: dict, names, descriptors, values_o
     key = ("k",)
     pl._record(compiled, key)
     assert pl.direct(key), f"{name}: direct launch not taken (the launcher layout is not the known one)"
-    grid = (132,)
+    g3 = tuple(grid) + (1, 1)[:3 - len(grid)]
     for i, (k, v) in enumerate(kvs + kvs[:1]):
         values = values_of(k, v)
         # Triton's path: the compiled kernel's run with the descriptor objects in place
         full = dict(fixed, **dict(zip(names, values)), **dict(zip(descriptors, descs_of(k, v))))
         bound = [full[n] for n in kernel.arg_names]
         calls.clear()
-        compiled.run(grid[0], 1, 1, 777, compiled.function, compiled.packed_metadata, None, None, None, *bound)
+        compiled.run(*g3, 777, compiled.function, compiled.packed_metadata, None, None, None, *bound)
         ref = calls[-1]
         fills = drv.utils.fills
         pl(grid, values, key, key_of(k, v), lambda: descs_of(k, v))
@@ -193,6 +197,24 @@ def main() -> int:
 
         check(label, compiled, mla._mla_decode_sm90, fixed, mla._DECODE_PER_CALL, mla._DESCRIPTORS, values_of,
               lambda k, v: mla.k_descriptors(k), mla.kv_key, kvs)
+    # a kernel without descriptors on a 3-D grid: the fused merge (and the combine, launched alike)
+    import decode_offline_check as doc
+
+    blocks = (8, 1, 256)
+    fn, sig, consts = doc._merge_sig(512, "bf16", blocks, True)
+    compiled = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=1))
+    parts = torch.zeros(8, 4, 128, 512, dtype=dt)
+    plse = torch.zeros(8, 4, 128)
+    mo, ml = torch.zeros(4, 128, 512, dtype=dt), torch.zeros(4, 128)
+
+    def merge_values(k, v):
+        ps, ls = k.stride(), v.stride()
+        return (mo, ml, k, v, 8, 128, ps[0], ps[1], ps[2], ls[0], ls[1], ls[2], mo.stride(0), mo.stride(1),
+                ml.stride(0), ml.stride(1))
+
+    check("merge C=8 (3-D grid)", compiled, fn, dict(consts, num_warps=1), td._MERGE_PER_CALL, (), merge_values,
+          lambda k, v: (), lambda k, v: (), [(parts, plse)] * 3, grid=(4, 128, 2))
     print("all direct launches match triton", triton.__version__)
     return 0
 

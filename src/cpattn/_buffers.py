@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["StaticArena", "move_packed", "pack_into", "packed_layout", "upload", "views_of"]
+__all__ = ["StaticArena", "move_packed", "pack_into", "packed_layout", "scratch", "upload", "views_of"]
 
 #: Byte alignment of every tensor inside one buffer.
 FIELD_ALIGN = 16
@@ -91,6 +91,7 @@ class StaticArena:
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         self._slots: dict[object, tuple] = {}
+        self._scratch: dict[object, Tensor] = {}
 
     def upload(self, key, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         shapes = tuple((name, tuple(t.shape), t.dtype) for name, t in tensors.items())
@@ -114,9 +115,29 @@ class StaticArena:
             event.record()
         return views
 
+    def scratch(self, key, shape: tuple, dtype: torch.dtype) -> Tensor:
+        """The key's fixed-address device scratch tensor (allocated on first use, then the same
+        tensor for every plan of this planner; never copied to): a kernel workspace that a
+        captured CUDA graph keeps using across steps."""
+        t = self._scratch.get(key)
+        if t is None:
+            t = self._scratch[key] = torch.empty(shape, dtype=dtype, device=self.device)
+        elif tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            raise ValueError(f"static scratch {key!r} was sized {tuple(t.shape)} {t.dtype}, got {tuple(shape)} {dtype}")
+        return t
+
     @property
     def num_buffers(self) -> int:
         return len(self._slots)
+
+
+def scratch(meta, key, shape: tuple, dtype: torch.dtype) -> Tensor:
+    """A plan's device workspace, allocated at plan time (never inside a captured region): the
+    static arena's fixed-address tensor for a static plan, else a new tensor the plan keeps."""
+    arena: Optional[StaticArena] = getattr(meta, "arena", None)
+    if arena is not None:
+        return arena.scratch(key, shape, dtype)
+    return torch.empty(shape, dtype=dtype, device=meta.device)
 
 
 def upload(meta, key, tensors: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -67,7 +67,9 @@ def merge_states(out_parts: Tensor, lse_parts: Tensor, *, dim: int = 0) -> tuple
         raise ValueError(f"dim {dim} out of range for lse_parts of shape {list(lse_parts.shape)}")
     dim %= lse_parts.dim()
     if merge_path(out_parts, lse_parts, dim=dim) == "triton":
-        return _merge_fused(out_parts.movedim(dim, 0), lse_parts.movedim(dim, 0))
+        if dim:
+            out_parts, lse_parts = out_parts.movedim(dim, 0), lse_parts.movedim(dim, 0)
+        return _merge_fused(out_parts, lse_parts)
     return _merge_states_torch(out_parts, lse_parts, dim)
 
 
@@ -94,17 +96,25 @@ def merge_path(out_parts: Tensor, lse_parts: Tensor, *, dim: int = 0) -> str:
     return "triton"
 
 
+#: SM count per CUDA device index (the merge's block sizes depend on it).
+_NUM_SMS: dict = {}
+
+
 def _merge_fused(parts: Tensor, part_lse: Tensor) -> tuple[Tensor, Tensor]:
     """The fused kernel over [C, N, H, Dv] / [C, N, H] (one launch)."""
     from .kernels import triton_decode
 
     c, n, h, dv = parts.shape
-    out = torch.empty((n, h, dv), dtype=parts.dtype, device=parts.device)
-    lse = torch.empty((n, h), dtype=torch.float32, device=parts.device)
-    if parts.is_cuda:
-        num_sms = torch.cuda.get_device_properties(parts.device).multi_processor_count  # cached by torch
-        if parts.device.index != torch.cuda.current_device():
-            with torch.cuda.device(parts.device):  # parts on a non-current GPU
+    device = parts.device
+    out = torch.empty((n, h, dv), dtype=parts.dtype, device=device)
+    lse = torch.empty((n, h), dtype=torch.float32, device=device)
+    if device.type == "cuda":
+        index = device.index
+        num_sms = _NUM_SMS.get(index)
+        if num_sms is None:
+            num_sms = _NUM_SMS[index] = torch.cuda.get_device_properties(device).multi_processor_count
+        if index != torch.cuda.current_device():
+            with torch.cuda.device(device):  # parts on a non-current GPU
                 triton_decode.merge_parts(parts, part_lse, out, lse, num_sms=num_sms)
         else:
             triton_decode.merge_parts(parts, part_lse, out, lse, num_sms=num_sms)

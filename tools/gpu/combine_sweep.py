@@ -72,12 +72,13 @@ def main() -> None:
         out, lse = plan.run(q, kc, vc, page_table=table)
         ws_o = torch.randn(run.ws_shape, device=q.device, dtype=torch.float32)
         ws_lse = torch.randn(run.ws_shape[:3], device=q.device, dtype=torch.float32) * 4
+        ws = triton_decode.Workspace(ws_o, ws_lse)
         base = run.combine_args
         hq, dv = out.shape[1], out.shape[2]
         bytes_read = ws_o.numel() * 4 + ws_lse.numel() * 4
 
         def launch(args_, grid, o=out, l_=lse):
-            return triton_decode.launch_combine(o, l_, None, ws_o, ws_lse, grid=grid, combine_args=args_)
+            return triton_decode.launch_combine(o, l_, None, ws, grid=grid, combine_args=args_)
 
         launch(base, run.combine_grid)
         ref = out.clone()

@@ -47,6 +47,8 @@ DESCRIPTOR_CACHE_SIZE = 256
 #: Leading arguments of Triton's C ``launch`` (grid x3, stream, function, cooperative, pdl, two
 #: scratch buffers, kernel metadata, launch metadata, enter / exit hooks).
 _BASE_ARGS = 13
+#: What each direct call puts before its per-call values: the grid (x, y, z) and the stream.
+_HEAD = ("grid0", "grid1", "grid2", "stream")
 #: Compiled-kernel keys remembered per launch (the oldest is dropped past this).
 MAX_KEYS = 8
 
@@ -108,11 +110,11 @@ def _hooks_idle(hooks) -> bool:
 class _Direct:
     """The compiled kernel's C ``launch`` and how to build its argument tuple (see the module
     docstring): ``entry(descs)`` -> the constant part for one descriptor set; ``pick`` maps
-    ``entry + (grid0, stream) + values`` onto the C launcher's argument order."""
+    ``entry + (grid0, grid1, grid2, stream) + values`` onto the C launcher's argument order."""
 
     def __init__(self, launch, make_arg, desc_meta: dict, layout: list) -> None:
         self.launch, self.make_arg, self.desc_meta = launch, make_arg, desc_meta
-        #: per C-launcher argument: ("const", x) | ("head", 0 grid / 1 stream) | ("value", j) |
+        #: per C-launcher argument: ("const", x) | ("head", 0-2 grid / 3 stream) | ("value", j) |
         #: ("desc", name) (expanded into several)
         self.layout = layout
         self.pick: Optional[Callable] = None
@@ -136,7 +138,7 @@ class _Direct:
             elif kind == "head":
                 src.append(-1 - item)
             elif kind == "value":
-                src.append(-1 - (2 + item))
+                src.append(-1 - (len(_HEAD) + item))
             else:
                 for x in expanded[item]:
                     src.append(len(consts))
@@ -199,12 +201,15 @@ class PlannedLaunch:
         rec = self.records.get(key)
         if rec is not None:
             direct = rec.direct
-            if direct is not None and len(grid) == 1 and _hooks_idle(self._hooks):
+            if direct is not None and _hooks_idle(self._hooks):
                 entry = rec.entries.get(desc_key)
                 if entry is None:
                     entry = self._new_entry(rec, desc_key, make_descs)
                 if entry is not None:
-                    direct.launch(*direct.pick(entry + (grid[0], self._stream(self._device())) + values))
+                    g = tuple(grid)
+                    if len(g) != 3:
+                        g += (1, 1)[:3 - len(g)]
+                    direct.launch(*direct.pick(entry + g + (self._stream(self._device()),) + values))
                     return
             self._run_compiled(rec, grid, values, make_descs)
             return
@@ -315,7 +320,7 @@ def _direct_launch(compiled, arg_names: list, merged: dict, where: dict, descs: 
         return None
     k = compiled
     run = k.run
-    layout: list = [("head", 0), ("const", 1), ("const", 1), ("head", 1), ("const", k.function),
+    layout: list = [("head", 0), ("head", 1), ("head", 2), ("head", 3), ("const", k.function),
                     ("const", run.launch_cooperative_grid), ("const", run.launch_pdl), ("const", None),
                     ("const", None), ("const", k.packed_metadata), ("const", None), ("const", None),
                     ("const", None)]

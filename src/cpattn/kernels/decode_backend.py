@@ -262,7 +262,13 @@ class _TritonShardRun:
         #: planned launches of the split / combine kernels (direct calls after the first)
         self._state = LaunchState()
         self.family = "mla-split-kv" if self._mla is not None else "split-kv"
-        if self._mla is not None:  # what runs (the portable plan stays as the per-call fallback)
+        #: the split partials' workspace, allocated now (fixed address for static plans; a CUDA
+        #: graph never allocates it); None: the portable kernel is the MLA plan's fallback only and
+        #: allocates one per call
+        self._ws = None
+        if self._mla is None:
+            self._ws = workspace(dmeta, ("shard-ws", key), self.ws_shape)
+        else:  # what runs (the portable plan stays as the per-call fallback)
             self.split, self.num_items, self.num_ws = self._mla.split, self._mla.num_items, self._mla.num_ws
 
     def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse) -> None:
@@ -290,14 +296,22 @@ class _TritonShardRun:
     def _launch(self, q, k, v, page_table, sinks, softmax_scale, out, lse, v_from_k) -> None:
         if self._mla is not None and self._mla(q, k, v, page_table, sinks, softmax_scale, out, lse, self._combine):
             return
-        ws_o = torch.empty(self.ws_shape, dtype=torch.float32, device=q.device)
-        ws_lse = torch.empty(self.ws_shape[:3], dtype=torch.float32, device=q.device)
+        ws = self._ws or triton_decode.Workspace.empty(self.ws_shape, q.device)
         if self.grid[0]:
-            self._split(q, k, v, out, lse, sinks, page_table, ws_o, ws_lse, grid=self.grid, plan_args=self.plan_args,
+            self._split(q, k, v, out, lse, sinks, page_table, ws, grid=self.grid, plan_args=self.plan_args,
                         softmax_scale=softmax_scale, v_from_k=v_from_k, config=self.config, state=self._state)
         if self.run_combine and self.combine_grid[0]:
-            self._combine(out, lse, sinks, ws_o, ws_lse, grid=self.combine_grid, combine_args=self.combine_args,
+            self._combine(out, lse, sinks, ws, grid=self.combine_grid, combine_args=self.combine_args,
                           state=self._state)
+
+
+def workspace(dmeta, key, shape: tuple[int, int, int, int]):
+    """The plan's split-KV :class:`~.triton_decode.Workspace` of ``shape``, allocated at plan time
+    (static plans: the planner's fixed-address scratch, the same tensors every step)."""
+    from . import triton_decode
+
+    return triton_decode.Workspace.empty(
+        shape, dmeta.device, lambda name, shp, dtype: _buffers.scratch(dmeta, key + (name, shp), shp, dtype))
 
 
 def mla_unsupported_reason(spec: AttentionSpec, dmeta, interpreted: bool, options: Mapping) -> Optional[str]:
@@ -356,20 +370,19 @@ class _MlaSplit:
                                  HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv,
                                  HAS_SINKS=apply_sinks, ONE_PASS=max_splits <= block_s,
                                  num_warps=triton_decode.merge_warps((block_s, block_h, block_dv), 4))
+        self._ws = workspace(dmeta, ("mla-shard-ws", key), self.ws_shape)
         self._launch = triton_mla.launch_decode
         self._state = LaunchState()
 
     def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse, combine) -> bool:
         """Run the step; False (nothing launched) when ``k`` / ``v`` is not the kernel's layout."""
-        ws_o = torch.empty(self.ws_shape, dtype=torch.float32, device=q.device)
-        ws_lse = torch.empty(self.ws_shape[:3], dtype=torch.float32, device=q.device)
-        if self.grid[0] and not self._launch(q, k, v, out, lse, sinks, page_table, ws_o, ws_lse, grid=self.grid,
+        ws = self._ws
+        if self.grid[0] and not self._launch(q, k, v, out, lse, sinks, page_table, ws, grid=self.grid,
                                              plan_args=self.plan_args, softmax_scale=softmax_scale,
                                              state=self._state):
             return False
         if self.run_combine and self.combine_grid[0]:
-            combine(out, lse, sinks, ws_o, ws_lse, grid=self.combine_grid, combine_args=self.combine_args,
-                    state=self._state)
+            combine(out, lse, sinks, ws, grid=self.combine_grid, combine_args=self.combine_args, state=self._state)
         return True
 
 

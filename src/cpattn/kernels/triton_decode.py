@@ -428,7 +428,7 @@ _COMBINE_PER_CALL = ("Out", "Lse", "Sinks", "WsO", "WsLse", "num_heads", "stride
 
 def _align_key(*tensors) -> tuple:
     """What the JIT specializes a tensor argument on: dtype and 16-byte alignment."""
-    return tuple((t.dtype, t.data_ptr() & 15) for t in tensors)
+    return tuple([(t.dtype, t.data_ptr() & 15) for t in tensors])
 
 
 def _planned(state, name, kernel, make_fixed, names: tuple):
@@ -443,28 +443,51 @@ def _planned(state, name, kernel, make_fixed, names: tuple):
     return launcher
 
 
+class Workspace:
+    """A split-KV workspace: the fp32 partials ``o`` [slots, rows, Hq, Dv] of multi-split tiles and
+    their LSEs ``lse`` [slots, rows, Hq], with the stride ints and alignment key part every launch
+    passes (computed once: a plan allocates its workspace at plan time and reuses it)."""
+
+    __slots__ = ("o", "lse", "strides", "key")
+
+    def __init__(self, o: Tensor, lse: Tensor) -> None:
+        self.o, self.lse = o, lse
+        self.strides = (o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1))
+        self.key = _align_key(o, lse)
+
+    @classmethod
+    def empty(cls, shape: tuple[int, int, int, int], device, alloc=None) -> "Workspace":
+        """A workspace of ``shape`` = (slots, rows, Hq, Dv) on ``device``; ``alloc(name, shape,
+        dtype)`` allocates each tensor (default ``torch.empty``)."""
+        alloc = alloc or (lambda name, shp, dtype: torch.empty(shp, dtype=dtype, device=device))
+        return cls(alloc("o", tuple(shape), torch.float32), alloc("lse", tuple(shape[:3]), torch.float32))
+
+
 def launch_split(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sinks: Optional[Tensor],
-                 page_table: Optional[Tensor], ws_o: Tensor, ws_lse: Tensor, *, grid: tuple[int],
-                 plan_args: dict, softmax_scale: float, v_from_k: bool, config: tuple[int, int, int],
-                 state=None) -> None:
+                 page_table: Optional[Tensor], ws: Workspace, *, grid: tuple[int], plan_args: dict,
+                 softmax_scale: float, v_from_k: bool, config: tuple[int, int, int], state=None) -> None:
     """Launch the split kernel; ``plan_args`` holds the planned keyword arguments (work items,
-    counts, per-sequence arrays, geometry constexprs), the rest is per layer. ``state``: the
-    plan's :class:`~cpattn.kernels._launch.LaunchState` (planned launches: after the first call
-    the compiled kernel is called directly; None: every call through the JIT)."""
+    counts, per-sequence arrays, geometry constexprs), ``ws`` the plan's :class:`Workspace`, the
+    rest is per layer. ``state``: the plan's :class:`~cpattn.kernels._launch.LaunchState`
+    (planned launches: after the first call the compiled kernel is called directly; None: every
+    call through the JIT)."""
     from ._launch import LaunchState
 
     paged = page_table is not None
     skp, skn, skh, svp, svn, svh = kv_strides(k, v, paged)
     pt, stride_pt = (page_table, page_table.stride(0)) if paged else (plan_args["cu_local_kv"], 0)
-    block_n, warps, stages = config
     sk = sinks if sinks is not None else out
-    values = (q, k, v, out, lse, sk, pt, ws_o, ws_lse, float(softmax_scale) * LOG2E, q.stride(0), q.stride(1),
-              sinks.stride(0) if sinks is not None else 0, skp, skn, skh, svp, svn, svh, out.stride(0),
-              out.stride(1), lse.stride(0), lse.stride(1), stride_pt, ws_o.stride(0), ws_o.stride(1),
-              ws_o.stride(2), ws_lse.stride(0), ws_lse.stride(1), paged, v_from_k)
-    key = _align_key(q, k, v, out, lse, sk, pt, ws_o, ws_lse) + values[10:]
-    launcher = _planned(state or LaunchState(enabled=False), "split", _shard_attn_split,
-                        lambda: dict(plan_args, BLOCK_N=block_n, num_warps=warps, num_stages=stages), _SPLIT_PER_CALL)
+    qs, os_, ls = q.stride(), out.stride(), lse.stride()
+    values = (q, k, v, out, lse, sk, pt, ws.o, ws.lse, float(softmax_scale) * LOG2E, qs[0], qs[1],
+              sinks.stride(0) if sinks is not None else 0, skp, skn, skh, svp, svn, svh, os_[0], os_[1], ls[0], ls[1],
+              stride_pt) + ws.strides + (paged, v_from_k)
+    key = _align_key(q, k, v, out, lse, sk, pt) + ws.key + values[10:]
+    launcher = state.launchers.get("split") if state is not None else None
+    if launcher is None:
+        block_n, warps, stages = config
+        launcher = _planned(state or LaunchState(enabled=False), "split", _shard_attn_split,
+                            lambda: dict(plan_args, BLOCK_N=block_n, num_warps=warps, num_stages=stages),
+                            _SPLIT_PER_CALL)
     launcher(grid, values, key)
 
 
@@ -512,20 +535,22 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (max(1, x) - 1).bit_length())
 
 
-def launch_combine(out: Tensor, lse: Tensor, sinks: Optional[Tensor], ws_o: Tensor, ws_lse: Tensor, *,
+def launch_combine(out: Tensor, lse: Tensor, sinks: Optional[Tensor], ws: Workspace, *,
                    grid: tuple[int, int, int], combine_args: dict, state=None) -> None:
-    """Launch the combine kernel over ``grid`` = (query rows, head blocks, column blocks);
-    ``combine_args``: the planned keyword arguments (tables, constexprs; ``num_warps``, default
-    4); ``state`` as in :func:`launch_split`."""
+    """Launch the combine kernel over ``grid`` = (query rows, head blocks, column blocks), reading
+    the partials of ``ws``; ``combine_args``: the planned keyword arguments (tables, constexprs;
+    ``num_warps``, default 4); ``state`` as in :func:`launch_split`."""
     from ._launch import LaunchState
 
     sk = sinks if sinks is not None else out
-    values = (out, lse, sk, ws_o, ws_lse, out.shape[1], out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-              sinks.stride(0) if sinks is not None else 0, ws_o.stride(0), ws_o.stride(1), ws_o.stride(2),
-              ws_lse.stride(0), ws_lse.stride(1))
-    key = _align_key(out, lse, sk, ws_o, ws_lse) + values[5:]
-    launcher = _planned(state or LaunchState(enabled=False), "combine", _shard_attn_combine,
-                        lambda: {"num_warps": 4, **combine_args}, _COMBINE_PER_CALL)
+    os_, ls = out.stride(), lse.stride()
+    values = (out, lse, sk, ws.o, ws.lse, out.shape[1], os_[0], os_[1], ls[0], ls[1],
+              sinks.stride(0) if sinks is not None else 0) + ws.strides
+    key = _align_key(out, lse, sk) + ws.key + values[5:]
+    launcher = state.launchers.get("combine") if state is not None else None
+    if launcher is None:
+        launcher = _planned(state or LaunchState(enabled=False), "combine", _shard_attn_combine,
+                            lambda: {"num_warps": 4, **combine_args}, _COMBINE_PER_CALL)
     launcher(grid, values, key)
 
 
@@ -533,8 +558,9 @@ def launch_combine(out: Tensor, lse: Tensor, sinks: Optional[Tensor], ws_o: Tens
 _MERGE_PER_CALL = ("Out", "Lse", "Parts", "PartLse", "num_parts", "num_heads", "stride_pc", "stride_pn", "stride_ph",
                    "stride_lc", "stride_ln", "stride_lh", "stride_on", "stride_oh", "stride_mn", "stride_mh")
 #: Compiled merge kernels called directly (a memo of what the JIT compiled, one per geometry;
-#: created on first use, holds no tensors).
+#: created on first use, holds no tensors), and each merge geometry's (grid, launch).
 _MERGE_LAUNCHES = None
+_MERGE_GEOMETRIES = None
 
 
 def merge_parts(parts: Tensor, part_lse: Tensor, out: Tensor, lse: Tensor, *, num_sms: int,
@@ -543,20 +569,29 @@ def merge_parts(parts: Tensor, part_lse: Tensor, out: Tensor, lse: Tensor, *, nu
     of ``parts`` contiguous, e.g. typed views into a received byte buffer) into ``out`` [N, H, Dv]
     and ``lse`` [N, H] float32 (both last dims contiguous). One launch, no sync; C >= 1, N > 0.
     ``blocks``: (BLOCK_S, BLOCK_H, BLOCK_DV) instead of :func:`merge_blocks`' choice (tests).
-    After a geometry's first call the compiled kernel is called directly (planned launch)."""
-    global _MERGE_LAUNCHES
-    from ._launch import LaunchState
+    After a geometry's first call the compiled kernel is called directly (planned launch; the
+    geometry's grid and launcher are memoized, so a repeated call does no block-size work)."""
+    global _MERGE_LAUNCHES, _MERGE_GEOMETRIES
+    from ._launch import LRU, LaunchState
 
-    c, n, h, dv = parts.shape
-    block_s, block_h, block_dv = blocks or merge_blocks(c, h, dv, n, num_sms)
-    grid = (n, -(-h // block_h), -(-dv // block_dv))
     if _MERGE_LAUNCHES is None:
-        _MERGE_LAUNCHES = LaunchState()
+        _MERGE_LAUNCHES, _MERGE_GEOMETRIES = LaunchState(), LRU(64)
+    c, n, h, dv = parts.shape
+    # per device: a recorded direct launch holds the compiled function of the device it ran on
+    geometry = (parts.device.index, c, n, h, dv, parts.element_size(), num_sms, blocks)
+    found = _MERGE_GEOMETRIES.get(geometry)
+    if found is None:
+        block_s, block_h, block_dv = blocks or merge_blocks(c, h, dv, n, num_sms)
+        grid = (n, -(-h // block_h), -(-dv // block_dv))
+        one_pass = c <= block_s
+        warps = merge_warps((block_s, block_h, block_dv), parts.element_size())
+        launcher = _planned(_MERGE_LAUNCHES, ("merge", parts.device.index, dv, block_s, block_h, block_dv, one_pass,
+                                              parts.element_size()), _merge_parts,
+                            lambda: dict(HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv,
+                                         ONE_PASS=one_pass, num_warps=warps),
+                            _MERGE_PER_CALL)
+        found = _MERGE_GEOMETRIES.put(geometry, (grid, launcher))
+    grid, launcher = found
     ps, ls, os_, ms = parts.stride(), part_lse.stride(), out.stride(), lse.stride()
     values = (out, lse, parts, part_lse, c, h, ps[0], ps[1], ps[2], ls[0], ls[1], ls[2], os_[0], os_[1], ms[0], ms[1])
-    key = _align_key(out, lse, parts, part_lse) + values[4:]
-    _planned(_MERGE_LAUNCHES, ("merge", dv, block_s, block_h, block_dv, c <= block_s, parts.element_size()),
-             _merge_parts,
-             lambda: dict(HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv, ONE_PASS=c <= block_s,
-                          num_warps=merge_warps((block_s, block_h, block_dv), parts.element_size())),
-             _MERGE_PER_CALL)(grid, values, key)
+    launcher(grid, values, _align_key(out, lse, parts, part_lse) + values[4:])

@@ -792,18 +792,18 @@ _DECODE_PER_CALL = ("Q", "Out", "Lse", "Sinks", "PageTable", "WsO", "WsLse", "qk
 
 def launch_decode(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sinks: Optional[Tensor],
-    page_table: Optional[Tensor], ws_o: Tensor, ws_lse: Tensor, *, grid: tuple[int], plan_args: dict,
-    softmax_scale: float, state=None,
+    page_table: Optional[Tensor], ws, *, grid: tuple[int], plan_args: dict, softmax_scale: float, state=None,
 ) -> bool:
     """Launch the split-KV decode kernel over one rank's latent shard: q [N, Hq, 576], k packed
     ``[rows, 1, 576]`` (local key j of sequence b at row ``cu_local_kv[b] + j``) or paged
     ``[pages, page_size, 1, 576]`` with ``page_table`` [B, pages per sequence] (local key j at
     page ``page_table[b, j // page_size]``), ``v`` = ``k[..., :512]`` (never read); out [N, Hq, 512],
-    lse float32 [N, Hq]; ``ws_o`` fp32 [slots, BLOCK_M / G_PACK, Hq, 512] / ``ws_lse`` fp32
-    [slots, BLOCK_M / G_PACK, Hq]: the partials of multi-split tiles (merged by the decode family's
-    combine kernel). ``plan_args``: the work items and geometry planned by :mod:`.decode_backend`.
-    Returns False (launching nothing) when :func:`kv_layout_ok` does not hold. ``state``: the
-    plan's :class:`~cpattn.kernels._launch.LaunchState` (None: every call through the JIT)."""
+    lse float32 [N, Hq]; ``ws``: the plan's :class:`~cpattn.kernels.triton_decode.Workspace`
+    (fp32 partials [slots, BLOCK_M / G_PACK, Hq, 512] and LSEs of multi-split tiles, merged by the
+    decode family's combine kernel). ``plan_args``: the work items and geometry planned by
+    :mod:`.decode_backend`. Returns False (launching nothing) when :func:`kv_layout_ok` does not
+    hold. ``state``: the plan's :class:`~cpattn.kernels._launch.LaunchState` (None: every call
+    through the JIT)."""
     from ._launch import LaunchState
 
     if state is None:
@@ -814,16 +814,15 @@ def launch_decode(
     launcher = _latent_launcher(state, ("decode", page_size), "_mla_decode_sm90", _DECODE_PER_CALL, plan_args,
                                 q.dtype, page_size)
     has_sinks = sinks is not None
-    qs, os_, ls, ws, wl = q.stride(), out.stride(), lse.stride(), ws_o.stride(), ws_lse.stride()
+    qs, os_, ls = q.stride(), out.stride(), lse.stride()
     ssink = sinks.stride(0) if has_sinks else 0
     pt = page_table if page_table is not None else q
     spt = page_table.stride(0) if page_table is not None else 0
-    values = (q, out, lse, sinks if has_sinks else out, pt, ws_o, ws_lse, float(softmax_scale) * LOG2E,
-              qs[0], qs[1], os_[0], os_[1], ls[0], ls[1], ssink, spt, ws[0], ws[1], ws[2], wl[0], wl[1], has_sinks)
+    values = (q, out, lse, sinks if has_sinks else out, pt, ws.o, ws.lse, float(softmax_scale) * LOG2E,
+              qs[0], qs[1], os_[0], os_[1], ls[0], ls[1], ssink, spt) + ws.strides + (has_sinks,)
     key = (q.dtype, q.data_ptr() & 15, out.data_ptr() & 15, lse.data_ptr() & 15,
-           (sinks.dtype, sinks.data_ptr() & 15) if has_sinks else None, (pt.dtype, pt.data_ptr() & 15),
-           ws_o.data_ptr() & 15, ws_lse.data_ptr() & 15, qs[0], qs[1], os_[0], os_[1], ls[0], ls[1], ssink, spt,
-           ws[0], ws[1], ws[2], wl[0], wl[1])
+           (sinks.dtype, sinks.data_ptr() & 15) if has_sinks else None, (pt.dtype, pt.data_ptr() & 15)) \
+        + ws.key + values[8:16] + ws.strides
     launcher(grid, values, key, key_kv, lambda: k_descriptors(k))
     return True
 

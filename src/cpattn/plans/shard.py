@@ -29,6 +29,8 @@ from .dense import check_group_rank, check_qkv, check_sinks, make_spec, result_b
 
 __all__ = ["ShardAttentionPlan", "plan_shard_attention", "shard_attention"]
 
+_PAGE_TABLE_DTYPES = (torch.int32, torch.int64)
+
 
 def _check_dmeta(dmeta):
     from ..kv_sharding import DecodeMetadata
@@ -54,6 +56,15 @@ class ShardAttentionPlan:
         self._out_shape = (rows, spec.num_q_heads, spec.head_dim_v)
         self._lse_shape = (rows, spec.num_q_heads)
         self._scale = spec.head_dim**-0.5
+        # what a valid call's q / cache tails / dtypes / devices compare equal to (one tuple compare
+        # per layer; the full checks with their messages run only when it differs)
+        hkv, d, dv, dev = spec.num_kv_heads, spec.head_dim, spec.head_dim_v, dmeta.device
+        tail = (spec.page_size,) if spec.paged else ()
+        self._expect = (torch.Size(self._q_shape), torch.Size(tail + (hkv, d)), torch.Size(tail + (hkv, dv)),
+                        spec.dtype, spec.dtype, spec.dtype, dev, dev, dev)
+        self._pt_expect = (dmeta.num_seq_rows, dev)
+        self._min_pages = -(-dmeta.max_local_kv_len // spec.page_size) if spec.paged else 0
+        self._min_rows = dmeta.num_local_kv_tokens if not spec.paged else 0
 
     def __repr__(self) -> str:
         return f"ShardAttentionPlan(backend={self.backend!r}, {self.spec}, rows={self._q_shape[0]})"
@@ -93,6 +104,31 @@ class ShardAttentionPlan:
             (out_part [Nq, Hq, Dv] in q's dtype, lse_part [Nq, Hq] float32, natural log; rows
             with no visible key on this rank 0 / -inf; a static plan's pad rows 0 / -inf).
         """
+        spec = self.spec
+        if type(q) is not Tensor or type(k_cache) is not Tensor or type(v_cache) is not Tensor:
+            self._check_qkv(q, k_cache, v_cache, page_table)
+        else:
+            ks, vs = k_cache.shape, v_cache.shape
+            if (q.shape, ks[1:], vs[1:], q.dtype, k_cache.dtype, v_cache.dtype, q.device, k_cache.device,
+                    v_cache.device) != self._expect or ks[0] != vs[0] or ks[0] < self._min_rows:
+                self._check_qkv(q, k_cache, v_cache, page_table)
+        if spec.paged:
+            if type(page_table) is not Tensor or page_table.dim() != 2 or page_table.dtype not in _PAGE_TABLE_DTYPES \
+                    or (page_table.shape[0], page_table.device) != self._pt_expect \
+                    or page_table.shape[1] < self._min_pages:
+                self._check_page_table(page_table)
+        elif page_table is not None:
+            raise ValueError("page_table given but the plan is for packed K/V (plan with page_size=)")
+        if sinks is not None or spec.has_sinks:
+            check_sinks(sinks, spec, self.dmeta.device)
+        out, lse = result_buffers(out, lse, self._out_shape, self._lse_shape, spec.dtype, self.dmeta.device, True,
+                                  rows="Nq")
+        scale = self._scale if softmax_scale is None else float(softmax_scale)
+        self._impl(q, k_cache, v_cache, page_table, sinks, scale, out, lse)
+        return out, lse
+
+    def _check_qkv(self, q, k_cache, v_cache, page_table) -> None:
+        """The per-layer checks of q / the caches with their messages (raises on the first failure)."""
         spec, dmeta = self.spec, self.dmeta
         device = dmeta.device
         check_tensor(q, "q")
@@ -114,7 +150,6 @@ class ShardAttentionPlan:
                 raise ValueError(f"paged k_cache / v_cache must be [num_pages, {', '.join(map(str, k_tail))}] / "
                                  f"[num_pages, {', '.join(map(str, v_tail))}], got {list(k_cache.shape)} / "
                                  f"{list(v_cache.shape)}")
-            self._check_page_table(page_table)
         else:
             if page_table is not None:
                 raise ValueError("page_table given but the plan is for packed K/V (plan with page_size=)")
@@ -124,16 +159,13 @@ class ShardAttentionPlan:
                     k_cache.shape[0] < need:
                 raise ValueError(f"packed k_cache / v_cache must be [>= {need}, {hkv}, {d}] / [.., {hkv}, {dv}] "
                                  f"(this rank's local keys), got {list(k_cache.shape)} / {list(v_cache.shape)}")
-        check_sinks(sinks, spec, device)
-        out, lse = result_buffers(out, lse, self._out_shape, self._lse_shape, spec.dtype, device, True, rows="Nq")
-        scale = self._scale if softmax_scale is None else float(softmax_scale)
-        self._impl(q, k_cache, v_cache, page_table, sinks, scale, out, lse)
-        return out, lse
 
     def _check_page_table(self, page_table: Tensor) -> None:
+        if page_table is None:
+            raise ValueError(f"the plan is paged (page_size={self.spec.page_size}): pass page_table")
         check_tensor(page_table, "page_table")
         dmeta = self.dmeta
-        if page_table.dtype not in (torch.int32, torch.int64):
+        if page_table.dtype not in _PAGE_TABLE_DTYPES:
             raise TypeError(f"page_table must be int32 or int64, got {page_table.dtype}")
         if page_table.dim() != 2 or page_table.shape[0] != dmeta.num_seq_rows:
             raise ValueError(f"page_table must be [B={dmeta.num_seq_rows}, max_pages], got {list(page_table.shape)}")

@@ -1,0 +1,59 @@
+"""Where the sm90 paged64 plan's extra host time goes (issue 11): profile_host.py measured
+paged64 ~45 us per plan.run against ~21 us packed with the queue busy, but ~30 / ~29 us with the
+GPU idle. For the sm90 packed and paged64 plans at 16k C=8 D128 this prints host us per call of
+(a) plan.run, (b) plan.run with the C launch replaced by a no-op (cpattn's Python work only) and
+(c) the C launch alone with the arguments of a recorded call (the driver's work), each with the
+queue busy (drained every 50 calls) and idle (drained before every call).
+
+Run: ``PYTHONPATH=src:tools/gpu python tools/gpu/paged_host_probe.py`` (about 30 s).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import cpattn
+from profile_host import host_us, paged
+
+
+def main() -> None:
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    seq, c, hq, hkv, d, page = 16384, 8, 32, 8, 128, 64
+    s = cpattn.ZigzagStrategy(c, pad_multiple=64)
+    meta = s.build_metadata([seq], rank=0).to(dev)
+    q = torch.randn(meta.num_physical_tokens, hq, d, device=dev, generator=gen).to(torch.bfloat16)
+    k = torch.randn(seq, hkv, d, device=dev, generator=gen).to(torch.bfloat16)
+    v = torch.randn(seq, hkv, d, device=dev, generator=gen).to(torch.bfloat16)
+    kp, vp = paged(k, v, page)
+    table = torch.arange(-(-seq // page), device=dev, dtype=torch.int32)[None]
+    for name, kk, vv, extra, kw in (("sm90 packed", k, v, {}, {}),
+                                    ("sm90 paged64", kp, vp, {"page_table": table}, {"page_size": page})):
+        plan = s.plan_attention(meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16,
+                                backend="triton", backend_options={"family": "sm90"}, **kw)
+        out = plan.run(q, kk, vv, **extra)
+        plan.run(q, kk, vv, out=out, **extra)
+        (launcher,) = plan._impl._fast_state.launchers.values()
+        (rec,) = launcher.records.values()
+        direct = rec.direct
+        real = direct.launch
+        recorded = []
+        direct.launch = lambda *a: recorded.append(a) or real(*a)
+        plan.run(q, kk, vv, out=out, **extra)
+        args = recorded[-1]
+        results = {}
+        for idle in (False, True):
+            direct.launch = real
+            full = host_us(lambda: plan.run(q, kk, vv, out=out, **extra), calls=200, idle=idle)
+            direct.launch = lambda *a: None
+            python = host_us(lambda: plan.run(q, kk, vv, out=out, **extra), calls=200, idle=idle)
+            direct.launch = real
+            launch = host_us(lambda: real(*args), calls=200, idle=idle)
+            results["idle" if idle else "busy"] = (full, python, launch)
+        print(f"{name:13s} " + " | ".join(f"{mode}: plan.run {f:5.1f} us = Python {p:5.1f} + C launch alone {c_:5.1f}"
+                                          for mode, (f, p, c_) in results.items()), flush=True)
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
