@@ -10,7 +10,7 @@ devices of its tensors), then launches: no host sync, no host-to-device copy, O(
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -93,6 +93,20 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, paged: bool, *, q_name: str = "q_
     return hq, hkv
 
 
+def check_page_table_fast(page_table, paged: bool, expect: tuple, min_pages: int,
+                          full_check: Callable[[object], None]) -> None:
+    """The per-layer page-table check of a plan (shared by every plan kind): one compare for a
+    valid table (int32 / int64 [B, >= ``min_pages``] with (B, device) == ``expect``), else
+    ``full_check(page_table)`` (the checks with their messages); a table for a packed plan is
+    refused."""
+    if paged:
+        if type(page_table) is not Tensor or page_table.dim() != 2 or page_table.dtype not in _PAGE_TABLE_DTYPES \
+                or (page_table.shape[0], page_table.device) != expect or page_table.shape[1] < min_pages:
+            full_check(page_table)
+    elif page_table is not None:
+        raise ValueError("page_table given but the plan is for packed K/V (plan with page_size=)")
+
+
 def check_sinks(sinks: Optional[Tensor], spec: AttentionSpec, device: torch.device) -> None:
     """Per-layer check of ``sinks`` against a plan's spec (shared by every plan kind)."""
     if (sinks is not None) != spec.has_sinks:
@@ -170,9 +184,8 @@ class AttentionPlan:
         v_shape = self._v_tail if spec.paged else self._v_shape
         size = torch.Size  # Size == Size compares faster than Size == tuple
         self._expect = (size(self._q_shape), size(k_shape), size(v_shape), dtype, dtype, dtype, device, device, device)
-        if spec.paged:
-            self._pt_expect = (meta.num_seq_rows, device)
-            self._min_pages = -(-meta.max_kv_len // spec.page_size)
+        self._pt_expect = (meta.num_seq_rows, device)
+        self._min_pages = -(-meta.max_kv_len // spec.page_size) if spec.paged else 0
 
     def __repr__(self) -> str:
         return f"AttentionPlan(backend={self.backend!r}, {self.spec}, P={self.meta.num_physical_tokens})"
@@ -224,13 +237,7 @@ class AttentionPlan:
         elif (q_local.shape, k.shape, v.shape, q_local.dtype, k.dtype, v.dtype, q_local.device, k.device,
               v.device) != self._expect:
             self._check_qkv(q_local, k, v)
-        if spec.paged:
-            if type(page_table) is not Tensor or page_table.dim() != 2 or page_table.dtype not in _PAGE_TABLE_DTYPES \
-                    or (page_table.shape[0], page_table.device) != self._pt_expect \
-                    or page_table.shape[1] < self._min_pages:
-                self._check_page_table(page_table)
-        elif page_table is not None:
-            raise ValueError("page_table given but the plan is for packed K/V (plan with page_size=)")
+        check_page_table_fast(page_table, spec.paged, self._pt_expect, self._min_pages, self._check_page_table)
         if sinks is not None or spec.has_sinks:
             check_sinks(sinks, spec, self._device)
         if out is None and lse is None and not return_lse:

@@ -25,11 +25,10 @@ from torch import Tensor
 
 from .._validation import check_tensor
 from ..kernels import AttentionSpec, select_backend
-from .dense import check_group_rank, check_qkv, check_sinks, make_spec, result_buffers, window_left
+from .dense import (_PAGE_TABLE_DTYPES, check_group_rank, check_page_table_fast, check_qkv, check_sinks, make_spec,
+                    result_buffers, window_left)
 
 __all__ = ["ShardAttentionPlan", "plan_shard_attention", "shard_attention"]
-
-_PAGE_TABLE_DTYPES = (torch.int32, torch.int64)
 
 
 def _check_dmeta(dmeta):
@@ -112,13 +111,7 @@ class ShardAttentionPlan:
             if (q.shape, ks[1:], vs[1:], q.dtype, k_cache.dtype, v_cache.dtype, q.device, k_cache.device,
                     v_cache.device) != self._expect or ks[0] != vs[0] or ks[0] < self._min_rows:
                 self._check_qkv(q, k_cache, v_cache, page_table)
-        if spec.paged:
-            if type(page_table) is not Tensor or page_table.dim() != 2 or page_table.dtype not in _PAGE_TABLE_DTYPES \
-                    or (page_table.shape[0], page_table.device) != self._pt_expect \
-                    or page_table.shape[1] < self._min_pages:
-                self._check_page_table(page_table)
-        elif page_table is not None:
-            raise ValueError("page_table given but the plan is for packed K/V (plan with page_size=)")
+        check_page_table_fast(page_table, spec.paged, self._pt_expect, self._min_pages, self._check_page_table)
         if sinks is not None or spec.has_sinks:
             check_sinks(sinks, spec, self.dmeta.device)
         out, lse = result_buffers(out, lse, self._out_shape, self._lse_shape, spec.dtype, self.dmeta.device, True,
