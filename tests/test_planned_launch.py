@@ -337,14 +337,17 @@ def test_mla_decode_launch_takes_its_own_variant_and_the_kv_facts():
     out = torch.zeros(8, 128, 512, dtype=torch.bfloat16)
     lse = torch.zeros(8, 128)
     ws_o, ws_lse = torch.zeros(3, 1, 128, 512), torch.zeros(3, 1, 128)
+    from cpattn.kernels.triton_decode import Workspace
+
+    ws = Workspace(ws_o, ws_lse)
     k = torch.zeros(64, 1, 576, dtype=torch.bfloat16)
     kw = dict(grid=(4,), plan_args={}, softmax_scale=0.5, state=state)
-    assert mla.launch_decode(q, k, k[..., :512], out, lse, None, None, ws_o, ws_lse, **kw)
+    assert mla.launch_decode(q, k, k[..., :512], out, lse, None, None, ws, **kw)
     values, desc_key = seen[-1]
     named = dict(zip(mla._DECODE_PER_CALL, values))
     assert named["WsO"] is ws_o and named["stride_wi"] == 128 * 512 and named["stride_li"] == 128
     assert desc_key == mla.kv_key(k, k[..., :512]) and state.kv.get(desc_key) == 0
-    assert not mla.launch_decode(q, k, k[..., :512].clone(), out, lse, None, None, ws_o, ws_lse, **kw)
+    assert not mla.launch_decode(q, k, k[..., :512].clone(), out, lse, None, None, ws, **kw)
     assert len(seen) == 1
 
 

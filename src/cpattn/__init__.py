@@ -67,7 +67,7 @@ from .strategies import (
     get_strategy,
 )
 
-__version__ = "0.3.2"
+__version__ = "0.3.3"
 
 __all__ = [
     "AttentionPlan",
