@@ -94,7 +94,7 @@ class KVSharding:
     def local_index(self, positions: IntOrTensor) -> IntOrTensor:
         """Index of each position's key in its owner's cache: ``(p // (C I)) * I + p % I``."""
         p = _check_positions(positions, "positions")
-        return (p // self.period) * self.interleave + p % self.interleave
+        return _local_index(p, self.cp_size, self.interleave)
 
     def global_position(self, local_index: IntOrTensor, rank: int) -> IntOrTensor:
         """Position of local key ``j`` of ``rank``: ``(j // I) * C * I + rank * I + j % I``."""
@@ -167,9 +167,15 @@ def _check_positions(x: IntOrTensor, name: str) -> IntOrTensor:
     return x
 
 
-def _local_lengths(lens: Tensor, rank: int, cp_size: int, interleave: int) -> Tensor:
+def _local_lengths(lens, rank: int, cp_size: int, interleave: int):
+    """Keys ``rank`` holds of sequences of ``lens`` keys (a torch tensor or a numpy array)."""
     period = cp_size * interleave
-    return (lens // period) * interleave + (lens % period - rank * interleave).clamp(0, interleave)
+    return (lens // period) * interleave + (lens % period - rank * interleave).clip(0, interleave)
+
+
+def _local_index(positions, cp_size: int, interleave: int):
+    """Index of each position's key in its owner's cache (a torch tensor, numpy array or int)."""
+    return (positions // (cp_size * interleave)) * interleave + positions % interleave
 
 
 # ----------------------------------------------------------------------------- decode plans
@@ -319,14 +325,14 @@ def _build_decode(sh: KVSharding, seq_lens, q_lens, rank, capacity: Optional[Dec
                              "; ".join(f"{what} {got} > {limit}" for what, got, limit in over))
     # numpy on the host for the [B] / [rows] arithmetic (~1 us per op where a torch op costs several)
     s_np, q_np = seq.numpy(), ql.numpy()
-    inter, period = sh.interleave, sh.period
+    inter = sh.interleave
     cu_q = _np_exclusive_cumsum(q_np)
-    local = (s_np // period) * inter + np.clip(s_np % period - rank * inter, 0, inter)
+    local = _local_lengths(s_np, rank, sh.cp_size, inter)
     row_seq = np.repeat(np.arange(num_seqs), q_np)
     row_pos = (s_np - q_np)[row_seq] + np.arange(num_rows) - cu_q[row_seq]
     mine = np.flatnonzero((row_pos // inter) % sh.cp_size == rank)
     pos_mine = row_pos[mine]
-    store_index = (pos_mine // period) * inter + pos_mine % inter
+    store_index = _local_index(pos_mine, sh.cp_size, inter)
     return DecodeMetadata(
         sharding=sh, rank=rank, num_seqs=num_seqs, num_query_rows=num_rows,
         max_q_len=int(q_np.max()) if num_seqs else 0, max_seq_len=int(s_np.max()) if num_seqs else 0,

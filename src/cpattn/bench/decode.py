@@ -187,24 +187,23 @@ def decode_case(pool: Pool, time_fn, *, name: str, shape, c: int, b: int, keys: 
     plan = cpattn.plan_shard_attention(dmeta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
                                        dtype=dtype, page_size=ps, backend=backend, backend_options=options)
     out, lse = plan.run(q, kc, vc, page_table=table)
-    attn_ms = time_fn(lambda: plan.run(q, kc, vc, page_table=table, out=out, lse=lse), iters)
     outs, lses = received_parts(out, lse, c)
-    merge_ms = time_fn(lambda: cpattn.merge_states(outs, lses), iters) if c > 1 else 0.0
+
+    def attn():
+        return plan.run(q, kc, vc, page_table=table, out=out, lse=lse)
+
+    def merge():
+        return cpattn.merge_states(outs, lses)
 
     def step():  # one layer's rank work as a model issues it: the attention, then the merge
-        plan.run(q, kc, vc, page_table=table, out=out, lse=lse)
-        if c > 1:
-            cpattn.merge_states(outs, lses)
+        attn()
+        merge()
 
+    attn_ms = time_fn(attn, iters)
+    merge_ms = time_fn(merge, iters) if c > 1 else 0.0
     step_ms = time_fn(step, iters) if c > 1 else attn_ms
     attn_graph_ms = merge_graph_ms = attn_layers_ms = merge_layers_ms = None
     if dev.type == "cuda":  # the same calls replayed from a CUDA graph: GPU time only (no host work)
-        def attn():
-            return plan.run(q, kc, vc, page_table=table, out=out, lse=lse)
-
-        def merge():
-            return cpattn.merge_states(outs, lses)
-
         try:
             attn_graph_ms = time_cuda_graph(attn, iters=iters)
             merge_graph_ms = time_cuda_graph(merge, iters=iters) if c > 1 else 0.0

@@ -30,6 +30,7 @@ import torch
 
 from . import AttentionSpec, triton_available, triton_unsupported_reason
 from .. import _buffers
+from ..kv_sharding import _local_lengths
 from ._launch import LaunchState
 
 _KERNEL_MODULE = "cpattn.kernels.triton_decode"
@@ -104,7 +105,7 @@ def plan_work(host, spec: AttentionSpec, *, rows: int, num_head_groups: int, ali
     b = ql.size
 
     def local_len(x):
-        return (x // period) * inter + np.clip(x % period - rank * inter, 0, inter)
+        return _local_lengths(x, rank, c, inter)
 
     n_tiles = (ql + rows - 1) // rows
     num_tiles = int(n_tiles.sum())
@@ -263,12 +264,12 @@ class _TritonShardRun:
         self._state = LaunchState()
         self.family = "mla-split-kv" if self._mla is not None else "split-kv"
         #: the split partials' workspace, allocated now (fixed address for static plans; a CUDA
-        #: graph never allocates it); None: the portable kernel is the MLA plan's fallback only and
-        #: allocates one per call
-        self._ws = None
+        #: graph never allocates it); with the MLA kernel, its workspace and the portable
+        #: fallback's are views of one buffer (one plan's calls run one after another)
         if self._mla is None:
-            self._ws = workspace(dmeta, ("shard-ws", key), self.ws_shape)
+            (self._ws,) = workspaces(dmeta, ("shard-ws", key), [self.ws_shape])
         else:  # what runs (the portable plan stays as the per-call fallback)
+            self._ws, self._mla.ws = workspaces(dmeta, ("shard-ws", key), [self.ws_shape, self._mla.ws_shape])
             self.split, self.num_items, self.num_ws = self._mla.split, self._mla.num_items, self._mla.num_ws
 
     def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse) -> None:
@@ -296,7 +297,7 @@ class _TritonShardRun:
     def _launch(self, q, k, v, page_table, sinks, softmax_scale, out, lse, v_from_k) -> None:
         if self._mla is not None and self._mla(q, k, v, page_table, sinks, softmax_scale, out, lse, self._combine):
             return
-        ws = self._ws or triton_decode.Workspace.empty(self.ws_shape, q.device)
+        ws = self._ws
         if self.grid[0]:
             self._split(q, k, v, out, lse, sinks, page_table, ws, grid=self.grid, plan_args=self.plan_args,
                         softmax_scale=softmax_scale, v_from_k=v_from_k, config=self.config, state=self._state)
@@ -305,13 +306,19 @@ class _TritonShardRun:
                           state=self._state)
 
 
-def workspace(dmeta, key, shape: tuple[int, int, int, int]):
-    """The plan's split-KV :class:`~.triton_decode.Workspace` of ``shape``, allocated at plan time
-    (static plans: the planner's fixed-address scratch, the same tensors every step)."""
+def workspaces(dmeta, key, shapes: list[tuple[int, int, int, int]]) -> list:
+    """Split-KV :class:`~.triton_decode.Workspace` s of ``shapes`` (slots, rows, Hq, Dv) for one
+    plan, allocated at plan time as views of one partials buffer and one LSE buffer (the plan's
+    launches use them one after another; static plans: the planner's fixed-address scratch, the
+    same tensors every step)."""
     from . import triton_decode
 
-    return triton_decode.Workspace.empty(
-        shape, dmeta.device, lambda name, shp, dtype: _buffers.scratch(dmeta, key + (name, shp), shp, dtype))
+    o_n = max(int(np.prod(s)) for s in shapes)
+    l_n = max(int(np.prod(s[:3])) for s in shapes)
+    o = _buffers.scratch(dmeta, key + ("o", o_n), (o_n,), torch.float32)
+    lse = _buffers.scratch(dmeta, key + ("lse", l_n), (l_n,), torch.float32)
+    return [triton_decode.Workspace(o[: int(np.prod(s))].view(s), lse[: int(np.prod(s[:3]))].view(s[:3]))
+            for s in shapes]
 
 
 def mla_unsupported_reason(spec: AttentionSpec, dmeta, interpreted: bool, options: Mapping) -> Optional[str]:
@@ -370,13 +377,14 @@ class _MlaSplit:
                                  HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv,
                                  HAS_SINKS=apply_sinks, ONE_PASS=max_splits <= block_s,
                                  num_warps=triton_decode.merge_warps((block_s, block_h, block_dv), 4))
-        self._ws = workspace(dmeta, ("mla-shard-ws", key), self.ws_shape)
+        #: its workspace (set by the owning plan: shared with the portable fallback's)
+        self.ws = None
         self._launch = triton_mla.launch_decode
         self._state = LaunchState()
 
     def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse, combine) -> bool:
         """Run the step; False (nothing launched) when ``k`` / ``v`` is not the kernel's layout."""
-        ws = self._ws
+        ws = self.ws
         if self.grid[0] and not self._launch(q, k, v, out, lse, sinks, page_table, ws, grid=self.grid,
                                              plan_args=self.plan_args, softmax_scale=softmax_scale,
                                              state=self._state):

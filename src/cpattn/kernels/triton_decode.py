@@ -315,34 +315,32 @@ def _merge_block(o_base, l_base, n_parts, stride_po, stride_pl, stride_oh, strid
         total = tl.sum(w, 0)
         if HAS_SINK:
             total += tl.where(sink == shift, 1.0, tl.exp(sink - shift))
-        has_mass = total != 0.0
-        out = acc * tl.where(has_mass, 1.0 / tl.where(has_mass, total, 1.0), 0.0)[:, None]
-        lse = tl.where(has_mass, shift + tl.log(tl.where(has_mass, total, 1.0)), float("-inf"))
-        return out, lse
-    m = sink
-    for s0 in range(0, n_parts, BLOCK_S):
-        s = s0 + offs_s
-        lmask = (s < n_parts)[:, None] & hmask[None, :]
-        lse_s = tl.load(l_base + s.to(tl.int64)[:, None] * stride_pl + heads[None, :] * stride_lh, mask=lmask,
-                        other=float("-inf")).to(tl.float32)
-        m = tl.maximum(m, tl.max(lse_s, 0))
-    shift = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.zeros_like(shift)
-    if HAS_SINK:
-        total += tl.where(sink == shift, 1.0, tl.exp(sink - shift))
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
-    for s0 in range(0, n_parts, BLOCK_S):
-        s = s0 + offs_s
-        lmask = (s < n_parts)[:, None] & hmask[None, :]
-        s64 = s.to(tl.int64)
-        lse_s = tl.load(l_base + s64[:, None] * stride_pl + heads[None, :] * stride_lh, mask=lmask,
-                        other=float("-inf")).to(tl.float32)
-        w = tl.exp(tl.where(lse_s == shift[None, :], 0.0, lse_s - shift[None, :]))  # [BLOCK_S, BLOCK_H]
-        use = (w != 0.0) & lmask  # NaN != 0: a NaN weight reads its part (and stays NaN)
-        o_ptrs = o_base + s64[:, None, None] * stride_po + heads[None, :, None] * stride_oh + offs_dv[None, None, :]
-        o_s = tl.load(o_ptrs, mask=use[:, :, None] & dmask[None, None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w[:, :, None] * o_s, 0)  # unread parts: w = 0 and o_s = 0
-        total += tl.sum(w, 0)
+    else:
+        m = sink
+        for s0 in range(0, n_parts, BLOCK_S):
+            s = s0 + offs_s
+            lmask = (s < n_parts)[:, None] & hmask[None, :]
+            lse_s = tl.load(l_base + s.to(tl.int64)[:, None] * stride_pl + heads[None, :] * stride_lh, mask=lmask,
+                            other=float("-inf")).to(tl.float32)
+            m = tl.maximum(m, tl.max(lse_s, 0))
+        shift = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.zeros_like(shift)
+        if HAS_SINK:
+            total += tl.where(sink == shift, 1.0, tl.exp(sink - shift))
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+        for s0 in range(0, n_parts, BLOCK_S):
+            s = s0 + offs_s
+            lmask = (s < n_parts)[:, None] & hmask[None, :]
+            s64 = s.to(tl.int64)
+            lse_s = tl.load(l_base + s64[:, None] * stride_pl + heads[None, :] * stride_lh, mask=lmask,
+                            other=float("-inf")).to(tl.float32)
+            w = tl.exp(tl.where(lse_s == shift[None, :], 0.0, lse_s - shift[None, :]))  # [BLOCK_S, BLOCK_H]
+            use = (w != 0.0) & lmask  # NaN != 0: a NaN weight reads its part (and stays NaN)
+            o_ptrs = o_base + s64[:, None, None] * stride_po + heads[None, :, None] * stride_oh \
+                + offs_dv[None, None, :]
+            o_s = tl.load(o_ptrs, mask=use[:, :, None] & dmask[None, None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w[:, :, None] * o_s, 0)  # unread parts: w = 0 and o_s = 0
+            total += tl.sum(w, 0)
     has_mass = total != 0.0
     out = acc * tl.where(has_mass, 1.0 / tl.where(has_mass, total, 1.0), 0.0)[:, None]
     lse = tl.where(has_mass, shift + tl.log(tl.where(has_mass, total, 1.0)), float("-inf"))
@@ -455,13 +453,6 @@ class Workspace:
         self.strides = (o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1))
         self.key = _align_key(o, lse)
 
-    @classmethod
-    def empty(cls, shape: tuple[int, int, int, int], device, alloc=None) -> "Workspace":
-        """A workspace of ``shape`` = (slots, rows, Hq, Dv) on ``device``; ``alloc(name, shape,
-        dtype)`` allocates each tensor (default ``torch.empty``)."""
-        alloc = alloc or (lambda name, shp, dtype: torch.empty(shp, dtype=dtype, device=device))
-        return cls(alloc("o", tuple(shape), torch.float32), alloc("lse", tuple(shape[:3]), torch.float32))
-
 
 def launch_split(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sinks: Optional[Tensor],
                  page_table: Optional[Tensor], ws: Workspace, *, grid: tuple[int], plan_args: dict,
@@ -482,12 +473,9 @@ def launch_split(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sink
               sinks.stride(0) if sinks is not None else 0, skp, skn, skh, svp, svn, svh, os_[0], os_[1], ls[0], ls[1],
               stride_pt) + ws.strides + (paged, v_from_k)
     key = _align_key(q, k, v, out, lse, sk, pt) + ws.key + values[10:]
-    launcher = state.launchers.get("split") if state is not None else None
-    if launcher is None:
-        block_n, warps, stages = config
-        launcher = _planned(state or LaunchState(enabled=False), "split", _shard_attn_split,
-                            lambda: dict(plan_args, BLOCK_N=block_n, num_warps=warps, num_stages=stages),
-                            _SPLIT_PER_CALL)
+    block_n, warps, stages = config
+    launcher = _planned(state or LaunchState(enabled=False), "split", _shard_attn_split,
+                        lambda: dict(plan_args, BLOCK_N=block_n, num_warps=warps, num_stages=stages), _SPLIT_PER_CALL)
     launcher(grid, values, key)
 
 
@@ -547,10 +535,8 @@ def launch_combine(out: Tensor, lse: Tensor, sinks: Optional[Tensor], ws: Worksp
     values = (out, lse, sk, ws.o, ws.lse, out.shape[1], os_[0], os_[1], ls[0], ls[1],
               sinks.stride(0) if sinks is not None else 0) + ws.strides
     key = _align_key(out, lse, sk) + ws.key + values[5:]
-    launcher = state.launchers.get("combine") if state is not None else None
-    if launcher is None:
-        launcher = _planned(state or LaunchState(enabled=False), "combine", _shard_attn_combine,
-                            lambda: {"num_warps": 4, **combine_args}, _COMBINE_PER_CALL)
+    launcher = _planned(state or LaunchState(enabled=False), "combine", _shard_attn_combine,
+                        lambda: {"num_warps": 4, **combine_args}, _COMBINE_PER_CALL)
     launcher(grid, values, key)
 
 
