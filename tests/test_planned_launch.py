@@ -51,17 +51,26 @@ def wrap_handle_tensordesc(launcher, signature, tensordesc_meta):
 
 
 class CudaLauncher:
-    """The compiled kernel's ``run``: allocates no scratch here, calls ``launch``."""
+    """The compiled kernel's ``run``: allocates global scratch from triton's current allocator
+    (as triton's does, ``scratch`` bytes per program), calls ``launch``."""
 
-    def __init__(self, c_launch, meta, scratch=0):
+    def __init__(self, c_launch, meta, scratch=0, profile_scratch=0):
         self.launch = wrap_handle_tensordesc(c_launch, SIGNATURE, meta)
-        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.global_scratch_size, self.profile_scratch_size = scratch, profile_scratch
+        self.global_scratch_align, self.num_ctas = 128, 1
         self.launch_cooperative_grid, self.launch_pdl = False, False
         self.runs = 0
+        self.allocations = []
 
     def __call__(self, gx, gy, gz, stream, function, *args):
         self.runs += 1
-        self.launch(gx, gy, gz, stream, function, False, False, None, None, *args)
+        buf = None
+        if self.global_scratch_size:
+            from triton.runtime import _allocation
+
+            buf = _allocation._allocator.get()(gx * gy * gz * self.global_scratch_size, 128, stream)
+            self.allocations.append(buf)
+        self.launch(gx, gy, gz, stream, function, False, False, buf, None, *args)
 
 
 CudaLauncher.__module__ = "fake.backends.nvidia.driver"
@@ -98,12 +107,13 @@ class Kernel:
         return call
 
 
-def _setup(meta=({"swizzle": 128},), scratch=0, cache_size=4, hooks=None):
+def _setup(meta=({"swizzle": 128},), scratch=0, cache_size=4, hooks=None, profile_scratch=0):
     c_calls = []
-    compiled = Compiled(CudaLauncher(lambda *a: c_calls.append(a), list(meta), scratch))
+    compiled = Compiled(CudaLauncher(lambda *a: c_calls.append(a), list(meta), scratch, profile_scratch))
     kernel = Kernel(compiled)
     seg = torch.arange(4, dtype=torch.int32)
-    pl = PlannedLaunch(kernel, {"seg": seg, "FLAG": True}, ("Q", "n"), descriptors=("k_desc",), cache_size=cache_size)
+    pl = PlannedLaunch(kernel, {"seg": seg, "FLAG": True}, ("Q", "n"), descriptors=("k_desc",), cache_size=cache_size,
+                       device_scratch=bool(scratch))
     # what the constructor reads from triton's active driver (no GPU driver here)
     pl._enabled = True
     pl._hooks = hooks or types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
@@ -133,8 +143,14 @@ def _expected(q, k, n, seg, grid=7):
             q, ("map", k.data_ptr(), tuple(k.shape), tuple(k.stride()), 128), *k.shape, *k.stride(), seg, n, True]
 
 
+def _addr(x):
+    return x.data_ptr() if isinstance(x, torch.Tensor) else x
+
+
 def _same(a, b):
-    return len(a) == len(b) and all(x is y or (not isinstance(x, torch.Tensor) and x == y) for x, y in zip(a, b))
+    """Equal launch arguments, a tensor equal to its address (the direct path passes per-call
+    pointer tensors as addresses, Triton's launcher the tensor)."""
+    return len(a) == len(b) and all(x is y or _addr(x) == _addr(y) for x, y in zip(a, b))
 
 
 def test_lru_bound_and_refresh():
@@ -162,6 +178,11 @@ def test_direct_launch_matches_the_compiled_kernels_launcher():
     assert compiled.run.runs == 1, "the direct path called the Python launcher"
     assert builds.count == 2, "the first direct call builds the descriptor once"
     assert _same(c_calls[-1], jit_args) and _same(c_calls[-1], _expected(q, k, 3, seg))
+    assert jit_args[13] is q and c_calls[-1][13] == q.data_ptr() and type(c_calls[-1][13]) is int, \
+        "a per-call pointer tensor goes as its address"
+    q2 = torch.zeros(8, 4)  # another tensor under the same key: its own address
+    pl((7,), (q2, 3), key, ("k", k.data_ptr(), k.shape, k.stride()), builds(k))
+    assert c_calls[-1][13] == q2.data_ptr() != q.data_ptr()
     for _ in range(3):  # same K: nothing built
         pl((7,), (q, 3), key, ("k", k.data_ptr(), k.shape, k.stride()), builds(k))
     assert builds.count == 2 and _same(c_calls[-1], _expected(q, k, 3, seg))
@@ -233,10 +254,10 @@ def test_launch_hooks_take_the_compiled_kernels_run():
     assert compiled.run.runs == 2 and _same(c_calls[-1], _expected(q, k, 3, seg))
 
 
-@pytest.mark.parametrize("why", ["scratch", "not lowered to TMA", "unknown launcher", "disabled"])
+@pytest.mark.parametrize("why", ["profile scratch", "not lowered to TMA", "unknown launcher", "disabled"])
 def test_fallbacks_give_the_same_launch(why):
     meta = ({"swizzle": 128},) if why != "not lowered to TMA" else (None,)
-    pl, kernel, compiled, c_calls, seg = _setup(meta=meta, scratch=64 if why == "scratch" else 0)
+    pl, kernel, compiled, c_calls, seg = _setup(meta=meta, profile_scratch=64 if why == "profile scratch" else 0)
     if why == "unknown launcher":
         run_calls = []
         compiled.run = lambda *a: run_calls.append(a)
@@ -260,6 +281,52 @@ def test_fallbacks_give_the_same_launch(why):
         assert c_calls[-1][14] is k  # the base tensor itself
     else:
         assert _same(c_calls[-1], _expected(q, k, 3, seg))
+
+
+def test_global_scratch_is_kept_per_stream_and_grown(monkeypatch):
+    """A kernel with global scratch (device-side descriptors) goes direct: the scratch address is
+    aligned, the same on every call of one stream (no allocation per call), another stream's own,
+    and grows for a larger grid; the arguments are otherwise Triton's. Calls through the JIT run
+    with a scratch allocator installed (and removed after)."""
+    from triton.runtime import _allocation
+
+    allocated = []
+
+    def new_scratch(nbytes):
+        allocated.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.int8)
+
+    monkeypatch.setattr(_launch, "new_scratch", new_scratch)
+    pl, kernel, compiled, c_calls, seg = _setup(scratch=256)
+    builds = Builds()
+    q, k = torch.zeros(8, 4), torch.zeros(16, 64)
+    key = ("a",)
+    before = _allocation._allocator.get()
+    pl((7,), (q, 3), key, (k.data_ptr(),), builds(k))  # the JIT call: triton's launcher allocates
+    assert _allocation._allocator.get() is before  # the allocator was put back
+    assert pl.direct(key) and len(compiled.run.allocations) == 1 and allocated == [7 * 256]
+    jit_args = c_calls[-1]
+    ptrs = set()
+    for _ in range(3):
+        pl((7,), (q, 3), key, (k.data_ptr(),), builds(k))
+        got = c_calls[-1]
+        assert isinstance(got[7], int) and got[7] % 128 == 0
+        assert _same(got[:7] + got[8:], jit_args[:7] + jit_args[8:])
+        ptrs.add(got[7])
+    buf, ptr, programs = pl.records[key].direct.scratch[5]
+    assert len(ptrs) == 1 and compiled.run.runs == 1 and programs == 7
+    assert buf.data_ptr() <= ptr and ptr + 7 * 256 <= buf.data_ptr() + buf.numel()
+    assert len(allocated) == 2  # one buffer for stream 5 (plus the JIT call's)
+    pl._stream = lambda d: 6  # another stream: its own buffer
+    pl((7,), (q, 3), key, (k.data_ptr(),), builds(k))
+    assert c_calls[-1][7] != ptr and len(allocated) == 3
+    pl._stream = lambda d: 5
+    pl((7,), (q, 3), key, (k.data_ptr(),), builds(k))
+    assert c_calls[-1][7] == ptr and len(allocated) == 3
+    pl((20,), (q, 3), key, (k.data_ptr(),), builds(k))  # a larger grid: grown
+    assert allocated[-1] >= 20 * 256 and pl.records[key].direct.scratch[5][2] == 20
+    pl((7,), (q, 3), key, (k.data_ptr(),), builds(k))  # a smaller one fits the grown buffer
+    assert len(allocated) == 4
 
 
 def test_per_call_values_must_match_the_names():
@@ -325,9 +392,11 @@ def test_mla_launch_reports_a_separate_value_tensor():
     assert not mla.launch(q, k, k[..., :512].clone(), out, None, None, None, **kw) and len(seen) == 1
 
 
-def test_mla_decode_launch_takes_its_own_variant_and_the_kv_facts():
+def test_mla_decode_launch_takes_its_own_variant_and_the_kv_facts(interp):
     """The split-KV decode launch reads the same per-K/V facts as the prefill launch, under its
-    own launcher variant ("decode", page size), with the workspace strides in its values."""
+    own launcher variant ("decode", page size), with the workspace strides in its values.
+    (``interp``: triton_decode, imported here, must be imported in interpreter mode on CPU
+    machines, or the interpreter tests after this one would get its kernels compiled for a GPU.)"""
     mla = pytest.importorskip("cpattn.kernels.triton_mla")
     state = _launch.LaunchState()
     seen = []

@@ -1,15 +1,17 @@
 """Check the direct launch of :mod:`cpattn.kernels._launch` against the installed Triton's own
 launcher, without a GPU.
 
-For the dense sm_90 kernel (packed, paged TMA, paged gather) and the absorbed-MLA kernel
-(packed, paged), each compiled offline for sm_90a: a ``CudaLauncher`` of the installed Triton is
+For the dense sm_90 kernel (packed, paged TMA, paged gather), the absorbed-MLA kernel (packed,
+paged, decode), the portable kernel over packed K/V (device-side descriptors: global scratch) and
+the fused merge (3-D grid), each compiled offline for sm_90a: a ``CudaLauncher`` of the installed Triton is
 assembled around a recording stand-in for its compiled C ``launch`` (the Python part,
 ``wrap_handle_tensordesc`` / ``make_tensordesc_arg``, is Triton's own), with an active-driver
 stand-in whose ``fill_tma_descriptor`` returns its arguments. Then:
 
 * the arguments that reach the C ``launch`` through Triton's path (``CompiledKernel.run`` with
   the Gluon ``TensorDescriptor`` objects, as ``JITFunction.run`` calls it) equal those of
-  :class:`PlannedLaunch`'s direct path (fixed tensors compared by address);
+  :class:`PlannedLaunch`'s direct path (tensors compared by address; the direct path passes the
+  per-call ones as addresses);
 * a repeated call with the same K/V builds no descriptor (no ``fill_tma_descriptor`` call);
   another K/V address, shape or stride builds new ones; the cache holds at most its size.
 
@@ -31,7 +33,9 @@ import cpattn.kernels.triton_decode as td
 import cpattn.kernels.triton_mla as mla
 import cpattn.kernels.triton_sm90 as ws
 from cpattn.kernels import _launch
-from sm90_offline_check import compile_mla_decode_variant, compile_mla_variant, compile_variant
+import cpattn.kernels.triton_attn as ta
+from sm90_offline_check import (_attrs, _ptr_sig, compile_mla_decode_variant, compile_mla_variant,
+                                compile_variant)
 
 
 class _Utils:
@@ -89,15 +93,24 @@ def _same(a, b) -> bool:
     return a == b
 
 
+#: Index of the global scratch address in the C launch's arguments.
+_SCRATCH_ARG = 7
+
+
 def check(name: str, compiled, kernel, fixed: dict, names, descriptors, values_of, descs_of, key_of, kvs,
           grid: tuple = (132,)) -> None:
+    """Triton's launch arguments == the direct path's (a kernel with global scratch: all but the
+    scratch address, which must be an aligned address of a buffer large enough for the grid,
+    kept across calls on one stream, another one per stream, grown for a larger grid)."""
     calls: list = []
+    scratch = compiled.metadata.global_scratch_size > 0
+    ptrs: dict = {}
     run = _launcher(compiled, calls)
     compiled._run, compiled.module, compiled.function = run, object(), 4242
     drv = triton.runtime.driver.active
     pl = _launch.PlannedLaunch(kernel, fixed, names, descriptors=descriptors, cache_size=2)
     key = ("k",)
-    pl._record(compiled, key)
+    pl._record(compiled, key, values_of(*kvs[0]))
     assert pl.direct(key), f"{name}: direct launch not taken (the launcher layout is not the known one)"
     g3 = tuple(grid) + (1, 1)[:3 - len(grid)]
     for i, (k, v) in enumerate(kvs + kvs[:1]):
@@ -112,7 +125,18 @@ def check(name: str, compiled, kernel, fixed: dict, names, descriptors, values_o
         pl(grid, values, key, key_of(k, v), lambda: descs_of(k, v))
         got = calls[-1]
         assert len(ref) == len(got), f"{name}: {len(got)} launch arguments, Triton passes {len(ref)}"
+        if scratch:
+            assert isinstance(ref[_SCRATCH_ARG], torch.Tensor), f"{name}: Triton passed no scratch buffer"
+            ptr = got[_SCRATCH_ARG]
+            assert isinstance(ptr, int) and ptr % compiled.metadata.global_scratch_align == 0, \
+                f"{name}: scratch address {ptr!r}"
+            assert ptrs.setdefault(777, ptr) == ptr, f"{name}: the scratch moved between calls on one stream"
+            ref = ref[:_SCRATCH_ARG] + (ptr,) + ref[_SCRATCH_ARG + 1:]
         bad = [j for j, (a, b) in enumerate(zip(ref, got)) if not _same(a, b)]
+        # the per-call tensors of pointer arguments go as addresses (the fixed ones here are CPU
+        # tensors, which the direct path leaves alone)
+        addresses = sum(isinstance(a, torch.Tensor) and type(b) is int for a, b in zip(ref, got))
+        assert addresses >= 3, f"{name}: {addresses} per-call tensors passed as addresses"
         assert not bad, f"{name}: launch arguments differ at {bad[:5]}: {[ (ref[j], got[j]) for j in bad[:3]]}"
         # a new K/V (the last call: the first K/V again, evicted from the 2-entry cache by then)
         # converts every descriptor argument once
@@ -125,8 +149,40 @@ def check(name: str, compiled, kernel, fixed: dict, names, descriptors, values_o
         assert all(_same(a, b) for a, b in zip(calls[-1], ref)), f"{name}: a repeated call's arguments differ"
     rec = pl.records[key]
     assert len(rec.entries) <= 2, f"{name}: the descriptor cache holds {len(rec.entries)} > 2"
+    if scratch:
+        direct, per = rec.direct, compiled.metadata.global_scratch_size
+        k, v = kvs[0]
+        buf, ptr, programs = direct.scratch[777]
+        assert ptr + programs * per <= buf.data_ptr() + buf.numel() and programs >= g3[0] * g3[1] * g3[2], \
+            f"{name}: the scratch does not hold the grid's programs"
+        pl._stream = lambda device=None: 778  # another stream: its own buffer
+        pl(grid, values_of(k, v), key, key_of(k, v), lambda: descs_of(k, v))
+        assert calls[-1][_SCRATCH_ARG] not in (None, ptr) and direct.scratch[777][1] == ptr, \
+            f"{name}: a second stream shares the scratch"
+        pl._stream = drv.get_current_stream
+        big = (g3[0] * 4,) + g3[1:]  # a larger grid: the buffer grows
+        pl(big, values_of(k, v), key, key_of(k, v), lambda: descs_of(k, v))
+        assert direct.scratch[777][2] >= big[0] * big[1] * big[2], f"{name}: the scratch did not grow"
+        print(f"{name}: global scratch {per} B per program, one buffer per stream, grown for a larger grid",
+              flush=True)
     print(f"{name}: direct launch arguments == Triton's ({len(ref)} arguments, "
           f"{len(rec.direct.desc_meta)} descriptors), cache bounded", flush=True)
+
+
+def compile_portable_tma():
+    """(compiled, kernel, constexprs) of the portable kernel over packed bf16 D128 K/V read
+    through device-side tensor descriptors (USE_TMA), for sm_90a."""
+    fn = ta._cp_attn_fwd
+    consts = dict(HEAD_DIM=128, HEAD_DIM_V=128, BLOCK_D1=128, BLOCK_D2=0, BLOCK_M=128, PAGED=False, PAGE_SIZE=1,
+                  DOT_PRECISION="tf32", DOT_UPCAST=False, BLOCK_N=64, HAS_SINKS=False, RETURN_LSE=True, USE_TMA=True,
+                  G_PACK=4, HAS_WINDOW=False)
+    sig = _ptr_sig(fn, "*bf16", {})
+    sig.update({n: "constexpr" for n in consts})
+    compiled = triton.compile(ASTSource(fn, sig, consts, _attrs(fn)), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=8, num_stages=3))
+    assert compiled.metadata.global_scratch_size > 0, "the portable TMA kernel needs no global scratch"
+    fixed = {k: v for k, v in consts.items() if k not in ta._PER_CALL and k not in ("G_PACK", "HAS_WINDOW")}
+    return compiled, fn, dict(fixed, num_warps=8, num_stages=3)
 
 
 def main() -> int:
@@ -197,6 +253,21 @@ def main() -> int:
 
         check(label, compiled, mla._mla_decode_sm90, fixed, mla._DECODE_PER_CALL, mla._DESCRIPTORS, values_of,
               lambda k, v: mla.k_descriptors(k), mla.kv_key, kvs)
+    # the portable kernel over packed K/V: device-side descriptors in the launch's global scratch
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8))
+    _launch.new_scratch = lambda nbytes: torch.empty(nbytes, dtype=torch.int8)
+    compiled, fn, fixed = compile_portable_tma()
+    pq, po = torch.zeros(512, 32, 128, dtype=dt), torch.zeros(512, 32, 128, dtype=dt)
+    pkvs = [(torch.zeros(4096, 8, 128, dtype=dt), torch.zeros(4096, 8, 128, dtype=dt)) for _ in range(3)]
+    pkvs[2] = (torch.zeros(4000, 8, 128, dtype=dt), torch.zeros(4000, 8, 128, dtype=dt))
+
+    def portable_values(k, v):
+        _, ints, _ = ta.kv_facts(k, v, False)
+        return (pq, k, v, po, lse, po, plan_tensors["cu_kv_lens"], 0.1, k.shape[0], pq.stride(0), pq.stride(1), 0) \
+            + ints + (po.stride(0), po.stride(1), lse.stride(0), lse.stride(1), 0, False, True, True)
+
+    check("portable packed (device descriptors)", compiled, fn, dict(plan_tensors, **plan_ints, **fixed),
+          ta._PER_CALL, (), portable_values, lambda k, v: (), lambda k, v: (k.data_ptr(), v.data_ptr()), pkvs)
     # a kernel without descriptors on a 3-D grid: the fused merge (and the combine, launched alike)
     import decode_offline_check as doc
 

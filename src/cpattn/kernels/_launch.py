@@ -18,16 +18,23 @@ per call: the caller gives ``make_descs`` (builds them) and ``desc_key``, a tupl
 they encode that can differ between calls (K/V data pointers, shapes, strides; block shapes,
 layouts and dtype are fixed per launch). Where the installed Triton's launcher has the layout
 this module knows (triton 3.5 / 3.6 ``CudaLauncher``: ``wrap_handle_tensordesc`` around the
-compiled C ``launch``, no scratch memory, no launch hooks registered), a call whose key matches
+compiled C ``launch``, no profiling scratch, no launch hooks registered), a call whose key matches
 is sent to the C ``launch`` directly with its arguments prepared once per ``desc_key``: the
 descriptors are built and converted into CUtensorMaps by Triton's own ``make_tensordesc_arg``
 (so the maps are bit-identical to what Triton's launcher would make) and kept in a small LRU
 (:data:`DESCRIPTOR_CACHE_SIZE` entries per launch: one per layer's distinct K/V buffers); a new
 ``desc_key`` (K/V moved, another shape or stride) builds and converts again. The plan's fixed
-device tensors are passed as their addresses (the launcher's pointer check, done once at record
-time, resolves device memory to the same address). Anything else (another Triton, registered
-launch hooks, kernels that need scratch memory) takes the compiled kernel's ``run`` with
-descriptors built per call, and the interpreter always takes the plain JIT call.
+device tensors, and the per-call tensors of pointer arguments, are passed as their addresses
+(the launcher's pointer check, done once at record time, resolves device memory to the same
+address; a plan checks its tensors' device before it launches). A kernel that builds tensor
+descriptors on the device needs global scratch memory (``global_scratch_size`` bytes per
+program), which Triton's launcher allocates on every call: the direct path keeps one buffer per
+stream instead, grown when a larger grid needs more (sequential launches of one kernel on one
+stream may share it: each program writes its descriptors before it reads them). Anything else
+(another Triton, registered launch hooks, profiling scratch) takes the compiled kernel's ``run``
+with descriptors built per call, and the interpreter always takes the plain JIT call. Calls that
+do not go direct run inside :class:`scratch_allocator` when the launch was made with
+``device_scratch=True``.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import operator
 from collections import OrderedDict
 from typing import Callable, Optional, Sequence
 
+import torch
 from torch import Tensor
 
 logger = logging.getLogger("cpattn")
@@ -47,8 +55,12 @@ DESCRIPTOR_CACHE_SIZE = 256
 #: Leading arguments of Triton's C ``launch`` (grid x3, stream, function, cooperative, pdl, two
 #: scratch buffers, kernel metadata, launch metadata, enter / exit hooks).
 _BASE_ARGS = 13
-#: What each direct call puts before its per-call values: the grid (x, y, z) and the stream.
-_HEAD = ("grid0", "grid1", "grid2", "stream")
+#: What each direct call puts before its per-call values: the grid (x, y, z), the stream and the
+#: global scratch address (None when the kernel needs none).
+_HEAD = ("grid0", "grid1", "grid2", "stream", "scratch")
+_DATA_PTR = Tensor.data_ptr
+#: Streams whose global scratch buffer a direct launch keeps (the oldest is dropped past this).
+MAX_SCRATCH_STREAMS = 4
 #: Compiled-kernel keys remembered per launch (the oldest is dropped past this).
 MAX_KEYS = 8
 
@@ -107,18 +119,97 @@ def _hooks_idle(hooks) -> bool:
     return True
 
 
+def _scratch_alloc(size: int, alignment: int, stream) -> Tensor:
+    """Triton's allocator signature: ``size`` bytes on the current CUDA device (the caching
+    allocator's blocks are 512-byte aligned, more than the descriptors' 128)."""
+    return new_scratch(size)
+
+
+def _cpu_scratch_alloc(size: int, alignment: int, stream) -> Tensor:
+    return torch.empty(size, dtype=torch.int8)
+
+
+class scratch_allocator:
+    """Context manager: kernels that build tensor descriptors on the device need a global-memory
+    scratch allocator. Installs a torch one on ``device`` ("cuda": the current GPU; "cpu" under
+    the interpreter) for the launches inside, unless the caller set one, and restores the
+    previous allocator afterwards (no process-wide side effect)."""
+
+    def __init__(self, device: str = "cuda") -> None:
+        self._alloc = _cpu_scratch_alloc if device == "cpu" else _scratch_alloc
+
+    def __enter__(self):
+        self._token = None
+        import triton
+
+        try:
+            from triton.runtime import _allocation
+
+            var = _allocation._allocator
+        except (ImportError, AttributeError):  # another triton: the public setter
+            triton.set_allocator(self._alloc)
+            return self
+        if isinstance(var.get(), _allocation.NullAllocator):
+            self._var, self._token = var, var.set(self._alloc)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._token is not None:
+            self._var.reset(self._token)
+
+
 class _Direct:
     """The compiled kernel's C ``launch`` and how to build its argument tuple (see the module
     docstring): ``entry(descs)`` -> the constant part for one descriptor set; ``pick`` maps
-    ``entry + (grid0, grid1, grid2, stream) + values`` onto the C launcher's argument order."""
+    ``entry + (grid0, grid1, grid2, stream, scratch) + values`` onto the C launcher's argument
+    order, followed by :meth:`ptrs` of the values. ``scratch_bytes``: global scratch per program
+    (0: none), ``scratch_align`` its alignment. ``num_values``: per-call values of each call;
+    ``ptr_values``: those (indices) that are tensors for pointer arguments: they reach the C
+    launch as their addresses (Triton's launcher would call ``data_ptr()`` and ask the driver
+    whether the address is device memory, a driver call per tensor per launch; the plans have
+    checked the tensors' device)."""
 
-    def __init__(self, launch, make_arg, desc_meta: dict, layout: list) -> None:
+    def __init__(self, launch, make_arg, desc_meta: dict, layout: list, scratch_bytes: int = 0,
+                 scratch_align: int = 1, num_values: int = 0, ptr_values: Sequence[int] = ()) -> None:
         self.launch, self.make_arg, self.desc_meta = launch, make_arg, desc_meta
-        #: per C-launcher argument: ("const", x) | ("head", 0-2 grid / 3 stream) | ("value", j) |
-        #: ("desc", name) (expanded into several)
+        #: per C-launcher argument: ("const", x) | ("head", 0-2 grid / 3 stream / 4 scratch) |
+        #: ("value", j) | ("ptr", j) (the address of value j) | ("desc", name) (expanded into several)
         self.layout = layout
+        self.num_values = num_values
+        ptr_values = tuple(ptr_values)
+        self._ptr_index = {j: i for i, j in enumerate(ptr_values)}
+        if len(ptr_values) > 1:
+            self.ptr_get: Optional[Callable] = operator.itemgetter(*ptr_values)
+        elif ptr_values:
+            (only,) = ptr_values
+            self.ptr_get = lambda values: (values[only],)
+        else:
+            self.ptr_get = None
         self.pick: Optional[Callable] = None
         self.lengths: Optional[dict] = None
+        self.scratch_bytes, self.scratch_align = scratch_bytes, max(1, scratch_align)
+        #: stream -> (buffer, aligned address, programs it holds)
+        self.scratch: OrderedDict = OrderedDict()
+
+    def scratch_ptr(self, grid: tuple, stream) -> int:
+        """The address of this stream's global scratch for ``grid`` (allocated, or grown, on the
+        current device when it does not hold the grid's programs yet)."""
+        programs = grid[0] * grid[1] * grid[2]
+        held = self.scratch.get(stream)
+        if held is not None and held[2] >= programs:
+            return held[1]
+        align = self.scratch_align
+        buf = new_scratch(programs * self.scratch_bytes + align)
+        ptr = -(-buf.data_ptr() // align) * align
+        self.scratch[stream] = (buf, ptr, programs)
+        self.scratch.move_to_end(stream)
+        if len(self.scratch) > MAX_SCRATCH_STREAMS:
+            self.scratch.popitem(last=False)
+        return ptr
+
+    def ptrs(self, values: tuple) -> tuple:
+        """The addresses of the pointer values (appended to each call's arguments)."""
+        return tuple(map(_DATA_PTR, self.ptr_get(values))) if self.ptr_get is not None else ()
 
     def entry(self, descs: dict) -> Optional[tuple]:
         """The constant arguments with these descriptors' CUtensorMap expansions, or None when an
@@ -139,6 +230,8 @@ class _Direct:
                 src.append(-1 - item)
             elif kind == "value":
                 src.append(-1 - (len(_HEAD) + item))
+            elif kind == "ptr":
+                src.append(-1 - (len(_HEAD) + self.num_values + self._ptr_index[item]))
             else:
                 for x in expanded[item]:
                     src.append(len(consts))
@@ -170,8 +263,11 @@ class PlannedLaunch:
     ``make_descs()`` (a tuple in this order) and described by ``desc_key``."""
 
     def __init__(self, kernel, fixed: dict, names: Sequence[str], *, descriptors: Sequence[str] = (),
-                 enabled: bool = True, cache_size: int = DESCRIPTOR_CACHE_SIZE) -> None:
+                 enabled: bool = True, cache_size: int = DESCRIPTOR_CACHE_SIZE, device_scratch: bool = False) -> None:
         self.kernel, self.fixed = kernel, dict(fixed)
+        #: the kernel may build tensor descriptors on the device: calls that do not go direct run
+        #: inside :class:`scratch_allocator`
+        self.device_scratch = device_scratch
         self.names, self.descriptors = tuple(names), tuple(descriptors)
         overlap = set(self.names) & (set(self.descriptors) | set(self.fixed))
         if overlap:
@@ -209,18 +305,28 @@ class PlannedLaunch:
                     g = tuple(grid)
                     if len(g) != 3:
                         g += (1, 1)[:3 - len(g)]
-                    direct.launch(*direct.pick(entry + g + (self._stream(self._device()),) + values))
+                    stream = self._stream(self._device())
+                    scratch = direct.scratch_ptr(g, stream) if direct.scratch_bytes else None
+                    direct.launch(*direct.pick(entry + g + (stream, scratch) + values + direct.ptrs(values)))
                     return
-            self._run_compiled(rec, grid, values, make_descs)
+            if self.device_scratch:
+                with scratch_allocator():
+                    self._run_compiled(rec, grid, values, make_descs)
+            else:
+                self._run_compiled(rec, grid, values, make_descs)
             return
         if len(values) != len(self.names):
             raise ValueError(f"{len(values)} per-call values for {len(self.names)} names {self.names}")
         kwargs = dict(zip(self.names, values))
         if self.descriptors:
             kwargs.update(zip(self.descriptors, make_descs()))
-        compiled = self.kernel[grid](**self.fixed, **kwargs)
+        if self.device_scratch:
+            with scratch_allocator():
+                compiled = self.kernel[grid](**self.fixed, **kwargs)
+        else:
+            compiled = self.kernel[grid](**self.fixed, **kwargs)
         if self._enabled and compiled is not None and hasattr(compiled, "run") and hasattr(compiled, "function"):
-            self._record(compiled, key)
+            self._record(compiled, key, values)
 
     def _run_compiled(self, rec: _Record, grid: tuple, values: tuple, make_descs) -> None:
         """The compiled kernel's own launcher (descriptors built and converted by Triton)."""
@@ -254,7 +360,9 @@ class PlannedLaunch:
             return None
         return rec.entries.put(desc_key, entry)
 
-    def _record(self, compiled, key: tuple) -> None:
+    def _record(self, compiled, key: tuple, values: tuple = ()) -> None:
+        """Remember ``compiled`` for ``key`` (``values``: the recorded call's, telling which
+        pointer arguments are tensors)."""
         try:
             extra = {}
             best = getattr(self.kernel, "best_config", None)
@@ -269,7 +377,8 @@ class PlannedLaunch:
             template = [merged.get(name) for name in self._arg_names]
             slots = [(i, where[name]) for i, name in enumerate(self._arg_names) if name in where]
             desc_slots = [self._arg_names.index(name) for name in self.descriptors]
-            direct = _direct_launch(compiled, self._arg_names, merged, where, descs)
+            tensors = {j for j, x in enumerate(values) if isinstance(x, Tensor)}
+            direct = _direct_launch(compiled, self._arg_names, merged, where, descs, tensors)
             if len(self.records) >= MAX_KEYS:
                 self.records.pop(next(iter(self.records)))
             self.records[key] = _Record(compiled, template, slots, desc_slots, direct, self.cache_size)
@@ -284,8 +393,8 @@ def _c_launch_of(run, has_descs: bool):
     ``CudaLauncher``, or None when its layout is not the known one."""
     if type(run).__name__ != "CudaLauncher" or not type(run).__module__.endswith("nvidia.driver"):
         return None
-    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
-        return None  # scratch memory is allocated per call by the Python launcher
+    if getattr(run, "profile_scratch_size", 1) or not isinstance(getattr(run, "global_scratch_size", None), int):
+        return None  # profiling scratch: left to the Python launcher
     launch = run.launch
     if not has_descs:  # what CudaLauncher.__call__ calls, minus the (empty) scratch allocation
         return (launch, None, []) if callable(launch) else None
@@ -304,8 +413,10 @@ def _c_launch_of(run, has_descs: bool):
     return inner, make_arg, list(meta)
 
 
-def _direct_launch(compiled, arg_names: list, merged: dict, where: dict, descs: set) -> Optional[_Direct]:
-    """The direct-launch plan of a compiled kernel (None: take its ``run``)."""
+def _direct_launch(compiled, arg_names: list, merged: dict, where: dict, descs: set,
+                   tensors: set = frozenset()) -> Optional[_Direct]:
+    """The direct-launch plan of a compiled kernel (None: take its ``run``). ``tensors``: indices
+    of the per-call values that were tensors (pointer arguments among them go as addresses)."""
     sig = getattr(getattr(compiled, "src", None), "signature", None)
     if not isinstance(sig, dict) or list(sig) != arg_names or any(isinstance(t, tuple) for t in sig.values()):
         return None
@@ -320,18 +431,35 @@ def _direct_launch(compiled, arg_names: list, merged: dict, where: dict, descs: 
         return None
     k = compiled
     run = k.run
+    # what CudaLauncher.__call__ allocates per call: global_scratch_size bytes per program of each CTA
+    scratch_bytes = run.global_scratch_size * getattr(run, "num_ctas", 1)
     layout: list = [("head", 0), ("head", 1), ("head", 2), ("head", 3), ("const", k.function),
-                    ("const", run.launch_cooperative_grid), ("const", run.launch_pdl), ("const", None),
+                    ("const", run.launch_cooperative_grid), ("const", run.launch_pdl),
+                    ("head", 4) if scratch_bytes else ("const", None),
                     ("const", None), ("const", k.packed_metadata), ("const", None), ("const", None),
                     ("const", None)]
+    ptr_values: list = []
     for name in arg_names:
         if name in descs:
             layout.append(("desc", name))
         elif name in where:
-            layout.append(("value", where[name]))
+            j = where[name]
+            ty = sig[name]
+            if j in tensors and isinstance(ty, str) and ty.startswith("*"):
+                ptr_values.append(j)
+                layout.append(("ptr", j))
+            else:
+                layout.append(("value", j))
         else:
             x = merged[name]
             if isinstance(x, Tensor) and x.is_cuda:
                 x = x.data_ptr()  # the plan keeps the tensor (fixed); device memory: same address
             layout.append(("const", x))
-    return _Direct(launch, make_arg, dict(zip(sig_descs, meta)), layout)
+    return _Direct(launch, make_arg, dict(zip(sig_descs, meta)), layout, scratch_bytes,
+                   getattr(run, "global_scratch_align", 1), len(where), ptr_values)
+
+
+def new_scratch(nbytes: int) -> Tensor:
+    """A global scratch buffer of ``nbytes`` on the current CUDA device (the offline launch check
+    replaces this)."""
+    return torch.empty(nbytes, dtype=torch.int8, device="cuda")

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ._launch import PlannedLaunch
 from ._tiles import LOG2E, SM90_SMEM_PER_BLOCK, kv_strides
 
 logger = logging.getLogger("cpattn")
@@ -149,34 +150,6 @@ def _tma_ok(*tensors: Tensor) -> bool:
         if x.data_ptr() % 16 or any((st * elt) % 16 for st in x.stride()[:-1]) or x.shape[-1] * elt < 16:
             return False
     return True
-
-
-def _scratch_alloc(size: int, alignment: int, stream: Optional[int]):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-class scratch_allocator:
-    """Context manager: device-side tensor descriptors need a global-memory scratch allocator.
-    Installs a torch one for the launches inside (unless the caller set one) and restores the
-    previous allocator afterwards (no process-wide side effect)."""
-
-    def __enter__(self):
-        self._token = None
-        try:
-            from triton.runtime import _allocation
-
-            var = _allocation._allocator
-        except (ImportError, AttributeError):  # another triton: fall back to the public setter
-            triton.set_allocator(_scratch_alloc)
-            return self
-        current = var.get()
-        if isinstance(current, _allocation.NullAllocator):
-            self._var, self._token = var, var.set(_scratch_alloc)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._token is not None:
-            self._var.reset(self._token)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -481,13 +454,13 @@ def make_launch(plan_args: dict, config: Optional[tuple[int, int, int]] = None, 
     (tile map, tile count, segments, geometry constexprs; see ``triton_backend``). ``config`` =
     (BLOCK_N, num_warps, num_stages) bypasses the autotuner (the interpreter uses a small one).
     ``enabled`` False (and always under the interpreter): every call through the JIT."""
-    from ._launch import PlannedLaunch
 
     if INTERPRETED or config is not None:
         bn, warps, stages = config if config is not None else (16, 4, 1)
         fixed = dict(plan_args, BLOCK_N=bn, num_warps=warps, num_stages=stages)
-        return PlannedLaunch(_cp_attn_fwd, fixed, _PER_CALL, enabled=enabled and not INTERPRETED)
-    return PlannedLaunch(_cp_attn_fwd_tuned, plan_args, _PER_CALL, enabled=enabled)
+        return PlannedLaunch(_cp_attn_fwd, fixed, _PER_CALL, enabled=enabled and not INTERPRETED,
+                             device_scratch=not INTERPRETED)
+    return PlannedLaunch(_cp_attn_fwd_tuned, plan_args, _PER_CALL, enabled=enabled, device_scratch=True)
 
 
 def kv_facts(k: Tensor, v: Tensor, paged: bool) -> tuple:
@@ -524,8 +497,4 @@ def launch(
     key = (q.dtype, q.data_ptr() & 15, out.data_ptr() & 15, lse.data_ptr() & 15 if has_lse else -1,
            (sinks.dtype, sinks.data_ptr() & 15) if has_sinks else None, (pt.dtype, pt.data_ptr() & 15),
            qs[0], qs[1], ssink, os_[0], os_[1], slm, slh, stride_pt) + kv_part
-    if use_tma:
-        with scratch_allocator():
-            launcher(grid, values, key)
-    else:
-        launcher(grid, values, key)
+    launcher(grid, values, key)  # USE_TMA: device-side descriptors in the launch's global scratch

@@ -219,12 +219,9 @@ class _TritonRun:
             page_table = page_table.contiguous()
         index = self._device_index  # plan.run checked that the tensors are on the plan's device
         if index is not None and index != torch.cuda.current_device():
-            with torch.cuda.device(index):  # tensors on a non-current GPU
-                self._launch(q, k, v, page_table, sinks, softmax_scale, out, lse)
-        else:
-            self._launch(q, k, v, page_table, sinks, softmax_scale, out, lse)
-
-    def _launch(self, q, k, v, page_table, sinks, softmax_scale, out, lse) -> None:
+            with torch.cuda.device(index):  # tensors on a non-current GPU: again, with it current
+                self(q, k, v, page_table, sinks, softmax_scale, out, lse)
+            return
         fast = self._fast
         if fast is not None and fast(q, k, v, out, lse, sinks, page_table, grid=self.fast_grid,
                                      plan_args=self.sm90_args, softmax_scale=softmax_scale, state=self._fast_state,

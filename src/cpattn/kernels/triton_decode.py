@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ._launch import LRU, LaunchState, PlannedLaunch
 from ._tiles import LOG2E, kv_strides
 
 #: True when this module's kernels were built for the CPU interpreter (TRITON_INTERPRET=1 at
@@ -432,7 +433,6 @@ def _align_key(*tensors) -> tuple:
 def _planned(state, name, kernel, make_fixed, names: tuple):
     """The plan's :class:`PlannedLaunch` ``name`` of ``kernel``; ``make_fixed()`` (the fixed
     keyword arguments) runs only when it is created."""
-    from ._launch import PlannedLaunch
 
     launcher = state.launchers.get(name)
     if launcher is None:
@@ -462,7 +462,6 @@ def launch_split(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sink
     rest is per layer. ``state``: the plan's :class:`~cpattn.kernels._launch.LaunchState`
     (planned launches: after the first call the compiled kernel is called directly; None: every
     call through the JIT)."""
-    from ._launch import LaunchState
 
     paged = page_table is not None
     skp, skn, skh, svp, svn, svh = kv_strides(k, v, paged)
@@ -528,7 +527,6 @@ def launch_combine(out: Tensor, lse: Tensor, sinks: Optional[Tensor], ws: Worksp
     """Launch the combine kernel over ``grid`` = (query rows, head blocks, column blocks), reading
     the partials of ``ws``; ``combine_args``: the planned keyword arguments (tables, constexprs;
     ``num_warps``, default 4); ``state`` as in :func:`launch_split`."""
-    from ._launch import LaunchState
 
     sk = sinks if sinks is not None else out
     os_, ls = out.stride(), lse.stride()
@@ -558,7 +556,6 @@ def merge_parts(parts: Tensor, part_lse: Tensor, out: Tensor, lse: Tensor, *, nu
     After a geometry's first call the compiled kernel is called directly (planned launch; the
     geometry's grid and launcher are memoized, so a repeated call does no block-size work)."""
     global _MERGE_LAUNCHES, _MERGE_GEOMETRIES
-    from ._launch import LRU, LaunchState
 
     if _MERGE_LAUNCHES is None:
         _MERGE_LAUNCHES, _MERGE_GEOMETRIES = LaunchState(), LRU(64)

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ._launch import scratch_allocator
 from ._tiles import SM90_SMEM_PER_BLOCK
 
 #: True when the kernels were built for the CPU interpreter (TRITON_INTERPRET=1 at import).
@@ -218,7 +219,7 @@ def launch(
         stride_kp=skp, stride_kn=skn, stride_sp=ssp, stride_sn=ssn, stride_pt=stride_pt,
         HAS_KSCALE=k_scale is not None, **plan_args,
     )
-    with scratch_allocator():
+    with scratch_allocator("cpu" if INTERPRETED else "cuda"):
         if INTERPRETED or config is not None:
             bn, warps, stages = config if config is not None else (16, 4, 1)
             _index_scores_fwd[grid](**args, BLOCK_N=bn, num_warps=warps, num_stages=stages)
@@ -265,31 +266,3 @@ def q_layout_ok(q: Tensor) -> bool:
     elt = q.element_size()
     return q.data_ptr() % 16 == 0 and (q.stride(0) * elt) % 16 == 0 and (q.stride(1) * elt) % 16 == 0 \
         and q.stride(2) == 1
-
-
-def _scratch_alloc(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() and not INTERPRETED
-                       else "cpu")
-
-
-class scratch_allocator:
-    """Device-side tensor descriptors need a global scratch allocator: install a torch one for the
-    launches inside (unless the caller set one) and restore the previous one (no process-wide
-    side effect)."""
-
-    def __enter__(self):
-        self._token = None
-        try:
-            from triton.runtime import _allocation
-
-            var = _allocation._allocator
-        except (ImportError, AttributeError):  # another triton: the public setter
-            triton.set_allocator(_scratch_alloc)
-            return self
-        if isinstance(var.get(), _allocation.NullAllocator):
-            self._var, self._token = var, var.set(_scratch_alloc)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._token is not None:
-            self._var.reset(self._token)

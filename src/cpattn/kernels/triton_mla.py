@@ -40,6 +40,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ._launch import LaunchState, PlannedLaunch
 from ._sm90_common import (HAVE_GLUON, TMA_CHUNK, hopper_reason, packed_layout_ok, paged_copy_rows,
                            paged_layout_ok, smem_layout)
 from ._tiles import LOG2E
@@ -738,7 +739,6 @@ def _latent_launcher(state, variant, kernel: str, per_call: tuple, plan_args: di
     """The plan's :class:`~cpattn.kernels._launch.PlannedLaunch` ``variant`` of the latent-TMA
     kernel named ``kernel`` (``page_size`` 0: packed), created on first use with the plan's fixed
     arguments (the kernel is looked up only then: it exists only where Gluon does)."""
-    from ._launch import PlannedLaunch
 
     launcher = state.launchers.get(variant)
     if launcher is None:
@@ -761,7 +761,6 @@ def launch(
     :data:`BLOCK_M` rows x heads. ``state``: the plan's :class:`~cpattn.kernels._launch.LaunchState`
     (per-K/V facts, a :class:`PlannedLaunch` per variant with its prepared descriptors; None:
     every call through the JIT)."""
-    from ._launch import LaunchState
 
     if state is None:
         state = LaunchState(enabled=False)
@@ -804,7 +803,6 @@ def launch_decode(
     :mod:`.decode_backend`. Returns False (launching nothing) when :func:`kv_layout_ok` does not
     hold. ``state``: the plan's :class:`~cpattn.kernels._launch.LaunchState` (None: every call
     through the JIT)."""
-    from ._launch import LaunchState
 
     if state is None:
         state = LaunchState(enabled=False)
@@ -845,7 +843,6 @@ def launch_sparse(
     ``row_kv_start``), ``num_head_groups`` and ``G_PACK`` (see ``dsa_backend``); ``grid`` = P x
     head groups. ``state``: the plan's :class:`~cpattn.kernels._launch.LaunchState` (None: every
     call through the JIT)."""
-    from ._launch import LaunchState, PlannedLaunch
 
     if state is None:
         state = LaunchState(enabled=False)

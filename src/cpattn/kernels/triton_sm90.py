@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ._launch import LaunchState, PlannedLaunch
 from ._sm90_common import (HAVE_GLUON, TMA_CHUNK, hopper_reason, packed_layout_ok, paged_copy_rows,
                            paged_layout_ok, smem_layout as _smem_layout)
 from ._tiles import LOG2E, SM90_SMEM_PER_BLOCK, kv_strides
@@ -731,7 +732,6 @@ def launch(
     round, snake order; no overlap / pingpong), else one item per program. ``state``: the plan's
     :class:`~cpattn.kernels._launch.LaunchState` (per-K/V facts, a :class:`PlannedLaunch` per
     kernel variant with its prepared descriptors; None: every call through the JIT)."""
-    from ._launch import LaunchState, PlannedLaunch
 
     if state is None:
         state = LaunchState(enabled=False)
