@@ -286,7 +286,8 @@ def test_fallbacks_give_the_same_launch(why):
 def test_global_scratch_is_kept_per_stream_and_grown(monkeypatch):
     """A kernel with global scratch (device-side descriptors) goes direct: the scratch address is
     aligned, the same on every call of one stream (no allocation per call), another stream's own,
-    and grows for a larger grid; the arguments are otherwise Triton's. Calls through the JIT run
+    and grows for a larger grid without freeing the old buffer; the arguments are otherwise
+    Triton's. Calls through the JIT run
     with a scratch allocator installed (and removed after)."""
     from triton.runtime import _allocation
 
@@ -323,8 +324,11 @@ def test_global_scratch_is_kept_per_stream_and_grown(monkeypatch):
     pl._stream = lambda d: 5
     pl((7,), (q, 3), key, (k.data_ptr(),), builds(k))
     assert c_calls[-1][7] == ptr and len(allocated) == 3
+    old = pl.records[key].direct.scratch[5][0]
     pl((20,), (q, 3), key, (k.data_ptr(),), builds(k))  # a larger grid: grown
     assert allocated[-1] >= 20 * 256 and pl.records[key].direct.scratch[5][2] == 20
+    # the replaced buffer stays alive (a CUDA graph captured with it would still write there)
+    assert any(b is old for b in pl.records[key].direct._retired)
     pl((7,), (q, 3), key, (k.data_ptr(),), builds(k))  # a smaller one fits the grown buffer
     assert len(allocated) == 4
 

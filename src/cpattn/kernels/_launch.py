@@ -29,8 +29,9 @@ device tensors, and the per-call tensors of pointer arguments, are passed as the
 address; a plan checks its tensors' device before it launches). A kernel that builds tensor
 descriptors on the device needs global scratch memory (``global_scratch_size`` bytes per
 program), which Triton's launcher allocates on every call: the direct path keeps one buffer per
-stream instead, grown when a larger grid needs more (sequential launches of one kernel on one
-stream may share it: each program writes its descriptors before it reads them). Anything else
+stream instead, grown when a larger grid needs more, none freed before the launch is (a captured
+CUDA graph holds their addresses; sequential launches of one kernel on one stream may share a
+buffer: each program writes its descriptors before it reads them). Anything else
 (another Triton, registered launch hooks, profiling scratch) takes the compiled kernel's ``run``
 with descriptors built per call, and the interpreter always takes the plain JIT call. Calls that
 do not go direct run inside :class:`scratch_allocator` when the launch was made with
@@ -59,8 +60,6 @@ _BASE_ARGS = 13
 #: global scratch address (None when the kernel needs none).
 _HEAD = ("grid0", "grid1", "grid2", "stream", "scratch")
 _DATA_PTR = Tensor.data_ptr
-#: Streams whose global scratch buffer a direct launch keeps (the oldest is dropped past this).
-MAX_SCRATCH_STREAMS = 4
 #: Compiled-kernel keys remembered per launch (the oldest is dropped past this).
 MAX_KEYS = 8
 
@@ -189,22 +188,25 @@ class _Direct:
         self.lengths: Optional[dict] = None
         self.scratch_bytes, self.scratch_align = scratch_bytes, max(1, scratch_align)
         #: stream -> (buffer, aligned address, programs it holds)
-        self.scratch: OrderedDict = OrderedDict()
+        self.scratch: dict = {}
+        #: buffers a larger grid replaced: kept while the launch lives (a CUDA graph captured
+        #: with them holds their address)
+        self._retired: list = []
 
     def scratch_ptr(self, grid: tuple, stream) -> int:
         """The address of this stream's global scratch for ``grid`` (allocated, or grown, on the
-        current device when it does not hold the grid's programs yet)."""
+        current device when it does not hold the grid's programs yet; no buffer is freed before
+        the launch is)."""
         programs = grid[0] * grid[1] * grid[2]
         held = self.scratch.get(stream)
         if held is not None and held[2] >= programs:
             return held[1]
+        if held is not None:
+            self._retired.append(held[0])
         align = self.scratch_align
         buf = new_scratch(programs * self.scratch_bytes + align)
         ptr = -(-buf.data_ptr() // align) * align
         self.scratch[stream] = (buf, ptr, programs)
-        self.scratch.move_to_end(stream)
-        if len(self.scratch) > MAX_SCRATCH_STREAMS:
-            self.scratch.popitem(last=False)
         return ptr
 
     def ptrs(self, values: tuple) -> tuple:
