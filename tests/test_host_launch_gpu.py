@@ -273,3 +273,36 @@ def test_gpu_decode_step_launches_are_direct_and_bit_identical(shape):
                for key in launcher.records)
     for out, lse in merged[1:]:
         assert torch.equal(out, merged[0][0]) and torch.equal(lse, merged[0][1])
+
+
+@pytest.mark.parametrize("shape", ["gqa", "mla"])
+def test_gpu_decode_shaped_dense_plan_pad_rows_in_one_direct_launch(shape):
+    """A decode-shaped dense plan (C = 1, 8 sequences, 56 pad rows) writes its pad rows with one
+    pad-row launch that goes direct after its first call: into NaN-filled engine buffers, pad rows
+    exactly 0 / -inf, local rows equal to the torch backend's (and the same bits every call)."""
+    hq, hkv, d, dv = (32, 8, 128, 128) if shape == "gqa" else (128, 1, 576, 512)
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    s = cpattn.ContiguousStrategy(1, pad_multiple=64)
+    ext, pre = [1] * 8, [4000 + 37 * i for i in range(8)]
+    meta = s.build_metadata(ext, pre, rank=0).to("cuda")
+    n_kv = sum(e + p for e, p in zip(ext, pre))
+    k, v = _layer_kv(n_kv, hkv, d, dv, "mla" if shape == "mla" else "sm90", gen)
+    q = torch.randn(meta.num_physical_tokens, hq, d, device="cuda", generator=gen).to(torch.bfloat16)
+    plan = s.plan_attention(meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=torch.bfloat16,
+                            backend="triton")
+    assert plan.family == "decode"
+    n, p = meta.num_local_tokens, meta.num_physical_tokens
+    assert p - n == 56
+    results = []
+    for _ in range(3):
+        out = torch.full((p, hq, dv), float("nan"), device="cuda", dtype=torch.bfloat16)
+        lse = torch.full((p, hq), float("nan"), device="cuda")
+        plan.run(q, k, v, out=out, lse=lse)
+        results.append((out, lse))
+    launcher = plan._impl._pad_state.launchers["pad"]
+    assert any(launcher.direct(key) for key in launcher.records), "the pad-row launch did not go direct"
+    ref, ref_lse = s.attention(q.float(), k.float(), v.float(), meta, backend="torch", return_lse=True)
+    for out, lse in results:
+        assert (out[n:] == 0).all() and torch.isneginf(lse[n:]).all()
+        assert (out[:n].float() - ref[:n]).abs().max().item() < 2e-2 and (lse[:n] - ref_lse[:n]).abs().max() < 1e-2
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])

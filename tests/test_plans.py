@@ -593,10 +593,13 @@ def test_decode_shaped_dense_plan_runs_the_decode_family(interp, page):
     n = meta.num_local_tokens
     assert (out[:n].double() - ref).abs().max() < 2e-5 and (lse[:n].double() - ref_lse).abs().max() < 2e-5
     assert (out[n:] == 0).all() and torch.isneginf(lse[n:]).all()
-    # engine buffers holding garbage: every row is written (the combine writes the pad rows)
+    # engine buffers holding garbage: every row is written (the pad rows by one pad-row launch)
     out_buf, lse_buf = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
     plan.run(ql, k_in, v_in, page_table=table, sinks=sk, out=out_buf, lse=lse_buf)
     assert torch.equal(out_buf, out) and torch.equal(lse_buf, lse)
+    out_only = torch.full_like(out, float("nan"))  # no lse: the split kernels' LSEs go to the plan's buffer
+    plan.run(ql, k_in, v_in, page_table=table, sinks=sk, out=out_only)
+    assert torch.equal(out_only, out)
     forced = s.plan_attention(meta, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
                               backend="triton", backend_options={"family": "portable"})
     assert forced.family == "portable"
@@ -604,6 +607,26 @@ def test_decode_shaped_dense_plan_runs_the_decode_family(interp, page):
         cpattn.ZigzagStrategy(2).plan_attention(cpattn.ZigzagStrategy(2).build_metadata([3], [500], rank=0),
                                                 num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
                                                 backend="triton", backend_options={"family": "decode"})
+
+
+def test_pad_row_kernel_writes_only_the_pad_rows(interp):
+    """The decode plans' pad-row kernel: 0 / -inf into rows [row0, P) of out [P, H, Dv] (a head
+    stride wider than Dv, H and Dv not powers of two) and lse [P, H] (strided), nothing else; with
+    no lse only out."""
+    from cpattn.kernels import triton_decode
+
+    p, h, dv, row0 = 9, 3, 40, 5
+    base = torch.full((p, h, 48), float("nan"))
+    out = base[..., :dv]
+    lse_base = torch.full((h, p), float("nan"))
+    lse = lse_base.t()
+    grid, args = triton_decode.pad_geometry(p - row0, h, dv)
+    triton_decode.launch_pad_rows(out, lse, row0, grid=grid, pad_args=args)
+    assert (out[row0:] == 0).all() and torch.isneginf(lse[row0:]).all()
+    assert out[:row0].isnan().all() and lse[:row0].isnan().all() and base[..., dv:].isnan().all()
+    out2 = torch.full((p, h, dv), float("nan"))
+    triton_decode.launch_pad_rows(out2, None, row0, grid=grid, pad_args=args)
+    assert (out2[row0:] == 0).all() and out2[:row0].isnan().all()
 
 
 def test_decode_shaped_dense_plan_takes_split_options(interp):

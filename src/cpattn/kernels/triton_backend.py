@@ -75,9 +75,11 @@ def decode_unsupported_reason(spec: AttentionSpec, meta: CPMetadata) -> Optional
 class _DecodeRun:
     """A decode-shaped dense plan run by the split-KV decode family: the placement plan's
     sequences become a decode plan (KV sharded over one rank: every key local), whose rows are
-    exactly the dense plan's local rows; pad rows are written here. (Letting the combine kernel
-    write the pad rows instead saved host time but was slower under graph replay on H200: its
-    grid then spans the pad rows, e.g. 178 -> 161 TF/s at B = 8 L = 4k q1.)"""
+    exactly the dense plan's local rows; pad rows are written here, in one launch of the pad-row
+    kernel (was a zero and a fill). (Letting the combine kernel write the pad rows instead saved
+    host time but was slower under graph replay on H200: its grid then spans the pad rows, e.g.
+    178 -> 161 TF/s at B = 8 L = 4k q1.) Without ``lse`` the split kernels write their LSEs into
+    a buffer of the plan, allocated at plan time."""
 
     family = "decode"
 
@@ -96,20 +98,26 @@ class _DecodeRun:
             raise ValueError(f"unknown backend_options decode keys {sorted(bad)} (known: {sorted(DECODE_OPTIONS)})")
         if "config" in options:
             decode["config"] = options["config"]
+        from . import triton_decode
+        from ._launch import LaunchState
+
         self._impl = TritonShardBackend().plan(spec, dmeta, decode)
         #: the split-KV family that runs ("mla-split-kv" or "split-kv")
         self.kernel_family = self._impl.family
 
-        self.num_local = meta.num_local_tokens
+        self.num_local = n = meta.num_local_tokens
+        self.pad_grid, self.pad_args = triton_decode.pad_geometry(meta.num_physical_tokens - n, spec.num_q_heads,
+                                                                  spec.head_dim_v)
+        self._pad, self._pad_state = triton_decode.launch_pad_rows, LaunchState()
+        self._lse_rows = torch.empty(n, spec.num_q_heads, dtype=torch.float32, device=meta.device) if n else None
 
     def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse) -> None:
         n = self.num_local
-        out[n:].zero_()
-        if lse is not None:
-            lse[n:].fill_(float("-inf"))
+        if self.pad_grid[0]:
+            self._pad(out, lse, n, grid=self.pad_grid, pad_args=self.pad_args, state=self._pad_state)
         if n:
-            lse_rows = lse[:n] if lse is not None else torch.empty(n, q.shape[1], dtype=torch.float32, device=q.device)
-            self._impl(q[:n], k, v, page_table, sinks, softmax_scale, out[:n], lse_rows)
+            self._impl(q[:n], k, v, page_table, sinks, softmax_scale, out[:n], lse[:n] if lse is not None else
+                       self._lse_rows)
 
 
 class _TritonRun:

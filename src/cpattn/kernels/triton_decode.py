@@ -538,6 +538,56 @@ def launch_combine(out: Tensor, lse: Tensor, sinks: Optional[Tensor], ws: Worksp
     launcher(grid, values, key)
 
 
+@triton.jit
+def _pad_rows(Out, Lse, row0, num_heads, stride_om, stride_oh, stride_lm, stride_lh,
+              HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LSE: tl.constexpr):
+    """Pad rows of a plan's output in one launch: program (r, head block, column block) writes 0
+    into ``Out[row0 + r, heads, cols]`` and, in the first column block, -inf into
+    ``Lse[row0 + r, heads]``."""
+    r = (row0 + tl.program_id(0)).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cols = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    hmask = heads < num_heads
+    mask = hmask[:, None] & (cols < HEAD_DIM_V)[None, :]
+    tl.store(Out + r * stride_om + heads[:, None] * stride_oh + cols[None, :],
+             tl.zeros([BLOCK_H, BLOCK_DV], dtype=Out.dtype.element_ty), mask=mask)
+    if HAS_LSE:
+        if tl.program_id(2) == 0:
+            tl.store(Lse + r * stride_lm + heads * stride_lh, tl.full([BLOCK_H], float("-inf"), tl.float32),
+                     mask=hmask)
+
+
+#: Per-call arguments of the pad-row kernel.
+_PAD_PER_CALL = ("Out", "Lse", "num_heads", "stride_om", "stride_oh", "stride_lm", "stride_lh", "HAS_LSE")
+#: Elements one pad-row program writes (at most; fewer when a row holds fewer).
+PAD_BLOCK = 4096
+
+
+def pad_geometry(num_pad_rows: int, num_heads: int, head_dim_v: int) -> tuple[tuple[int, int, int], dict]:
+    """(grid, constexprs) of :func:`launch_pad_rows` over ``num_pad_rows`` rows of ``num_heads`` x
+    ``head_dim_v``: columns in blocks of up to 512, heads filling the rest of :data:`PAD_BLOCK`."""
+    block_dv = min(_next_pow2(head_dim_v), 512)
+    block_h = max(1, min(_next_pow2(num_heads), PAD_BLOCK // block_dv))
+    grid = (num_pad_rows, -(-num_heads // block_h), -(-head_dim_v // block_dv))
+    return grid, dict(HEAD_DIM_V=head_dim_v, BLOCK_H=block_h, BLOCK_DV=block_dv)
+
+
+def launch_pad_rows(out: Tensor, lse: Optional[Tensor], row0: int, *, grid: tuple[int, int, int], pad_args: dict,
+                    state=None) -> None:
+    """Write a plan's pad rows ``[row0, row0 + grid[0])``: 0 in ``out`` [P, Hq, Dv] (last dim
+    contiguous), -inf in ``lse`` [P, Hq] float32 when given; one launch (:func:`pad_geometry`
+    gives ``grid`` and ``pad_args``). ``state`` as in :func:`launch_split`."""
+    has_lse = lse is not None
+    lt = lse if has_lse else out
+    os_ = out.stride()
+    ls = lse.stride() if has_lse else (0, 0)
+    values = (out, lt, out.shape[1], os_[0], os_[1], ls[0], ls[1], has_lse)
+    key = _align_key(out, lt) + values[2:]
+    launcher = _planned(state or LaunchState(enabled=False), "pad", _pad_rows,
+                        lambda: {"row0": row0, "num_warps": 4, **pad_args}, _PAD_PER_CALL)
+    launcher(grid, values, key)
+
+
 #: Per-call arguments of the fused merge kernel.
 _MERGE_PER_CALL = ("Out", "Lse", "Parts", "PartLse", "num_parts", "num_heads", "stride_pc", "stride_pn", "stride_ph",
                    "stride_lc", "stride_ln", "stride_lh", "stride_on", "stride_oh", "stride_mn", "stride_mh")
