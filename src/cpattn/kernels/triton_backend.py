@@ -110,8 +110,15 @@ class _DecodeRun:
                                                                   spec.head_dim_v)
         self._pad, self._pad_state = triton_decode.launch_pad_rows, LaunchState()
         self._lse_rows = torch.empty(n, spec.num_q_heads, dtype=torch.float32, device=meta.device) if n else None
+        #: the plan's GPU (None on the CPU): the pad-row launch runs under a device guard off it
+        self._device_index = meta.device.index if meta.device.type == "cuda" else None
 
     def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse) -> None:
+        index = self._device_index
+        if index is not None and index != torch.cuda.current_device():
+            with torch.cuda.device(index):  # tensors on a non-current GPU: again, with it current
+                self(q, k, v, page_table, sinks, softmax_scale, out, lse)
+            return
         n = self.num_local
         if self.pad_grid[0]:
             self._pad(out, lse, n, grid=self.pad_grid, pad_args=self.pad_args, state=self._pad_state)
