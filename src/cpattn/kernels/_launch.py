@@ -40,6 +40,7 @@ do not go direct run inside :class:`scratch_allocator` when the launch was made 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 from collections import OrderedDict
@@ -311,10 +312,7 @@ class PlannedLaunch:
                     scratch = direct.scratch_ptr(g, stream) if direct.scratch_bytes else None
                     direct.launch(*direct.pick(entry + g + (stream, scratch) + values + direct.ptrs(values)))
                     return
-            if self.device_scratch:
-                with scratch_allocator():
-                    self._run_compiled(rec, grid, values, make_descs)
-            else:
+            with self._scratch_context():
                 self._run_compiled(rec, grid, values, make_descs)
             return
         if len(values) != len(self.names):
@@ -322,13 +320,15 @@ class PlannedLaunch:
         kwargs = dict(zip(self.names, values))
         if self.descriptors:
             kwargs.update(zip(self.descriptors, make_descs()))
-        if self.device_scratch:
-            with scratch_allocator():
-                compiled = self.kernel[grid](**self.fixed, **kwargs)
-        else:
+        with self._scratch_context():
             compiled = self.kernel[grid](**self.fixed, **kwargs)
         if self._enabled and compiled is not None and hasattr(compiled, "run") and hasattr(compiled, "function"):
             self._record(compiled, key, values)
+
+    def _scratch_context(self):
+        """What a call through Triton's own launcher runs inside: a scratch allocator when the
+        kernel may build descriptors on the device."""
+        return scratch_allocator() if self.device_scratch else contextlib.nullcontext()
 
     def _run_compiled(self, rec: _Record, grid: tuple, values: tuple, make_descs) -> None:
         """The compiled kernel's own launcher (descriptors built and converted by Triton)."""

@@ -99,13 +99,9 @@ def plan_work(host, spec: AttentionSpec, *, rows: int, num_head_groups: int, ali
     """
     sh, rank = host.sharding, host.rank
     c, inter = sh.cp_size, sh.interleave
-    period = c * inter
     # numpy on the host: ~1 us per op on [B]-sized arrays where a torch op costs several
     ql, sl = host.q_lens.numpy(), host.seq_lens.numpy()
     b = ql.size
-
-    def local_len(x):
-        return _local_lengths(x, rank, c, inter)
 
     n_tiles = (ql + rows - 1) // rows
     num_tiles = int(n_tiles.sum())
@@ -114,9 +110,9 @@ def plan_work(host, spec: AttentionSpec, *, rows: int, num_head_groups: int, ali
     tile_r0 = (np.arange(num_tiles) - first_tile[tile_seq]) * rows
     pos0 = (sl - ql)[tile_seq] + tile_r0
     pos_last = pos0 + np.minimum(ql[tile_seq] - tile_r0, rows) - 1
-    key_hi = local_len(pos_last + 1)
+    key_hi = _local_lengths(pos_last + 1, rank, c, inter)
     if spec.window_left >= 0:
-        key_lo = local_len(np.maximum(pos0 - spec.window_left, 0))
+        key_lo = _local_lengths(np.maximum(pos0 - spec.window_left, 0), rank, c, inter)
     else:
         key_lo = np.zeros_like(key_hi)
     lo_al = (key_lo // align) * align

@@ -184,7 +184,6 @@ class AttentionPlan:
         v_shape = self._v_tail if spec.paged else self._v_shape
         size = torch.Size  # Size == Size compares faster than Size == tuple
         self._expect = (size(self._q_shape), size(k_shape), size(v_shape), dtype, dtype, dtype, device, device, device)
-        self._out_expect = (size(self._out_shape), dtype, device)
         self._pt_expect = (meta.num_seq_rows, device)
         self._min_pages = -(-meta.max_kv_len // spec.page_size) if spec.paged else 0
 
@@ -241,12 +240,8 @@ class AttentionPlan:
         check_page_table_fast(page_table, spec.paged, self._pt_expect, self._min_pages, self._check_page_table)
         if sinks is not None or spec.has_sinks:
             check_sinks(sinks, spec, self._device)
-        if lse is None and not return_lse:  # the common cases: out given (checked in one compare) or not
-            if out is None:
-                out = torch.empty(self._out_shape, dtype=spec.dtype, device=self._device)
-            elif type(out) is not Tensor or (out.shape, out.dtype, out.device) != self._out_expect \
-                    or out.stride(-1) != 1:
-                result_buffers(out, None, self._out_shape, self._lse_shape, spec.dtype, self._device, False)
+        if out is None and lse is None and not return_lse:
+            out = torch.empty(self._out_shape, dtype=spec.dtype, device=self._device)
         else:
             out, lse = result_buffers(out, lse, self._out_shape, self._lse_shape, spec.dtype, self._device,
                                       return_lse, lse_head_major=self._lse_head_major)
