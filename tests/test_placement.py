@@ -152,6 +152,15 @@ def test_segments_and_tiles_cover_local_rows(batch, name):
                 last.append(pos0 + stride * (min(off + rows_per_tile, length) - 1))
             assert sorted(covered) == list(range(m.num_physical_tokens))  # pad rows included, once
             assert last == sorted(last, reverse=True)  # heaviest first
+            # mean keys per real tile (the persistent-schedule rule reads it): causal, then a window
+            firsts = [segs[seg][3] + segs[seg][4] * off for seg, off in zip(tiles.segment.tolist(),
+                                                                           tiles.row_offset.tolist())]
+            real = [(f, p) for f, p in zip(firsts, last) if p >= 0]
+            want = sum(p + 1 for _, p in real) / len(real) if real else 0.0
+            assert tiles.mean_keys == pytest.approx(want)
+            win = tile_map(m, rows_per_tile, window_left=7).mean_keys
+            want = sum(p + 1 - max(0, f - 7) for f, p in real) / len(real) if real else 0.0
+            assert win == pytest.approx(want)
 
 
 @settings(max_examples=60, deadline=None)

@@ -288,6 +288,19 @@ def test_shard_plan_rejects_bad_inputs():
     assert len(dmeta.plan_cache) == 1 and packed[0].shape == (3, 4, 8)
 
 
+def test_triton_shard_plan_validates_its_options(interp):
+    dmeta = cpattn.KVSharding(2).build_decode_metadata([9, 4], [2, 1], rank=0)
+    kw = dict(num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, backend="triton")
+    cases = [({"pair": 1}, "backend_options pair must be a bool, got 1"),
+             ({"min_split": 3}, "min_split must be a positive multiple of 16"),
+             ({"num_sms": 0}, "num_sms must be an int >= 1"),
+             ({"split": 2}, r"unknown triton shard backend_options \['split'\]")]
+    for options, match in cases:
+        with pytest.raises(ValueError, match=match):
+            cpattn.plan_shard_attention(dmeta, **kw, backend_options=options)
+    assert cpattn.plan_shard_attention(dmeta, **kw, backend_options={"pair": False}).family == "split-kv"
+
+
 # ----------------------------------------------------------------------------- GPU (H200)
 GPU_CASES = [
     # (C, I, seq_lens, q_lens, heads, page, window, sinks)
@@ -342,6 +355,78 @@ def test_gpu_mla_kernel_shard_attention(case, options):
     assert plan._impl.family == "mla-split-kv"
     _check(c, i, lens, q_lens, hq=hq, hkv=1, d=576, dv=512, dtype=torch.bfloat16, sinks=sinks, page_size=page,
            backend="triton", options=dict(options, family="mla"), seed=20 + case, mla=True, device="cuda")
+
+
+MLA_PAIR_CASES = [
+    # (C, I, seq_lens, q_lens, Hq, page, sinks): with min_split 2048 no tile has more than two splits
+    (1, 1, [4096, 3000, 2049, 100, 1], [4, 1, 2, 3, 1], 128, None, False),
+    (1, 1, [4000, 2500, 7], [1, 4, 2], 128, 64, True),
+    (2, 1, [8192, 5000, 300], [4, 2, 1], 64, 16, True),
+    (3, 16, [9000, 33], [2, 1], 16, 64, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(len(MLA_PAIR_CASES)))
+def test_gpu_mla_pair_mode_merges_two_splits_in_the_kernel(case):
+    """Tiles of at most two splits: the second split to finish merges both inside the MLA kernel
+    (no combine launch). Per-rank partials against the fp64 oracle (NaN in unused paged slots),
+    merge against full attention; repeated eager calls and CUDA-graph replays are bit-identical
+    (the pair counters reset themselves)."""
+    c, i, lens, q_lens, hq, page, sinks = MLA_PAIR_CASES[case]
+    options = {"family": "mla", "min_split": 2048}
+    _check(c, i, lens, q_lens, hq=hq, hkv=1, d=576, dv=512, dtype=torch.bfloat16, sinks=sinks, page_size=page,
+           backend="triton", options=options, seed=40 + case, mla=True, device="cuda")
+    sh = cpattn.KVSharding(c, interleave=i)
+    dmeta = sh.build_decode_metadata(lens, q_lens, rank=c - 1).to("cuda")
+    plan = cpattn.plan_shard_attention(dmeta, num_q_heads=hq, num_kv_heads=1, head_dim=576, head_dim_v=512,
+                                       dtype=torch.bfloat16, page_size=page, has_sinks=sinks, backend="triton",
+                                       backend_options=options)
+    mla = plan._impl._mla
+    assert mla.pair and not mla.run_combine and mla.num_ws > 0
+    torch.manual_seed(case)
+    local = dmeta.host.local_kv_lens.tolist()
+    nq = sum(q_lens)
+    q = torch.randn(nq, hq, 576, device="cuda", dtype=torch.bfloat16)
+    sk = torch.randn(hq, device="cuda") if sinks else None
+    if page:
+        pages = [-(-n // page) for n in local]
+        kc = torch.randn(sum(pages) + 1, page, 1, 576, device="cuda", dtype=torch.bfloat16)
+        table = torch.zeros(len(lens), max(max(pages), 1), dtype=torch.int32, device="cuda")
+        off = 0
+        for b, npg in enumerate(pages):
+            table[b, :npg] = torch.arange(off, off + npg, device="cuda", dtype=torch.int32)
+            off += npg
+    else:
+        kc, table = torch.randn(sum(local), 1, 576, device="cuda", dtype=torch.bfloat16), None
+    first = plan.run(q, kc, kc[..., :512], page_table=table, sinks=sk)
+    for _ in range(3):
+        again = plan.run(q, kc, kc[..., :512], page_table=table, sinks=sk)
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+    out, lse = torch.zeros_like(first[0]), torch.zeros_like(first[1])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        plan.run(q, kc, kc[..., :512], page_table=table, sinks=sk, out=out, lse=lse)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(q, kc, kc[..., :512], page_table=table, sinks=sk, out=out, lse=lse)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first[0]) and torch.equal(lse, first[1])
+
+
+@pytest.mark.gpu
+def test_gpu_mla_more_than_two_splits_keep_the_combine():
+    """A tile of three or more splits: no pair mode, the combine kernel runs."""
+    dmeta = cpattn.KVSharding(1).build_decode_metadata([9000, 5], [1, 1], rank=0).to("cuda")
+    plan = cpattn.plan_shard_attention(dmeta, num_q_heads=128, num_kv_heads=1, head_dim=576, head_dim_v=512,
+                                       dtype=torch.bfloat16, backend="triton", backend_options={"family": "mla"})
+    mla = plan._impl._mla
+    assert not mla.pair and mla.run_combine and mla.num_ws >= 3
 
 
 @pytest.mark.gpu

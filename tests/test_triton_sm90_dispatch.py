@@ -155,3 +155,22 @@ def test_sm90_options_are_validated_at_plan_time(interp):
     with pytest.raises(ValueError, match="persistent runs without overlap / pingpong"):
         s.plan_attention(meta, **kw, backend_options={"sm90": {"persistent": True, "overlap": 2}})
     assert s.plan_attention(meta, **kw, backend_options={"sm90": {"persistent": True}}).family == "portable"
+    with pytest.raises(ValueError, match="persistent must be True, False or 'auto', got 'yes'"):
+        s.plan_attention(meta, **kw, backend_options={"sm90": {"persistent": "yes"}})
+    # "auto" with overlap is allowed (it then stays off); only an explicit True conflicts
+    assert s.plan_attention(meta, **kw, backend_options={"sm90": {"persistent": "auto", "overlap": 2}})
+
+
+def test_persistent_auto_rule():
+    """``persistent="auto"``: on for short mean key ranges per tile, off for long ones, static plans
+    and overlap / pingpong; True / False are taken as given."""
+    from cpattn.kernels.triton_backend import PERSISTENT_MAX_MEAN_KEYS as cap, use_persistent
+
+    assert use_persistent("auto", 1024.0, False, 0, False)
+    assert use_persistent("auto", float(cap), False, 0, False)
+    assert not use_persistent("auto", cap + 1.0, False, 0, False)
+    assert not use_persistent("auto", 0.0, False, 0, False)  # only pad tiles
+    assert not use_persistent("auto", 1024.0, True, 0, False)  # static plan
+    assert not use_persistent("auto", 1024.0, False, 1, False)
+    assert not use_persistent("auto", 1024.0, False, 0, True)
+    assert use_persistent(True, 1e9, True, 0, False) and not use_persistent(False, 1.0, False, 0, False)

@@ -244,6 +244,7 @@ def main() -> int:
         lm = torch.zeros(8, 128, dtype=torch.float32)
         wo, wl = torch.zeros(40, 1, 128, mla.D_LATENT), torch.zeros(40, 1, 128)
         fixed = dict(dec_tensors, rank=1, num_head_groups=2, G_PACK=64, CP_SIZE=2, INTERLEAVE=1,
+                     PairSem=torch.zeros(1, dtype=torch.int32), PairLse=torch.zeros(1, 1, 1), PAIR=False,
                      **mla.kernel_constexprs(dt, page))
 
         def values_of(k, v, qm=qm, om=om, lm=lm, wo=wo, wl=wl):

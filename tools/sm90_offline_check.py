@@ -157,24 +157,27 @@ def compile_mla_variant(g_pack, window, sinks, lse, page_size=None, dtype=torch.
     return _compile(fn, sig, consts)
 
 
-#: (G_PACK, sinks, page_size, cp_size, interleave): the absorbed-MLA split-KV decode variants.
+#: (G_PACK, sinks, page_size, cp_size, interleave, pair): the absorbed-MLA split-KV decode
+#: variants (pair: two-split tiles merged in the kernel, no combine).
 MLA_DECODE_VARIANTS = [
-    (64, False, None, 1, 1),
-    (64, True, None, 8, 1),
-    (16, False, 64, 2, 16),
-    (64, False, 16, 4, 1),
+    (64, False, None, 1, 1, False),
+    (64, True, None, 8, 1, False),
+    (16, False, 64, 2, 16, False),
+    (64, False, 16, 4, 1, False),
+    (16, False, None, 1, 1, True),
+    (16, True, 64, 2, 1, True),
 ]
 
 
-def compile_mla_decode_variant(g_pack, sinks, page_size, cp_size, interleave, dtype=torch.bfloat16):
+def compile_mla_decode_variant(g_pack, sinks, page_size, cp_size, interleave, pair=False, dtype=torch.bfloat16):
     """The compiled absorbed-MLA split-KV decode kernel of one variant, for sm_90a."""
     fn = mla._mla_decode_sm90
     sig = _latent_sig(fn, dtype, page_size)
-    sig.update(WsO="*fp32", WsLse="*fp32")
+    sig.update(WsO="*fp32", WsLse="*fp32", PairSem="*i32", PairLse="*fp32")
     for name in ("item_seq", "item_r0", "item_k0", "item_k1", "item_ws", "NumItems", "q_lens", "seq_lens",
                  "cu_q_lens", "cu_local_kv"):
         sig[name] = "*i32"
-    consts = dict(G_PACK=g_pack, HAS_SINKS=sinks, CP_SIZE=cp_size, INTERLEAVE=interleave,
+    consts = dict(G_PACK=g_pack, HAS_SINKS=sinks, CP_SIZE=cp_size, INTERLEAVE=interleave, PAIR=pair,
                   **mla.kernel_constexprs(dtype, page_size))
     return _compile(fn, sig, consts)
 
@@ -247,8 +250,9 @@ def main() -> None:
                f"{'' if lse else '_nolse'}{f'_page{page}' if page else ''}"
         jobs.append((name, compile_mla_variant, v))
     for v in MLA_DECODE_VARIANTS:
-        g_pack, sinks, page, cp, inter = v
-        name = f"mla576-512-decode_g{g_pack}{'_sink' if sinks else ''}{f'_page{page}' if page else ''}_cp{cp}i{inter}"
+        g_pack, sinks, page, cp, inter, pair = v
+        name = f"mla576-512-decode_g{g_pack}{'_sink' if sinks else ''}{f'_page{page}' if page else ''}_cp{cp}i{inter}" \
+               f"{'_pair' if pair else ''}"
         jobs.append((name, compile_mla_decode_variant, v))
     for v in MLA_SPARSE_VARIANTS:
         g_pack, sinks, lse, page, idx_type = v

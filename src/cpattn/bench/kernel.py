@@ -23,9 +23,10 @@ Backends on the same tensors (``--backends``):
 
 * ``triton``: ``plan.run(...)`` of a plan built once per workload with ``backend="triton"`` (the
   family it picks, sm90 / mla / portable, is in the JSON row and the progress line).
-* ``triton-persistent``: ``triton`` with the dense sm90 kernel's persistent schedule
-  (``backend_options={"sm90": {"persistent": True}}``: one resident program per SM walking the
-  work items); other families ignore it.
+* ``triton-persistent`` / ``triton-per-tile``: ``triton`` with the dense sm90 kernel's
+  persistent schedule forced on / off (``backend_options={"sm90": {"persistent": True}}``: one
+  resident program per SM walking the work items; ``False``: one program per work item).
+  ``triton`` itself takes ``"auto"`` (persistent for short key ranges); other families ignore it.
 * ``triton-portable``: the portable Triton kernel alone (``backend_options={"family": "portable"}``).
 * ``fa4``: ``plan.run(...)`` of an ``backend="fa4"`` plan (one varlen launch plus output set-up).
 * ``fa4-raw``: ``flash_attn.cute.flash_attn_varlen_func`` called directly with the same
@@ -59,7 +60,7 @@ from .common import default_out, header, progress, time_cuda, time_cuda_back_to_
 
 #: (Hq, Hkv, D, Dv) per head shape.
 SHAPES = {"d128": (32, 8, 128, 128), "d192": (16, 16, 192, 128), "mla576": (128, 1, 576, 512)}
-BACKENDS = ("triton", "triton-persistent", "triton-portable", "fa4", "fa4-raw", "sdpa")
+BACKENDS = ("triton", "triton-persistent", "triton-per-tile", "triton-portable", "fa4", "fa4-raw", "sdpa")
 GROUPS = ("dense", "paged", "mla", "decode", "short")
 #: Where the benchmark runs (a module constant so tests can drive ``main`` on CPU).
 DEVICE = "cuda"
@@ -96,14 +97,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def parse_options(text: str, flag: str = "--sm90-options") -> dict:
     """``"block_n=64,stages=4,pingpong=1"`` -> ``{"block_n": 64, "stages": 4, "pingpong": True}``
-    (``family=`` values stay strings)."""
+    (``family=`` and ``persistent=auto`` stay strings, ``persistent=0/1`` is a bool)."""
     out = {}
     for item in [t for t in text.split(",") if t]:
         key, _, value = item.partition("=")
         key = key.strip()
         if not value:
             raise SystemExit(f"{flag} items are key=value, got {item!r}")
-        out[key] = bool(int(value)) if key == "pingpong" else value if key == "family" else int(value)
+        if key == "family" or (key == "persistent" and value == "auto"):
+            out[key] = value
+        else:
+            out[key] = bool(int(value)) if key in ("pingpong", "persistent", "pair") else int(value)
     return out
 
 
@@ -390,8 +394,9 @@ def _make_fn(backend, s, q, k, v, meta, table, group, w: Workload, triton_kw):
     d = q.shape[-1]
     if backend == "triton":
         return _plan_fn(s, q, k, v, meta, table, "triton", triton_kw)
-    if backend == "triton-persistent":  # the dense sm90 kernel with one resident program per SM
-        options = {**triton_kw, "sm90": {**triton_kw.get("sm90", {}), "persistent": True}}
+    if backend in ("triton-persistent", "triton-per-tile"):  # the dense sm90 schedule forced on / off
+        persistent = backend == "triton-persistent"
+        options = {**triton_kw, "sm90": {**triton_kw.get("sm90", {}), "persistent": persistent}}
         return _plan_fn(s, q, k, v, meta, table, "triton", options)
     if backend == "triton-portable":
         portable = {k_: v_ for k_, v_ in triton_kw.items() if k_ != "sm90"}

@@ -30,13 +30,16 @@ class TileMap:
     """Query tiles of ``rows`` rows each, heaviest first (largest last position), pad tiles last.
 
     segment [N] / row_offset [N] int32 host tensors: the tile's segment and first row in it.
-    ``num_tiles`` real entries; ``N`` may be larger (a static plan's capacity).
+    ``num_tiles`` real entries; ``N`` may be larger (a static plan's capacity). ``mean_keys``:
+    keys a tile's causal (and window) range spans, averaged over the tiles of real rows (0.0
+    when there are none): what one program streams, against which its fixed cost counts.
     """
 
     rows: int
     num_tiles: int
     segment: Tensor
     row_offset: Tensor
+    mean_keys: float = 0.0
 
 
 def kv_strides(k, v, paged: bool) -> tuple[int, int, int, int, int, int]:
@@ -47,9 +50,10 @@ def kv_strides(k, v, paged: bool) -> tuple[int, int, int, int, int, int]:
     return 0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1)
 
 
-def tile_map(meta: CPMetadata, rows: int, capacity: Optional[int] = None) -> TileMap:
+def tile_map(meta: CPMetadata, rows: int, capacity: Optional[int] = None, window_left: int = -1) -> TileMap:
     """Tiles over every segment of ``meta`` including the pad segment (so kernels write pad
-    rows). ``capacity``: pad the arrays to this many entries (static plans)."""
+    rows). ``capacity``: pad the arrays to this many entries (static plans). ``window_left``:
+    the sliding window (-1: none), for ``mean_keys`` only."""
     host = meta.host if meta.host is not None else meta
     s = meta.num_segments + 1
     seg_len = host.seg_len[:s].long()
@@ -62,6 +66,12 @@ def tile_map(meta: CPMetadata, rows: int, capacity: Optional[int] = None) -> Til
     row_offset = (torch.arange(num_tiles) - first[segment]) * rows
     last_row = torch.minimum(row_offset + rows, seg_len[segment]) - 1
     last_pos = seg_pos0[segment] + seg_stride[segment] * last_row
+    real = last_pos >= 0  # not the pad segment's tiles (position -1)
+    first_key = torch.zeros_like(last_pos)
+    if window_left >= 0:
+        first_key = (seg_pos0[segment] + seg_stride[segment] * row_offset - window_left).clamp_min(0)
+    keys = (last_pos + 1 - first_key)[real]
+    mean_keys = float(keys.double().mean()) if keys.numel() else 0.0
     order = torch.argsort(last_pos, descending=True, stable=True)  # heaviest first, pad (-1) last
     size = num_tiles if capacity is None else capacity
     if num_tiles > size:
@@ -70,7 +80,7 @@ def tile_map(meta: CPMetadata, rows: int, capacity: Optional[int] = None) -> Til
     off_out = torch.zeros(size, dtype=torch.int32)
     seg_out[:num_tiles] = segment[order].to(torch.int32)
     off_out[:num_tiles] = row_offset[order].to(torch.int32)
-    return TileMap(rows=rows, num_tiles=num_tiles, segment=seg_out, row_offset=off_out)
+    return TileMap(rows=rows, num_tiles=num_tiles, segment=seg_out, row_offset=off_out, mean_keys=mean_keys)
 
 
 def max_tiles(meta: CPMetadata, rows: int) -> int:

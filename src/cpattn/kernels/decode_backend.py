@@ -13,8 +13,10 @@ buffers and the split size is chosen so the item count stays within the grid:
 ``backend_options``: ``family`` (:data:`FAMILIES`: "auto" runs absorbed MLA (D 576 / Dv 512, one
 latent head, no window) on the Hopper MLA kernel's split-KV mode on sm_90, everything else on the
 Triton split kernel; "portable" forces the Triton kernel; "mla" raises ValueError where it cannot
-run), ``config`` ((BLOCK_N, num_warps, num_stages)), ``block_m`` (most query rows x heads per
-program: 16, 32, 64 or 128; default 64, 32 for head dims > 256), ``min_split`` (fewest keys per
+run), ``pair`` (default True: the MLA kernel merges tiles of two splits itself, see
+:class:`_MlaSplit`; False: the combine kernel always), ``config`` ((BLOCK_N, num_warps,
+num_stages)), ``block_m`` (most query rows x heads per program: 16, 32, 64 or 128; default 64,
+32 for head dims > 256), ``min_split`` (fewest keys per
 split, a multiple of the key alignment), ``programs_per_sm`` (split target; default 12, 1 for the
 MLA kernel), ``num_sms`` (override the device's SM count; e.g. to force splits in tests). The
 split, combine (and MLA) kernels are planned launches: after the first call the compiled kernel
@@ -34,7 +36,7 @@ from ..kv_sharding import _local_lengths
 from ._launch import LaunchState
 
 _KERNEL_MODULE = "cpattn.kernels.triton_decode"
-_OPTION_NAMES = {"config", "block_m", "min_split", "programs_per_sm", "num_sms", "family"}
+_OPTION_NAMES = {"config", "block_m", "min_split", "programs_per_sm", "num_sms", "family", "pair"}
 #: Kernel families of shard plans ("auto": the absorbed-MLA Hopper kernel where it applies,
 #: else the portable split-KV kernel).
 FAMILIES = ("auto", "portable", "mla")
@@ -212,6 +214,9 @@ class _TritonShardRun:
         family = options.get("family", "auto")
         if family not in FAMILIES:
             raise ValueError(f"backend_options family must be one of {FAMILIES}, got {family!r}")
+        pair = options.get("pair", True)
+        if not isinstance(pair, bool):
+            raise ValueError(f"backend_options pair must be a bool, got {pair!r}")
         mla_reason = mla_unsupported_reason(spec, dmeta, interpreted, options)
         if family == "mla" and mla_reason is not None:
             raise ValueError(f"the mla kernel cannot run this shard plan: {mla_reason}")
@@ -219,7 +224,7 @@ class _TritonShardRun:
         self._mla = None
         if family != "portable" and mla_reason is None:
             self._mla = _MlaSplit(spec, dmeta, host, num_sms=num_sms, min_split=min_split,
-                                  programs_per_sm=options.get("programs_per_sm", MLA_PROGRAMS_PER_SM))
+                                  programs_per_sm=options.get("programs_per_sm", MLA_PROGRAMS_PER_SM), pair=pair)
         num_head_groups = hq // g_pack
         work = plan_work(host, spec, rows=rows, num_head_groups=num_head_groups, align=align, num_sms=num_sms,
                          programs_per_sm=programs_per_sm, min_split=min_split, capacity=dmeta.capacity)
@@ -335,9 +340,11 @@ class _MlaSplit:
     """The shard plan's work on the absorbed-MLA Hopper kernel (:func:`.triton_mla.launch_decode`):
     64-row tiles of (query row, head), ``G_PACK`` heads each (64 for 128 heads: one query row per
     tile, two head groups reading the same latent blocks back to back), split-KV work items of
-    :func:`plan_work`, and the decode family's combine kernel for multi-split tiles."""
+    :func:`plan_work`, and the decode family's combine kernel for multi-split tiles, or (``pair``:
+    no tile has more than two splits, not static) their merge inside the kernel."""
 
-    def __init__(self, spec: AttentionSpec, dmeta, host, *, num_sms: int, min_split: int, programs_per_sm: int):
+    def __init__(self, spec: AttentionSpec, dmeta, host, *, num_sms: int, min_split: int, programs_per_sm: int,
+                 pair: bool = True):
         from . import triton_decode, triton_mla
 
         hq = spec.num_q_heads
@@ -354,9 +361,17 @@ class _MlaSplit:
         dev = _buffers.upload(dmeta, key, {name: work[name] for name in (
             "item_seq", "item_r0", "item_k0", "item_k1", "item_ws", "num_items", "row_ws0", "row_nsplit", "row_ti")})
         self.grid = (work["grid_items"] * self.num_head_groups,)
-        self.run_combine = dmeta.is_static or self.num_ws > 0
+        #: pair mode: every multi-split tile has two splits, merged inside the kernel by the second
+        #: to finish (no combine launch); not for static plans, whose split counts vary by step
+        self.pair = pair and not dmeta.is_static and work["max_splits"] == 2
+        self.run_combine = not self.pair and (dmeta.is_static or self.num_ws > 0)
         dv = spec.head_dim_v
         self.ws_shape = (max(1, work["ws_cap"]), rows, hq, dv)
+        # the pair counters (zero; each merge resets its own) and warpgroup 1's copy of the split LSEs
+        pair_sem = torch.zeros(max(1, self.num_ws * self.num_head_groups) if self.pair else 1, dtype=torch.int32,
+                               device=dmeta.device)
+        pair_lse = torch.empty(self.ws_shape[:3] if self.pair else (1, 1, 1), dtype=torch.float32,
+                               device=dmeta.device)
         max_splits = work["grid_items"] if dmeta.is_static else work["max_splits"]
         block_s, block_h, block_dv = triton_decode.merge_blocks(max_splits, hq, dv, dmeta.num_query_token_rows,
                                                                 num_sms)
@@ -367,7 +382,7 @@ class _MlaSplit:
             item_ws=dev["item_ws"], NumItems=dev["num_items"], q_lens=dmeta.q_lens, seq_lens=dmeta.seq_lens,
             cu_q_lens=dmeta.cu_q_lens, cu_local_kv=dmeta.cu_local_kv_lens, rank=dmeta.rank,
             num_head_groups=self.num_head_groups, G_PACK=g_pack, CP_SIZE=dmeta.cp_size,
-            INTERLEAVE=dmeta.sharding.interleave,
+            INTERLEAVE=dmeta.sharding.interleave, PairSem=pair_sem, PairLse=pair_lse, PAIR=self.pair,
         )
         self.combine_args = dict(row_ws0=dev["row_ws0"], row_nsplit=dev["row_nsplit"], row_ti=dev["row_ti"],
                                  HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv,

@@ -41,13 +41,29 @@ _KERNEL_MODULE = "cpattn.kernels.triton_attn"
 #: Tuning of the sm_90 kernel: key block, K/V stages, FA3-style overlap (0 off, 1 paired GEMMs,
 #: 2 softmax under P V) and ping-pong between the two consumer warpgroups (none measured faster
 #: on H200; docs/kernels.md has the numbers), persistent programs (one per SM walking every work
-#: item; not measured yet, so off).
-SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": 0, "pingpong": False, "persistent": False}
+#: item: True, False, or "auto" = :func:`use_persistent`).
+SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": 0, "pingpong": False, "persistent": "auto"}
+
+#: ``persistent="auto"`` takes the persistent schedule when a query tile spans at most this many
+#: keys on average (H200, D128, 2026-12-01: persistent +11% at 1024 x 128, +19-24% at 256 x 512,
+#: +14-15% at 128 x 1024, +5-7% at 64 x 2048, +2-6% at 32 x 4096 (mean ~2k keys per tile), -1 to
+#: -6% at 16 x 8192 (mean ~4k); much slower on long causal ranges: 16k C = 8 319 vs 554 TF/s).
+PERSISTENT_MAX_MEAN_KEYS = 3072
+
+
+def use_persistent(option, mean_keys: float, static: bool, overlap: int, pingpong: bool) -> bool:
+    """Whether the dense sm90 kernel runs the persistent schedule. ``option``: the ``persistent``
+    sm90 option (True / False / "auto"); "auto" takes it for short key ranges (``mean_keys``, the
+    tile map's mean keys per tile, <= :data:`PERSISTENT_MAX_MEAN_KEYS`), never for static plans
+    (whose batches differ between replays) or with ``overlap`` / ``pingpong``."""
+    if option == "auto":
+        return not static and not overlap and not pingpong and 0 < mean_keys <= PERSISTENT_MAX_MEAN_KEYS
+    return bool(option)
 
 _OPTION_NAMES = {"family", "block_m", "config", "sm90", "planned_launch", "decode"}
 #: ``backend_options["decode"]`` keys passed to the split-KV decode family (see
 #: :mod:`.decode_backend`).
-DECODE_OPTIONS = {"programs_per_sm", "min_split", "num_sms", "family"}
+DECODE_OPTIONS = {"programs_per_sm", "min_split", "num_sms", "family", "pair"}
 #: Kernel families ("auto": decode, then mla, then sm90, then portable, the first that can run
 #: the plan).
 FAMILIES = ("auto", "portable", "sm90", "mla", "decode")
@@ -146,7 +162,10 @@ class _TritonRun:
         if bad:
             raise ValueError(f"unknown backend_options sm90 keys {sorted(bad)} (known: {sorted(SM90_OPTIONS)})")
         self.sm90_options = {**SM90_OPTIONS, **dict(options.get("sm90", {}))}
-        if self.sm90_options["persistent"] and (self.sm90_options["overlap"] or self.sm90_options["pingpong"]):
+        persistent = self.sm90_options["persistent"]
+        if not (persistent == "auto" or isinstance(persistent, bool)):
+            raise ValueError(f"backend_options sm90 persistent must be True, False or 'auto', got {persistent!r}")
+        if persistent is True and (self.sm90_options["overlap"] or self.sm90_options["pingpong"]):
             raise ValueError("backend_options sm90: persistent runs without overlap / pingpong")
         self.reasons = {"portable": None}
         for name, fam_reason, fam_block in (
@@ -171,7 +190,8 @@ class _TritonRun:
         self.family = family
 
         g_pack, rows = gqa_packing(hq, hkv, block_m)
-        tiles = tile_map(meta, rows, capacity=max_tiles(meta, rows) if meta.is_static else None)
+        tiles = tile_map(meta, rows, capacity=max_tiles(meta, rows) if meta.is_static else None,
+                         window_left=spec.window_left)
         self.num_tiles = tiles.num_tiles
         dev = _buffers.upload(meta, ("triton-tiles", rows), {
             "segment": tiles.segment, "row_offset": tiles.row_offset,
@@ -209,10 +229,15 @@ class _TritonRun:
         self._device_index = meta.device.index if meta.device.type == "cuda" else None
         self._contiguous = triton_attn.last_dim_contiguous
         self.fast_grid = self.grid
+        #: whether the dense sm90 kernel runs its persistent schedule (:func:`use_persistent`)
+        self.persistent = False
         if family == "sm90":
             self._fast = triton_sm90.launch
-            self._fast_options = self.sm90_options
-            if self.sm90_options["persistent"]:  # one resident program per SM (one fits per SM)
+            opts = self.sm90_options
+            self.persistent = use_persistent(opts["persistent"], tiles.mean_keys, meta.is_static, opts["overlap"],
+                                             opts["pingpong"])
+            self._fast_options = {**opts, "persistent": self.persistent}
+            if self.persistent:  # one resident program per SM (one fits per SM)
                 sms = torch.cuda.get_device_properties(meta.device).multi_processor_count
                 self.fast_grid = (max(1, min(self.grid[0], sms)),)
         elif family == "mla":

@@ -276,7 +276,8 @@ if HAVE_GLUON:
         DECODE: the tile is a split-KV work item (see :func:`_mla_decode_sm90`): row positions are
         global and map to local key counts of ``rank`` (CP_SIZE > 1), sinks count only when the
         item is its tile's only split (``ws < 0``), and the result goes to ``Out`` / ``Lse`` then,
-        else as an fp32 partial into the workspace slot ``ws``.
+        else as an fp32 partial into the workspace slot ``ws`` (DECODE == 2, pair mode: then merged
+        with the other split's by whichever finishes second, :func:`_mla_pair_merge`).
 
         SPARSE: the tile is one query row's heads (see :func:`_mla_sparse_sm90`); block ``j`` holds
         the latent rows of entries ``[64 j, 64 j + 64)`` of its selection, gathered with cp.async
@@ -324,7 +325,8 @@ if HAVE_GLUON:
         mbarrier.wait(q_bar, 0)
 
         if DECODE:
-            WsO, WsLse, ws, rank, stride_wi, stride_wr, stride_wh, stride_li, stride_lr = dec
+            (WsO, WsLse, ws, rank, stride_wi, stride_wr, stride_wh, stride_li, stride_lr, PairSem, PairLse,
+             num_head_groups) = dec
         if SPARSE:
             idx_row, topk, stride_kp, stride_kn = dec
         m_s = gl.arange(0, BM, layout=s_rows)
@@ -439,7 +441,9 @@ if HAVE_GLUON:
         else:
             gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
         if RETURN_LSE:
-            if W == 0:
+            # pair mode (DECODE == 2): each warpgroup publishes its own copy of a split's LSE
+            # (warpgroup 1's in PairLse), so the two column halves merge independently
+            if (W == 0) | (DECODE == 2):
                 l_s = s_l.slice(0, BM).load(s_rows) + s_l.slice(BM, BM).load(s_rows)
                 has_mass = l_s != 0.0
                 lse = gl.where(has_mass, (m_i + gl.log2(gl.where(has_mass, l_s, 1.0))) * 0.6931471805599453,
@@ -449,12 +453,83 @@ if HAVE_GLUON:
                 head_s = hg * G_PACK + m_s % G_PACK
                 l_ptrs = Lse + (row0 + r_s).to(gl.int64) * stride_lm + head_s * stride_lh
                 if DECODE:
-                    if ws >= 0:
-                        gl.store(WsLse + ws.to(gl.int64) * stride_li + r_s * stride_lr + head_s, lse, mask=r_s < slen)
+                    if W == 0:
+                        l_ws = WsLse
                     else:
+                        l_ws = PairLse
+                    if ws >= 0:
+                        gl.store(l_ws + ws.to(gl.int64) * stride_li + r_s * stride_lr + head_s, lse, mask=r_s < slen)
+                    elif W == 0:
                         gl.store(l_ptrs, lse, mask=r_s < slen)
                 else:
                     gl.store(l_ptrs, lse, mask=r_s < slen)
+        if DECODE == 2:
+            if ws >= 0:
+                _mla_pair_merge(Out, Lse, Sinks, WsO, WsLse, PairLse, PairSem, ws, hg, num_head_groups, roff, slen,
+                                row0, stride_om, stride_oh, stride_lm, stride_lh, stride_sink, stride_wi, stride_wr,
+                                stride_wh, stride_li, stride_lr, W, BM, HALF, G_PACK, HAS_SINKS)
+
+    @gluon.jit
+    def _mla_pair_merge(Out, Lse, Sinks, WsO, WsLse, PairLse, PairSem, ws, hg, num_head_groups, roff, slen, row0,
+                        stride_om, stride_oh, stride_lm, stride_lh, stride_sink, stride_wi, stride_wr, stride_wh,
+                        stride_li, stride_lr, W: gl.constexpr, BM: gl.constexpr, HALF: gl.constexpr,
+                        G_PACK: gl.constexpr, HAS_SINKS: gl.constexpr):
+        """Pair mode (every multi-split tile has two splits, workspace slots ``2 p`` and ``2 p + 1``):
+        after this warpgroup has published its split's partial (columns ``[W * HALF, W * HALF +
+        HALF)``, fp32) and LSE, it takes a ticket on its (pair, head group, warpgroup) counter; the
+        second of the two splits' warpgroups merges both published halves exactly (split 0 then
+        split 1, whoever comes second: the same result either way; the sink, if any, joins the
+        denominator; weight-0 parts are not read, a NaN LSE makes the row NaN) into ``Out`` (and,
+        warpgroup 0, ``Lse``) and resets the counter for the next launch. No combine kernel runs."""
+        gl.thread_barrier()  # this warpgroup's partial and LSE stores precede the ticket (release, gpu scope)
+        sem = PairSem + ((ws // 2) * num_head_groups + hg) * 2 + W
+        ticket = gl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
+        if ticket == 1:
+            gl.store(sem, 0)
+            CW: gl.constexpr = 32
+            layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+            rows_l: gl.constexpr = gl.SliceLayout(1, layout)
+            m = gl.arange(0, BM, layout=rows_l)
+            r = roff + m // G_PACK
+            head = hg * G_PACK + m % G_PACK
+            live = r < slen
+            if W == 0:
+                l_ws = WsLse
+            else:
+                l_ws = PairLse
+            s0 = (ws - ws % 2).to(gl.int64)
+            l_off = r * stride_lr + head
+            l0 = gl.load(l_ws + s0 * stride_li + l_off, mask=live, other=float("-inf"), cache_modifier=".cg")
+            l1 = gl.load(l_ws + (s0 + 1) * stride_li + l_off, mask=live, other=float("-inf"), cache_modifier=".cg")
+            if HAS_SINKS:
+                sink = gl.load(Sinks + head * stride_sink).to(gl.float32)
+            else:
+                sink = gl.full([BM], float("-inf"), gl.float32, layout=rows_l)
+            top = gl.maximum(sink, gl.maximum(l0, l1))
+            shift = gl.where(top == float("-inf"), 0.0, top)
+            w0 = gl.exp(gl.where(l0 == shift, 0.0, l0 - shift))
+            w1 = gl.exp(gl.where(l1 == shift, 0.0, l1 - shift))
+            total = w0 + w1
+            if HAS_SINKS:
+                total += gl.where(sink == shift, 1.0, gl.exp(sink - shift))
+            has_mass = total != 0.0
+            inv = gl.expand_dims(gl.where(has_mass, 1.0 / gl.where(has_mass, total, 1.0), 0.0), 1)
+            use0 = gl.expand_dims(live & (w0 != 0.0), 1)  # NaN != 0: a NaN weight reads its part
+            use1 = gl.expand_dims(live & (w1 != 0.0), 1)
+            w0 = gl.expand_dims(w0, 1)
+            w1 = gl.expand_dims(w1, 1)
+            p_off = gl.expand_dims(r * stride_wr + head * stride_wh, 1)
+            o_ptr = Out + gl.expand_dims((row0 + r).to(gl.int64) * stride_om + head * stride_oh, 1)
+            o_mask = gl.expand_dims(live, 1)
+            for c in gl.static_range(HALF // CW):
+                cols = gl.expand_dims(W * HALF + c * CW + gl.arange(0, CW, layout=gl.SliceLayout(0, layout)), 0)
+                o0 = gl.load(WsO + s0 * stride_wi + p_off + cols, mask=use0, other=0.0, cache_modifier=".cg")
+                o1 = gl.load(WsO + (s0 + 1) * stride_wi + p_off + cols, mask=use1, other=0.0, cache_modifier=".cg")
+                acc = gl.where(use0, w0 * o0, 0.0) + gl.where(use1, w1 * o1, 0.0)
+                gl.store(o_ptr + cols, (acc * inv).to(Out.dtype.element_ty), mask=o_mask)
+            if W == 0:
+                lse = gl.where(has_mass, shift + gl.log(gl.where(has_mass, total, 1.0)), float("-inf"))
+                gl.store(Lse + (row0 + r).to(gl.int64) * stride_lm + head * stride_lh, lse, mask=live)
 
     @gluon.jit
     def _mla_consumer0(smem, kv, rows, dec, W: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
@@ -583,7 +658,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _mla_decode_sm90(
-        Q, k_desc, kr_desc, Out, Lse, Sinks, PageTable, WsO, WsLse,
+        Q, k_desc, kr_desc, Out, Lse, Sinks, PageTable, WsO, WsLse, PairSem, PairLse,
         item_seq, item_r0, item_k0, item_k1, item_ws, NumItems, q_lens, seq_lens, cu_q_lens, cu_local_kv,
         qk_scale, rank, num_head_groups,
         stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh, stride_sink, stride_pt,
@@ -592,11 +667,14 @@ if HAVE_GLUON:
         G_PACK: gl.constexpr, HAS_SINKS: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr,
         CP_SIZE: gl.constexpr, INTERLEAVE: gl.constexpr,
         Q_SMEM: gl.constexpr, QR_SMEM: gl.constexpr, K_SMEM: gl.constexpr, KR_SMEM: gl.constexpr,
-        P_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        P_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr, PAIR: gl.constexpr,
     ):
         """Split-KV decode over one rank's key shard: a program = one work item (a query tile of
         ``BLOCK_M / G_PACK`` rows of one sequence and a range ``[k0, k1)`` of its local keys, see
-        :mod:`.decode_backend`) x one head group. Items past the device count exit."""
+        :mod:`.decode_backend`) x one head group. Items past the device count exit. PAIR: every
+        multi-split tile has two splits, merged by the second to finish (:func:`_mla_pair_merge`;
+        ``PairSem`` int32 [pairs x head groups x 2] zeros, ``PairLse`` fp32 like ``WsLse``) instead
+        of the combine kernel."""
         ROWS: gl.constexpr = BLOCK_M // G_PACK
         pid = gl.program_id(0)
         item = pid // num_head_groups
@@ -621,12 +699,14 @@ if HAVE_GLUON:
         f_hi = gl.maximum(((first_local + 1) // BLOCK_N) * BLOCK_N, 0)
         num_blocks = gl.where(live, gl.maximum(gl.cdiv(k1 - k0, BLOCK_N), 0), 0)
         kv_row_base, pt_row = kv_rows(seq, cu_local_kv, PageTable, stride_pt, PAGE_SIZE)
-        dec = (WsO, WsLse, ws, rank, stride_wi, stride_wr, stride_wh, stride_li, stride_lr)
+        dec = (WsO, WsLse, ws, rank, stride_wi, stride_wr, stride_wh, stride_li, stride_lr, PairSem, PairLse,
+               num_head_groups)
+        MODE: gl.constexpr = 2 if PAIR else 1
         _mla_run(Q, k_desc, kr_desc, Out, Lse, Sinks, kv_row_base, pt_row, k0, num_blocks, k1,
                  stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh, stride_sink,
                  seq * 0, slen, row0, pos0, 1, hg, f_lo, f_hi, qk_scale, -1, dec,
                  BLOCK_M, BLOCK_N, HALF, ROPE, STAGES, G_PACK, False, HAS_SINKS, True, PAGE_SIZE, COPY_ROWS,
-                 Q_SMEM, QR_SMEM, K_SMEM, KR_SMEM, P_SMEM, CONSUMER_REGS, True, CP_SIZE, INTERLEAVE, False)
+                 Q_SMEM, QR_SMEM, K_SMEM, KR_SMEM, P_SMEM, CONSUMER_REGS, MODE, CP_SIZE, INTERLEAVE, False)
 
     @gluon.jit
     def _mla_sparse_sm90(
