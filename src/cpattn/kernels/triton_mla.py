@@ -486,7 +486,7 @@ if HAVE_GLUON:
         ticket = gl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
         if ticket == 1:
             gl.store(sem, 0)
-            CW: gl.constexpr = 32
+            CW: gl.constexpr = 128  # columns per pass: both parts of a pass in flight together
             layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
             rows_l: gl.constexpr = gl.SliceLayout(1, layout)
             m = gl.arange(0, BM, layout=rows_l)

@@ -120,7 +120,8 @@ if HAVE_GLUON:
         """TMA one key block of a paged cache: per group of COPY_ROWS keys (inside one page: one
         page-table read) one copy per 64-column chunk of K (and K's second split) and V into its
         sub-tile, the stage seen as [chunks * groups, COPY_ROWS, 64] (the chunk-major order of a
-        128-byte-swizzled tile)."""
+        128-byte-swizzled tile). All of K's copies are issued before V's (``Q K^T`` waits for K
+        only); the V pass reads the same page-table entries again (L1 hits)."""
         BLOCK_N: gl.constexpr = k_slot.type.shape[0]
         CK: gl.constexpr = k_slot.type.shape[1] // 64
         CK2: gl.constexpr = HEAD_DIM2 // 64
@@ -142,6 +143,13 @@ if HAVE_GLUON:
             for c in gl.static_range(CK2):
                 tma.async_copy_global_to_shared(k_desc, [row, k_col + (CK + c) * 64], k_ready,
                                                 k2_pieces.index(c * NG + g))
+        page_a, slot_a = page_of(pt_row, start, last_key, PAGE_SIZE, COPY_ROWS)
+        page_b, slot_b = page_of(pt_row, start + COPY_ROWS, last_key, PAGE_SIZE, COPY_ROWS)
+        for g in gl.static_range(NG):
+            row = page_row(page_a, slot_a, PAGE_SIZE)
+            page_a, slot_a = page_b, slot_b
+            if g + 2 < NG:
+                page_b, slot_b = page_of(pt_row, start + (g + 2) * COPY_ROWS, last_key, PAGE_SIZE, COPY_ROWS)
             for c in gl.static_range(CV):
                 tma.async_copy_global_to_shared(v_desc, [row, v_col + c * 64], v_ready, v_pieces.index(c * NG + g))
 
