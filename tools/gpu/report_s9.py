@@ -1,0 +1,89 @@
+"""JSON + PNG of session 9's A/B runs (docs/benchmarks/s9/), parsed from the calls' printed lines.
+
+* ``s10c-stdout.log``: the MLA decode pair mode on / off (B = 8, q4, 4k and 32k keys; back to
+  back / graph-replay TF/s, two alternating repeats) and short sequences with ``persistent="auto"``
+  against one program per tile;
+* ``s10e-stdout.log``: the paged loader with K copies first ("new") against the interleaved
+  order ("old"), and the pair merge in 128-column passes ("new") against 32 ("old"), two
+  alternating repeats.
+
+Writes ``ab-h200-s9.json`` ({ab, workload, variant, rep, tflops[, tflops_graph]}) and
+``ab-h200-s9.png``. Run from the repository root: ``python tools/gpu/report_s9.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+D = Path("docs/benchmarks/s9")
+DECODE = re.compile(r"(B=\d+ L=\d+k q\d) (\d+)/(\d+)")
+
+
+def rows() -> list[dict]:
+    out = []
+    for line in (D / "s10c-stdout.log").read_text().splitlines():
+        m = re.match(r"pair=(\d) rep (\d) rc 0 (.*)", line)
+        if m:
+            for w, b2b, graph in DECODE.findall(m.group(3)):
+                out.append(dict(ab="pair mode", workload=f"mla576 decode {w}", variant="pair" if m.group(1) == "1"
+                                else "combine", rep=int(m.group(2)), tflops=float(b2b), tflops_graph=float(graph)))
+        m = re.match(r"\| (d128 \d+x\d+) \| sm90 \| (\d+) \| (\d+) \|", line)
+        if m:
+            for variant, value in (("auto", m.group(2)), ("per tile", m.group(3))):
+                out.append(dict(ab="persistent auto", workload=m.group(1), variant=variant, rep=1,
+                                tflops=float(value)))
+    tag = rep = None
+    for line in (D / "s10e-stdout.log").read_text().splitlines():
+        m = re.match(r"(new|old) rep (\d) (paged|decode) rc 0(.*)", line)
+        if m:
+            tag, rep = m.group(1), int(m.group(2))
+            for w, b2b, graph in DECODE.findall(m.group(4)):
+                out.append(dict(ab="pair merge passes", workload=f"mla576 decode {w}",
+                                variant="128 columns" if tag == "new" else "32 columns", rep=rep, tflops=float(b2b),
+                                tflops_graph=float(graph)))
+            continue
+        m = re.match(r"\s+(\S+ S=\S+ zigzag C=2 paged\d+): triton (\d+) TF/s", line)
+        if m and tag:
+            out.append(dict(ab="paged K first", workload=m.group(1), variant="K first" if tag == "new" else
+                            "K / V interleaved", rep=rep, tflops=float(m.group(2))))
+    return out
+
+
+def main() -> None:
+    data = rows()
+    (D / "ab-h200-s9.json").write_text(json.dumps(data, indent=1))
+    abs_ = list(dict.fromkeys(r["ab"] for r in data))
+    fig, axes = plt.subplots(1, len(abs_), figsize=(5 * len(abs_), 4.5))
+    for ax, ab in zip(axes, abs_):
+        best = defaultdict(float)  # best repeat per (workload, variant); graph replay where timed
+        for r in data:
+            if r["ab"] == ab:
+                key = (r["workload"], r["variant"])
+                best[key] = max(best[key], r.get("tflops_graph", r["tflops"]))
+        loads = list(dict.fromkeys(w for w, _ in best))
+        variants = list(dict.fromkeys(v for _, v in best))
+        width = 0.8 / len(variants)
+        for i, v in enumerate(variants):
+            ax.bar([j + i * width for j in range(len(loads))], [best[(w, v)] for w in loads], width, label=v)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(loads))])
+        ax.set_xticklabels([w.replace("mla576 decode ", "").replace(" zigzag C=2", "") for w in loads],
+                           rotation=45, ha="right", fontsize=7)
+        ax.set_title(ab)
+        ax.set_ylabel("TF/s (best of repeats; decode: graph replay)")
+        ax.legend(fontsize=7)
+    fig.suptitle("H200, 2026-12-01, session 9 A/B runs (tools/gpu/s10c.sh, s10e.sh)")
+    fig.tight_layout()
+    fig.savefig(D / "ab-h200-s9.png", dpi=110)
+    print(f"wrote {D / 'ab-h200-s9.json'} ({len(data)} rows) and {D / 'ab-h200-s9.png'}")
+
+
+if __name__ == "__main__":
+    main()
