@@ -158,6 +158,7 @@ def test_segments_and_tiles_cover_local_rows(batch, name):
             real = [(f, p) for f, p in zip(firsts, last) if p >= 0]
             want = sum(p + 1 for _, p in real) / len(real) if real else 0.0
             assert tiles.mean_keys == pytest.approx(want)
+            assert tiles.tile_keys.tolist() == [float(p + 1) if p >= 0 else 0.0 for p in last]
             win = tile_map(m, rows_per_tile, window_left=7).mean_keys
             want = sum(p + 1 - max(0, f - 7) for f, p in real) / len(real) if real else 0.0
             assert win == pytest.approx(want)

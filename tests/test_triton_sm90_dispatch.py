@@ -161,6 +161,32 @@ def test_sm90_options_are_validated_at_plan_time(interp):
     assert s.plan_attention(meta, **kw, backend_options={"sm90": {"persistent": "auto", "overlap": 2}})
 
 
+def test_sections_option_and_schedule_loss(interp):
+    """``sections``: validated at plan time; the simulated loss of the L2-section order is large
+    where few programs per SM meet skewed causal costs and 1.0 for one section or many waves."""
+    import cpattn
+    from cpattn.kernels._tiles import section_schedule_loss, tile_map
+    from cpattn.kernels.triton_backend import SECTION_MAX_LOSS, use_sections
+
+    s = cpattn.get_strategy("zigzag", 2, pad_multiple=4)
+    meta = s.build_metadata([40], rank=0)
+    kw = dict(num_q_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, backend="triton")
+    with pytest.raises(ValueError, match="sections must be True, False or 'auto', got 2"):
+        s.plan_attention(meta, **kw, backend_options={"sm90": {"sections": 2}})
+    z8 = cpattn.get_strategy("zigzag", 8, pad_multiple=64).build_metadata([16384], rank=0)
+    keys = tile_map(z8, 128).tile_keys
+    loss = section_schedule_loss(keys, 16, 3, 132)
+    assert loss > 1.15 and not use_sections("auto", loss)
+    assert section_schedule_loss(keys, 16, 16, 132) == 1.0  # one section
+    assert section_schedule_loss(keys, 16, 3, 1) == 1.0  # 256 programs on 1 SM: beyond the checked waves
+    assert use_sections("auto", SECTION_MAX_LOSS) and use_sections(True, 9.0) and not use_sections(False, 1.0)
+    # the list schedule against hand schedules on 2 SMs: a program starts on the first SM to free up
+    from cpattn.kernels._tiles import _list_makespan
+
+    assert _list_makespan([4.0, 3.0, 3.0, 2.0], 2) == 6.0  # (4 | 3, 3 at 3) then 2 at 4
+    assert _list_makespan([2.0, 3.0, 3.0, 4.0], 2) == 7.0  # (2 | 3), 3 at 2, 4 at 3
+
+
 def test_persistent_auto_rule():
     """``persistent="auto"``: on for short mean key ranges per tile, off for long ones, static plans
     and overlap / pingpong; True / False are taken as given."""

@@ -4,10 +4,7 @@
 # target: >= 0.9x FA4 on 1024 x 128 and 64 x 2048).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-bash .gpu/fa4-2/install.sh > /tmp/fa4-install.log 2>&1 || { echo "fa4 install failed"; tail -5 /tmp/fa4-install.log; exit 1; }
-. /opt/fa4site/env.sh
-export PYTHONUNBUFFERED=1 CPATTN_TRITON_AUTOTUNE=0 FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+. tools/gpu/_fa4.sh
 for rep in 1 2; do
 timeout -s KILL 200 python3 -m cpattn.bench kernel --workloads short \
   --short 1024x128,256x512,128x1024,64x2048,32x4096,16x8192 --backends triton,triton-persistent,fa4 --iters 10 \

@@ -3,10 +3,7 @@
 # run: dense / paged (D128, D192) and short sequences against FA4, absorbed MLA prefill and decode.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-bash .gpu/fa4-2/install.sh > /tmp/fa4-install.log 2>&1 || { echo "fa4 install failed"; tail -5 /tmp/fa4-install.log; exit 1; }
-. /opt/fa4site/env.sh
-export PYTHONUNBUFFERED=1 CPATTN_TRITON_AUTOTUNE=0 FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+. tools/gpu/_fa4.sh
 timeout -s KILL 500 python3 -m cpattn.bench kernel --workloads dense,paged,mla,decode,short --shapes d128,d192 \
   --seqs 16384,65536,131072 --cps 1,2,4,8 --pages 16,64,256 --no-interleave --backends triton,fa4 --iters 5 \
   --out $OUT/kernel14-fa4-h200-s10 > $OUT/kernel14-fa4-h200-s10.log 2>&1

@@ -104,10 +104,10 @@ def parse_options(text: str, flag: str = "--sm90-options") -> dict:
         key = key.strip()
         if not value:
             raise SystemExit(f"{flag} items are key=value, got {item!r}")
-        if key == "family" or (key == "persistent" and value == "auto"):
+        if key == "family" or (key in ("persistent", "sections") and value == "auto"):
             out[key] = value
         else:
-            out[key] = bool(int(value)) if key in ("pingpong", "persistent", "pair") else int(value)
+            out[key] = bool(int(value)) if key in ("pingpong", "persistent", "pair", "sections") else int(value)
     return out
 
 

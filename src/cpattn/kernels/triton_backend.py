@@ -34,15 +34,21 @@ from torch import Tensor
 from . import AttentionSpec, triton_available, triton_unsupported_reason
 from .. import _buffers
 from ..metadata import CPMetadata
-from ._tiles import gqa_packing, heads_per_l2_section, max_tiles, tile_map
+from ._tiles import gqa_packing, heads_per_l2_section, max_tiles, section_schedule_loss, tile_map
 
 _KERNEL_MODULE = "cpattn.kernels.triton_attn"
 
 #: Tuning of the sm_90 kernel: key block, K/V stages, FA3-style overlap (0 off, 1 paired GEMMs,
 #: 2 softmax under P V) and ping-pong between the two consumer warpgroups (none measured faster
 #: on H200; docs/kernels.md has the numbers), persistent programs (one per SM walking every work
-#: item: True, False, or "auto" = :func:`use_persistent`).
-SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": 0, "pingpong": False, "persistent": "auto"}
+#: item: True, False, or "auto" = :func:`use_persistent`), L2 head sections (True: as
+#: ``heads_per_l2_section`` plans them, False: one section, "auto": :func:`use_sections`).
+SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": 0, "pingpong": False, "persistent": "auto",
+                "sections": "auto"}
+
+#: ``sections="auto"`` drops the L2 head sections when their grid order makes the simulated
+#: makespan this much longer than heaviest-first with head groups fastest.
+SECTION_MAX_LOSS = 1.02
 
 #: ``persistent="auto"`` takes the persistent schedule when a query tile spans at most this many
 #: keys on average (H200, D128, 2026-12-01: persistent +11% at 1024 x 128, +19-24% at 256 x 512,
@@ -59,6 +65,16 @@ def use_persistent(option, mean_keys: float, static: bool, overlap: int, pingpon
     if option == "auto":
         return not static and not overlap and not pingpong and 0 < mean_keys <= PERSISTENT_MAX_MEAN_KEYS
     return bool(option)
+
+def use_sections(option, loss: float) -> bool:
+    """Whether the dense sm90 grid keeps its L2 head sections. ``option``: the ``sections`` sm90
+    option (True / False / "auto"); "auto" keeps them unless ``loss`` (the tile map's
+    :func:`~._tiles.section_schedule_loss`; 1.0 for static plans, whose batches change between
+    replays) exceeds :data:`SECTION_MAX_LOSS`."""
+    if option == "auto":
+        return loss <= SECTION_MAX_LOSS
+    return bool(option)
+
 
 _OPTION_NAMES = {"family", "block_m", "config", "sm90", "planned_launch", "decode"}
 #: ``backend_options["decode"]`` keys passed to the split-KV decode family (see
@@ -162,9 +178,11 @@ class _TritonRun:
         if bad:
             raise ValueError(f"unknown backend_options sm90 keys {sorted(bad)} (known: {sorted(SM90_OPTIONS)})")
         self.sm90_options = {**SM90_OPTIONS, **dict(options.get("sm90", {}))}
+        for name in ("persistent", "sections"):
+            value = self.sm90_options[name]
+            if not (value == "auto" or isinstance(value, bool)):
+                raise ValueError(f"backend_options sm90 {name} must be True, False or 'auto', got {value!r}")
         persistent = self.sm90_options["persistent"]
-        if not (persistent == "auto" or isinstance(persistent, bool)):
-            raise ValueError(f"backend_options sm90 persistent must be True, False or 'auto', got {persistent!r}")
         if persistent is True and (self.sm90_options["overlap"] or self.sm90_options["pingpong"]):
             raise ValueError("backend_options sm90: persistent runs without overlap / pingpong")
         self.reasons = {"portable": None}
@@ -229,17 +247,26 @@ class _TritonRun:
         self._device_index = meta.device.index if meta.device.type == "cuda" else None
         self._contiguous = triton_attn.last_dim_contiguous
         self.fast_grid = self.grid
-        #: whether the dense sm90 kernel runs its persistent schedule (:func:`use_persistent`)
+        #: whether the dense sm90 kernel runs its persistent schedule (:func:`use_persistent`) and
+        #: keeps its L2 head sections (:func:`use_sections`)
         self.persistent = False
+        self.sections = True
         if family == "sm90":
             self._fast = triton_sm90.launch
             opts = self.sm90_options
             self.persistent = use_persistent(opts["persistent"], tiles.mean_keys, meta.is_static, opts["overlap"],
                                              opts["pingpong"])
-            self._fast_options = {**opts, "persistent": self.persistent}
+            self._fast_options = {k_: v_ for k_, v_ in opts.items() if k_ != "sections"}
+            self._fast_options["persistent"] = self.persistent
+            sms = torch.cuda.get_device_properties(meta.device).multi_processor_count
             if self.persistent:  # one resident program per SM (one fits per SM)
-                sms = torch.cuda.get_device_properties(meta.device).multi_processor_count
                 self.fast_grid = (max(1, min(self.grid[0], sms)),)
+            else:  # heaviest first over all head groups where L2 sections would leave a long tail
+                loss = 1.0 if meta.is_static else section_schedule_loss(tiles.tile_keys, num_head_groups, section,
+                                                                         sms)
+                self.sections = use_sections(opts["sections"], loss)
+                if not self.sections:
+                    self.sm90_args = dict(common, heads_per_section=num_head_groups)
         elif family == "mla":
             self._fast = triton_mla.launch
             self._fast_options = {}

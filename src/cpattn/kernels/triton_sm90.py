@@ -130,28 +130,26 @@ if HAVE_GLUON:
         k_pieces = k_slot._reinterpret(k_desc.dtype, [CK * NG, COPY_ROWS, 64], k_desc.layout)
         k2_pieces = k2_slot._reinterpret(k_desc.dtype, [max(CK2, 1) * NG, COPY_ROWS, 64], k_desc.layout)
         v_pieces = v_slot._reinterpret(v_desc.dtype, [CV * NG, COPY_ROWS, 64], v_desc.layout)
-        # page-table reads run two groups ahead of the copies (one warp issues everything)
-        page_a, slot_a = page_of(pt_row, start, last_key, PAGE_SIZE, COPY_ROWS)
-        page_b, slot_b = page_of(pt_row, start + COPY_ROWS, last_key, PAGE_SIZE, COPY_ROWS)
-        for g in gl.static_range(NG):
-            row = page_row(page_a, slot_a, PAGE_SIZE)
-            page_a, slot_a = page_b, slot_b
-            if g + 2 < NG:
-                page_b, slot_b = page_of(pt_row, start + (g + 2) * COPY_ROWS, last_key, PAGE_SIZE, COPY_ROWS)
-            for c in gl.static_range(CK):
-                tma.async_copy_global_to_shared(k_desc, [row, k_col + c * 64], k_ready, k_pieces.index(c * NG + g))
-            for c in gl.static_range(CK2):
-                tma.async_copy_global_to_shared(k_desc, [row, k_col + (CK + c) * 64], k_ready,
-                                                k2_pieces.index(c * NG + g))
-        page_a, slot_a = page_of(pt_row, start, last_key, PAGE_SIZE, COPY_ROWS)
-        page_b, slot_b = page_of(pt_row, start + COPY_ROWS, last_key, PAGE_SIZE, COPY_ROWS)
-        for g in gl.static_range(NG):
-            row = page_row(page_a, slot_a, PAGE_SIZE)
-            page_a, slot_a = page_b, slot_b
-            if g + 2 < NG:
-                page_b, slot_b = page_of(pt_row, start + (g + 2) * COPY_ROWS, last_key, PAGE_SIZE, COPY_ROWS)
-            for c in gl.static_range(CV):
-                tma.async_copy_global_to_shared(v_desc, [row, v_col + c * 64], v_ready, v_pieces.index(c * NG + g))
+        for part in gl.static_range(2):  # 0: K (and K's second split), 1: V
+            # page-table reads run two groups ahead of the copies (one warp issues everything)
+            page_a, slot_a = page_of(pt_row, start, last_key, PAGE_SIZE, COPY_ROWS)
+            page_b, slot_b = page_of(pt_row, start + COPY_ROWS, last_key, PAGE_SIZE, COPY_ROWS)
+            for g in gl.static_range(NG):
+                row = page_row(page_a, slot_a, PAGE_SIZE)
+                page_a, slot_a = page_b, slot_b
+                if g + 2 < NG:
+                    page_b, slot_b = page_of(pt_row, start + (g + 2) * COPY_ROWS, last_key, PAGE_SIZE, COPY_ROWS)
+                if part == 0:
+                    for c in gl.static_range(CK):
+                        tma.async_copy_global_to_shared(k_desc, [row, k_col + c * 64], k_ready,
+                                                        k_pieces.index(c * NG + g))
+                    for c in gl.static_range(CK2):
+                        tma.async_copy_global_to_shared(k_desc, [row, k_col + (CK + c) * 64], k_ready,
+                                                        k2_pieces.index(c * NG + g))
+                else:
+                    for c in gl.static_range(CV):
+                        tma.async_copy_global_to_shared(v_desc, [row, v_col + c * 64], v_ready,
+                                                        v_pieces.index(c * NG + g))
 
     @gluon.jit
     def _ws_gather_pages(pt_row, start, p, r_in, key_end, R: gl.constexpr, PAGE_SIZE: gl.constexpr):
