@@ -180,6 +180,9 @@ def test_sections_option_and_schedule_loss(interp):
     assert section_schedule_loss(keys, 16, 16, 132) == 1.0  # one section
     assert section_schedule_loss(keys, 16, 3, 1) == 1.0  # 256 programs on 1 SM: beyond the checked waves
     assert use_sections("auto", SECTION_MAX_LOSS) and use_sections(True, 9.0) and not use_sections(False, 1.0)
+    # where the H200 A/B measured sections faster (64k C = 4, one KV head per section), auto keeps them
+    z4 = cpattn.get_strategy("zigzag", 4, pad_multiple=64).build_metadata([65536], rank=0)
+    assert 1.0 < section_schedule_loss(tile_map(z4, 128).tile_keys, 16, 1, 132) <= SECTION_MAX_LOSS
     # the list schedule against hand schedules on 2 SMs: a program starts on the first SM to free up
     from cpattn.kernels._tiles import _list_makespan
 

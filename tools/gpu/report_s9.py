@@ -5,7 +5,9 @@
   against one program per tile;
 * ``s10e-stdout.log``: the paged loader with K copies first ("new") against the interleaved
   order ("old"), and the pair merge in 128-column passes ("new") against 32 ("old"), two
-  alternating repeats.
+  alternating repeats;
+* ``s10g-stdout.log``: d192 zigzag with the L2 head sections forced on against
+  ``sections="auto"`` as it was then (dropped at simulated losses > 1.02), two alternating repeats.
 
 Writes ``ab-h200-s9.json`` ({ab, workload, variant, rep, tflops[, tflops_graph]}) and
 ``ab-h200-s9.png``. Run from the repository root: ``python tools/gpu/report_s9.py``.
@@ -54,6 +56,12 @@ def rows() -> list[dict]:
         if m and tag:
             out.append(dict(ab="paged K first", workload=m.group(1), variant="K first" if tag == "new" else
                             "K / V interleaved", rep=rep, tflops=float(m.group(2))))
+    for line in (D / "s10g-stdout.log").read_text().splitlines():
+        m = re.match(r"sections=(\S+) rep (\d) rc 0 (.*)", line)
+        if m:
+            for w, tf in re.findall(r"(\d+k C=\d) (\d+)", m.group(3)):
+                out.append(dict(ab="d192 L2 sections", workload=f"d192 S={w}", variant="sections" if m.group(1) == "1"
+                                else "auto (dropped at loss > 1.02)", rep=int(m.group(2)), tflops=float(tf)))
     return out
 
 
@@ -61,7 +69,7 @@ def main() -> None:
     data = rows()
     (D / "ab-h200-s9.json").write_text(json.dumps(data, indent=1))
     abs_ = list(dict.fromkeys(r["ab"] for r in data))
-    fig, axes = plt.subplots(1, len(abs_), figsize=(5 * len(abs_), 4.5))
+    fig, axes = plt.subplots(1, len(abs_), figsize=(4.6 * len(abs_), 4.5))
     for ax, ab in zip(axes, abs_):
         best = defaultdict(float)  # best repeat per (workload, variant); graph replay where timed
         for r in data:
@@ -78,8 +86,8 @@ def main() -> None:
                            rotation=45, ha="right", fontsize=7)
         ax.set_title(ab)
         ax.set_ylabel("TF/s (best of repeats; decode: graph replay)")
-        ax.legend(fontsize=7)
-    fig.suptitle("H200, 2026-12-01, session 9 A/B runs (tools/gpu/s10c.sh, s10e.sh)")
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle("H200, 2026-12-01, session 9 A/B runs (tools/gpu/s10c.sh, s10e.sh, s10g.sh)")
     fig.tight_layout()
     fig.savefig(D / "ab-h200-s9.png", dpi=110)
     print(f"wrote {D / 'ab-h200-s9.json'} ({len(data)} rows) and {D / 'ab-h200-s9.png'}")
