@@ -129,9 +129,10 @@ def section_schedule_loss(tile_keys: Tensor, num_head_groups: int, heads_per_sec
     ``heads_per_section`` head groups, then the next section) over that of heaviest-first with
     head groups fastest, one program per (tile, head group) costing ``fixed_blocks + keys /
     block_n`` key blocks. Sections start the heaviest tiles of later sections late: with few
-    programs per SM that is a long tail (d192 16k zigzag C = 8: 1.25). 1.0 when there is a single
-    section or more than :data:`SECTION_CHECK_WAVES` programs per SM (O(programs log SMs) host
-    work, ~0.5 ms at the bound)."""
+    programs per SM that is a long tail (d192 16k zigzag C = 8, rank 0, 132 SMs: 1.09 with 4 heads
+    per section, 1.22 with 3). 1.0 when there is a single section or more than
+    :data:`SECTION_CHECK_WAVES` programs per SM: a Python loop over programs (not tokens), O(programs
+    log SMs), ~1 ms on the CPU VM at the bound."""
     programs = int(tile_keys.numel()) * num_head_groups
     if heads_per_section >= num_head_groups or not programs or programs > SECTION_CHECK_WAVES * num_sms:
         return 1.0
