@@ -368,10 +368,11 @@ class _MlaSplit:
         dv = spec.head_dim_v
         self.ws_shape = (max(1, work["ws_cap"]), rows, hq, dv)
         # the pair counters (zero; each merge resets its own) and warpgroup 1's copy of the split LSEs
-        pair_sem = torch.zeros(max(1, self.num_ws * self.num_head_groups) if self.pair else 1, dtype=torch.int32,
-                               device=dmeta.device)
-        pair_lse = torch.empty(self.ws_shape[:3] if self.pair else (1, 1, 1), dtype=torch.float32,
-                               device=dmeta.device)
+        # (without pair mode the kernel never reads them: a plan tensor stands in)
+        pair_sem = pair_lse = dev["item_ws"]
+        if self.pair:
+            pair_sem = torch.zeros(self.num_ws * self.num_head_groups, dtype=torch.int32, device=dmeta.device)
+            pair_lse = torch.empty(self.ws_shape[:3], dtype=torch.float32, device=dmeta.device)
         max_splits = work["grid_items"] if dmeta.is_static else work["max_splits"]
         block_s, block_h, block_dv = triton_decode.merge_blocks(max_splits, hq, dv, dmeta.num_query_token_rows,
                                                                 num_sms)

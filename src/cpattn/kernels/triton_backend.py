@@ -69,6 +69,7 @@ def use_persistent(option, mean_keys: float, static: bool, overlap: int, pingpon
         return not static and not overlap and not pingpong and 0 < mean_keys <= PERSISTENT_MAX_MEAN_KEYS
     return bool(option)
 
+
 def use_sections(option, loss: float) -> bool:
     """Whether the dense sm90 grid keeps its L2 head sections. ``option``: the ``sections`` sm90
     option (True / False / "auto"); "auto" keeps them unless ``loss`` (the tile map's
@@ -265,8 +266,8 @@ class _TritonRun:
             if self.persistent:  # one resident program per SM (one fits per SM)
                 self.fast_grid = (max(1, min(self.grid[0], sms)),)
             else:  # heaviest first over all head groups where L2 sections would leave a long tail
-                loss = 1.0 if meta.is_static else section_schedule_loss(tiles.tile_keys, num_head_groups, section,
-                                                                         sms)
+                simulate = opts["sections"] == "auto" and not meta.is_static  # ~1 ms host at most, plan time
+                loss = section_schedule_loss(tiles.tile_keys, num_head_groups, section, sms) if simulate else 1.0
                 self.sections = use_sections(opts["sections"], loss)
                 if not self.sections:
                     self.sm90_args = dict(common, heads_per_section=num_head_groups)
