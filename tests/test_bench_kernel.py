@@ -97,3 +97,18 @@ def test_sm90_options_parse():
         programs_per_sm=1, family="mla")
     with pytest.raises(SystemExit, match="--decode-options items are key=value"):
         bench.parse_options("programs_per_sm", "--decode-options")
+
+
+def test_timed_iters_caps_long_calls_and_stretches_short_ones():
+    assert bench.timed_iters(10.0, 5, 0.0) == 5  # 50 ms a repeat: --iters as given
+    assert bench.timed_iters(400.0, 5, 50.0) == 3  # > 1 s a repeat: fewer, never below 3
+    assert bench.timed_iters(0.25, 5, 50.0) == 200  # a 0.25 ms call: 200 calls fill 50 ms
+    assert bench.timed_iters(1e-6, 5, 50.0) == 2000  # bounded
+    assert bench.timed_iters(0.25, 5, 0.0) == 5  # --min-ms 0: the old count
+
+
+def test_default_timing_warms_up_and_lasts():
+    args = _args()
+    assert args.warmup_ms == bench.WARMUP_MS > 0 and args.min_ms == bench.MIN_MS > 0
+    assert _args("--warmup-ms", "0", "--min-ms", "0").warmup_ms == 0.0
+    assert "--warmup-ms 200" in " ".join(bench._argv_summary(args))

@@ -52,6 +52,9 @@ VARIANTS = [
     (64, 64, 1, 3, 0, False, False, False, True, 1),
     (192, 128, 1, 2, 0, False, False, False, True, 2),
     (128, 128, 4, 3, 2, True, False, False, True, 1),
+    (128, 128, 4, 3, 2, False, False, False, True, None),
+    (192, 128, 1, 2, 2, False, False, False, True, None),
+    (128, 128, 4, 3, 2, False, True, True, True, 16),
 ]
 #: Dense variants compiled persistent (one program per SM walking the work items).
 PERSISTENT_VARIANTS = [

@@ -67,7 +67,7 @@ from .strategies import (
     get_strategy,
 )
 
-__version__ = "0.3.5"
+__version__ = "0.3.6"
 
 __all__ = [
     "AttentionPlan",

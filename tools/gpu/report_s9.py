@@ -65,12 +65,12 @@ def rows() -> list[dict]:
     return out
 
 
-def main() -> None:
-    data = rows()
-    (D / "ab-h200-s9.json").write_text(json.dumps(data, indent=1))
+def plot_ab(data: list[dict], path: Path, title: str) -> None:
+    """One bar panel per A/B (``ab``): the best repeat per (workload, variant), graph replay
+    where it was timed."""
     abs_ = list(dict.fromkeys(r["ab"] for r in data))
-    fig, axes = plt.subplots(1, len(abs_), figsize=(4.6 * len(abs_), 4.5))
-    for ax, ab in zip(axes, abs_):
+    fig, axes = plt.subplots(1, len(abs_), figsize=(4.6 * len(abs_), 4.5), squeeze=False)
+    for ax, ab in zip(axes[0], abs_):
         best = defaultdict(float)  # best repeat per (workload, variant); graph replay where timed
         for r in data:
             if r["ab"] == ab:
@@ -87,9 +87,15 @@ def main() -> None:
         ax.set_title(ab)
         ax.set_ylabel("TF/s (best of repeats; decode: graph replay)")
         ax.legend(fontsize=7, loc="lower right")
-    fig.suptitle("H200, 2026-12-01, session 9 A/B runs (tools/gpu/s10c.sh, s10e.sh, s10g.sh)")
+    fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(D / "ab-h200-s9.png", dpi=110)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    data = rows()
+    (D / "ab-h200-s9.json").write_text(json.dumps(data, indent=1))
+    plot_ab(data, D / "ab-h200-s9.png", "H200, 2026-12-01, session 9 A/B runs (tools/gpu/s10c.sh, s10e.sh, s10g.sh)")
     print(f"wrote {D / 'ab-h200-s9.json'} ({len(data)} rows) and {D / 'ab-h200-s9.png'}")
 
 

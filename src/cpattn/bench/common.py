@@ -69,13 +69,26 @@ def _per_call_ms(issue: Callable[[], object], iters: int, repeats: int) -> float
     return statistics.median(times)
 
 
-def time_cuda_back_to_back(fn: Callable[[], object], warmup: int = 3, iters: int = 10, repeats: int = 3) -> float:
+def warm_up(fn: Callable[[], object], calls: int, ms: float = 0.0) -> None:
+    """Run ``fn`` at least ``calls`` times and, when ``ms`` > 0, until ``ms`` milliseconds of
+    wall time have passed (synchronizing every 8 calls, so the time is the GPU's), then sync: the
+    clocks leave the idle state and the power draw settles before anything is timed."""
+    t0, n = time.perf_counter(), 0
+    while n < calls or (time.perf_counter() - t0) * 1e3 < ms:
+        fn()
+        n += 1
+        if n % 8 == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+
+
+def time_cuda_back_to_back(fn: Callable[[], object], warmup: int = 3, iters: int = 10, repeats: int = 3,
+                           warmup_ms: float = 0.0) -> float:
     """Milliseconds per call of ``fn`` issued ``iters`` times back to back between two CUDA
     events (median of ``repeats``): the GPU queue stays full, so host-side launch work that is
-    shorter than the kernel is hidden, as in a steady stream of layers or a CUDA graph."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
+    shorter than the kernel is hidden, as in a steady stream of layers or a CUDA graph.
+    ``warmup`` calls (and at least ``warmup_ms`` ms of them, :func:`warm_up`) go first."""
+    warm_up(fn, warmup, warmup_ms)
     return _per_call_ms(fn, iters, repeats)
 
 

@@ -40,8 +40,11 @@ FA4 takes head dims up to 256, so the MLA workloads run the Triton backends only
 
 FLOPs = 2 * Hq * sum over query rows of attended keys * (D + Dv). TF/s from ``iters`` calls issued
 back to back between two CUDA events (median of 3 repeats; host launch work hidden behind the
-queue); ``ms_sync`` in the JSON is one call between events followed by a sync (median of 3), which
-adds the host's per-call work for short kernels. Rows: {workload, group, backend, family, tflops,
+queue), after each backend has run for ``--warmup-ms`` (200) and with at least ``--min-ms`` (50)
+per repeat, so the GPU is in the power-capped state a steady stream of layers runs in
+(``--warmup-ms 0 --min-ms 0``: the timing before 2026-12-02, 2 warm-up calls). ``ms_sync`` in
+the JSON is one call between events followed by a sync (median of 3), which adds the host's
+per-call work for short kernels. Rows: {workload, group, backend, family, tflops,
 ms, ms_sync, tflops_sync[, gbps]}. A summary of the targets of issue 14 (ratios in the same run)
 is printed after the table.
 """
@@ -49,6 +52,7 @@ is printed after the table.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import statistics
 from dataclasses import dataclass, field
@@ -57,6 +61,14 @@ from typing import Callable, Optional
 import torch
 
 from .common import default_out, header, progress, time_cuda, time_cuda_back_to_back, time_cuda_graph, write_json
+
+#: Default timing (H200, 2026-12-01, ``tools/gpu/s11b.sh`` with nvidia-smi sampling every 100
+#: ms): with 2 warm-up calls and a few ms per repeat the 16k workloads ran at the boost clock
+#: (mostly 1920-1980 MHz, sampled power < 370 W); run for 200 ms first they sat at the 700 W cap
+#: (1425-1800 MHz) and were 10-14% slower, triton and FA4 alike. Engines run layer after layer,
+#: so each backend runs >= WARMUP_MS before it is timed and one repeat lasts >= MIN_MS.
+WARMUP_MS = 200.0
+MIN_MS = 50.0
 
 #: (Hq, Hkv, D, Dv) per head shape.
 SHAPES = {"d128": (32, 8, 128, 128), "d192": (16, 16, 192, 128), "mla576": (128, 1, 576, 512)}
@@ -84,6 +96,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-paged", action="store_true", help="skip the paged group (same as leaving it out)")
     p.add_argument("--backends", default=",".join(BACKENDS), help="comma list of " + ",".join(BACKENDS))
     p.add_argument("--iters", type=int, default=10, help="timed iterations (fewer for > 100 ms calls)")
+    p.add_argument("--warmup-ms", type=float, default=WARMUP_MS,
+                   help="run each backend at least this many ms (and 2 calls) before timing it; 0: 2 calls only")
+    p.add_argument("--min-ms", type=float, default=MIN_MS,
+                   help="more timed calls than --iters where needed, so one repeat lasts about this many ms")
     p.add_argument("--list", action="store_true", help="print the selected workload names and exit")
     p.add_argument("--out", default=default_out("kernel"), help="output path without extension")
     p.add_argument("--triton-config", default=None, help="BLOCK_M,BLOCK_N,warps,stages: skip autotuning")
@@ -109,6 +125,13 @@ def parse_options(text: str, flag: str = "--sm90-options") -> dict:
         else:
             out[key] = bool(int(value)) if key in ("pingpong", "persistent", "pair", "sections") else int(value)
     return out
+
+
+def timed_iters(est_ms: float, iters: int, min_ms: float) -> int:
+    """Timed calls per repeat for a call estimated at ``est_ms`` ms: ``iters``, fewer (>= 3) when
+    that would pass one second, more (<= 2000) when one repeat would be shorter than ``min_ms``."""
+    est_ms = max(est_ms, 1e-3)
+    return max(3, min(iters, int(1000 / est_ms)), min(2000, math.ceil(min_ms / est_ms)))
 
 
 def _ints(text: str) -> list[int]:
@@ -341,9 +364,9 @@ def main(args: argparse.Namespace) -> int:
                 continue
             fn, family = made
             est = flops / 500e12 * 1e3
-            iters = max(3, min(args.iters, int(1000 / max(est, 1e-3))))
+            iters = timed_iters(est, args.iters, args.min_ms)
             try:
-                ms = time_cuda_back_to_back(fn, warmup=2, iters=iters)
+                ms = time_cuda_back_to_back(fn, warmup=2, iters=iters, warmup_ms=args.warmup_ms)
                 ms_sync = time_cuda(fn, warmup=0, iters=3)
             except Exception as exc:  # a backend that cannot run this shape
                 progress(f"{w.name:38s} {backend:15s} failed: {type(exc).__name__}: {exc}"[:300])
@@ -419,7 +442,8 @@ def _argv_summary(args) -> list[str]:
            f"--decode-options {args.decode_options}", f"--shapes {args.shapes}", f"--seqs {args.seqs}",
            f"--cps {args.cps}", f"--pages {args.pages}", f"--mla-seqs {args.mla_seqs}", f"--mla-cps {args.mla_cps}",
            f"--decode-batches {args.decode_batches}", f"--decode-lens {args.decode_lens}",
-           f"--decode-qlens {args.decode_qlens}", f"--short {args.short}"]
+           f"--decode-qlens {args.decode_qlens}", f"--short {args.short}", f"--iters {args.iters}",
+           f"--warmup-ms {args.warmup_ms:g}", f"--min-ms {args.min_ms:g}"]
     if args.no_interleave:
         out.append("--no-interleave")
     if args.no_paged:

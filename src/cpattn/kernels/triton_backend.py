@@ -50,7 +50,8 @@ SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": 0, "pingpong": False, "p
 #: makespan this much longer than heaviest-first with head groups fastest. H200, d192 zigzag,
 #: 2026-12-01 (``tools/gpu/s10g.sh``, dropping at simulated losses > 1.02): 16k C = 2 / 8 +14% /
 #: +8%, but 64k C = 4 and 128k C = 8 (losses 1.020-1.023, one KV head per section: their L2
-#: reuse counts) -4 to -5%; 1.05 keeps those two.
+#: reuse counts) -4 to -5%; 1.05 keeps those two. With 1.05 (``tools/gpu/s11a.sh``) only d192 16k
+#: C = 8 (loss 1.092) of the benchmark's 24 dense points drops them: +13%.
 SECTION_MAX_LOSS = 1.05
 
 #: ``persistent="auto"`` takes the persistent schedule when a query tile spans at most this many

@@ -414,12 +414,38 @@ if HAVE_GLUON:
         return acc, m_i, l_i
 
     @gluon.jit
-    def _ws_consumer_item(smem, kv, rows, it0, HALF: gl.constexpr, HAS_WINDOW: gl.constexpr,
+    def _ws_q_load(rows, HALF: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   HEAD_DIM2: gl.constexpr, G_PACK: gl.constexpr):
+        """Consumer HALF's Q rows of one work item into registers, [BLOCK_M, HEAD_DIM] bf16 (row m
+        = position-major, heads fastest; rows past the segment 0): (q, q2), q2 = columns
+        [HEAD_DIM, HEAD_DIM + HEAD_DIM2) (q again when HEAD_DIM2 == 0)."""
+        Q, stride_qm, stride_qh = rows[0], rows[4], rows[5]
+        roff, slen, row0, hg = rows[10], rows[11], rows[12], rows[15]
+        q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        m_q = HALF * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
+        r_q = roff + m_q // G_PACK
+        head_q = hg * G_PACK + m_q % G_PACK
+        q_rows = gl.expand_dims((row0 + r_q).to(gl.int64) * stride_qm + head_q * stride_qh, 1)
+        d_q = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+        q = gl.load(Q + q_rows + gl.expand_dims(d_q, 0), mask=gl.expand_dims(r_q < slen, 1), other=0.0)
+        q2 = q
+        if HEAD_DIM2 > 0:  # the second Q K^T wgmma's columns
+            d2_q = HEAD_DIM + gl.arange(0, HEAD_DIM2, layout=gl.SliceLayout(0, q_layout))
+            q2 = gl.load(Q + q_rows + gl.expand_dims(d2_q, 0), mask=gl.expand_dims(r_q < slen, 1), other=0.0)
+        return q, q2
+
+    @gluon.jit
+    def _ws_consumer_item(smem, kv, rows, it0, q, q2, next_w, sched, HALF: gl.constexpr, HAS_WINDOW: gl.constexpr,
                           HAS_SINKS: gl.constexpr, RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr,
                           OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, HEAD_DIM2: gl.constexpr,
-                          COPY_ROWS: gl.constexpr):
+                          PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr, PREFETCH: gl.constexpr):
         """4 warps: rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of one work item's tile, its key
-        blocks at ring positions it0, it0 + 1, ..."""
+        blocks at ring positions it0, it0 + 1, ... PREFETCH (persistent programs at D <= 128): this
+        item's Q rows ``q, q2`` were loaded by the caller (:func:`_ws_q_load`), and work item
+        ``next_w`` is located and its Q loads issued before this item's epilogue, so the loads'
+        latency hides behind it (locating it before the key blocks instead was slower: H200,
+        tools/gpu/s11e.sh); returns (kv, rows, q, q2) of the next item. Otherwise ``q, q2, next_w``
+        are unused (Q is loaded here) and the return value is this item's."""
         q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, k_ready, v_ready, kv_empty, turn = smem
         k_desc, k2_desc, v_desc, k_col, v_col, kv_row_base, n_lo, num_blocks, key_end, pt_row, gather = kv
         (Q, Out, Lse, Sinks, stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
@@ -436,27 +462,18 @@ if HAVE_GLUON:
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HEAD_DIM_V, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-        # this half's Q rows -> shared memory (row m = position-major, heads fastest)
-        m_q = HALF * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
-        r_q = roff + m_q // G_PACK
-        head_q = hg * G_PACK + m_q % G_PACK
-        d_q = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
-        q_ptrs = Q + gl.expand_dims((row0 + r_q).to(gl.int64) * stride_qm + head_q * stride_qh, 1) \
-            + gl.expand_dims(d_q, 0)
-        q = gl.load(q_ptrs, mask=gl.expand_dims(r_q < slen, 1), other=0.0)
+        # this half's Q rows -> shared memory
+        if not PREFETCH:  # (prefetched: loaded during the previous item's epilogue)
+            q, q2 = _ws_q_load(rows, HALF, BLOCK_M, HEAD_DIM, HEAD_DIM2, G_PACK)
         q_half = q_smem.index(HALF)
         q_half.store(q)
         q2_half = q_half
-        if HEAD_DIM2 > 0:  # columns [HEAD_DIM, HEAD_DIM + HEAD_DIM2) of Q: the second Q K^T wgmma
-            d2_q = HEAD_DIM + gl.arange(0, HEAD_DIM2, layout=gl.SliceLayout(0, q_layout))
-            q2_ptrs = Q + gl.expand_dims((row0 + r_q).to(gl.int64) * stride_qm + head_q * stride_qh, 1) \
-                + gl.expand_dims(d2_q, 0)
+        if HEAD_DIM2 > 0:
             q2_half = q2_smem.index(HALF)
-            q2_half.store(gl.load(q2_ptrs, mask=gl.expand_dims(r_q < slen, 1), other=0.0))
+            q2_half.store(q2)
         fence_async_shared()
         gl.thread_barrier()
 
@@ -531,6 +548,13 @@ if HAVE_GLUON:
                 acc, m_i, l_i = _ws_block(blk, num_blocks - 1, acc, m_i, l_i, HAS_WINDOW, HEAD_DIM2, True, p_layout,
                                           o_rows)
 
+        if PREFETCH:  # the next item's Q loads are in flight during this epilogue
+            kv_next, rows_next = _ws_item(next_w, kv, rows, sched, smem, HAS_WINDOW, G_PACK, PAGE_SIZE, COPY_ROWS,
+                                          HEAD_DIM2)
+            q, q2 = _ws_q_load(rows_next, HALF, BLOCK_M, HEAD_DIM, HEAD_DIM2, G_PACK)
+        else:
+            kv_next, rows_next = kv, rows
+
         # epilogue: O / l (0 / -inf for rows that saw no key; NaN stays NaN), LSE in natural log
         has_mass = l_i != 0.0
         inv_l = gl.where(has_mass, 1.0 / gl.where(has_mass, l_i, 1.0), 0.0)
@@ -549,6 +573,7 @@ if HAVE_GLUON:
             r_s = roff + m_s // G_PACK
             head_s = hg * G_PACK + m_s % G_PACK
             gl.store(Lse + (row0 + r_s).to(gl.int64) * stride_lm + head_s * stride_lh, lse, mask=r_s < slen)
+        return kv_next, rows_next, q, q2
 
 
     @gluon.jit
@@ -556,18 +581,33 @@ if HAVE_GLUON:
                      RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, OVERLAP: gl.constexpr,
                      PINGPONG: gl.constexpr, HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr,
                      COPY_ROWS: gl.constexpr, PERSISTENT: gl.constexpr):
-        """Consumer warpgroup HALF: one work item, or (PERSISTENT) every item of this program."""
-        if PERSISTENT:
+        """Consumer warpgroup HALF: one work item, or (PERSISTENT) every item of this program; at
+        D128 / D64 each item's Q loads are issued before the previous item's epilogue (at D192 the
+        48 extra registers of Q would spill there: loaded after it)."""
+        BLOCK_M: gl.constexpr = smem[0].type.shape[1]
+        HEAD_DIM: gl.constexpr = smem[2].type.shape[2]
+        if PERSISTENT and HEAD_DIM2 == 0:
+            it = 0
+            kv, rows = _ws_item(_ws_work(0, sched), kv, rows, sched, smem, HAS_WINDOW, G_PACK, PAGE_SIZE, COPY_ROWS,
+                                HEAD_DIM2)
+            q, q2 = _ws_q_load(rows, HALF, BLOCK_M, HEAD_DIM, HEAD_DIM2, G_PACK)
+            for r in range(_ws_rounds(sched)):
+                blocks = kv[7]
+                kv, rows, q, q2 = _ws_consumer_item(smem, kv, rows, it, q, q2, _ws_work(r + 1, sched), sched, HALF,
+                                                    HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG,
+                                                    HEAD_DIM2, PAGE_SIZE, COPY_ROWS, True)
+                it += blocks
+        elif PERSISTENT:
             it = 0
             for r in range(_ws_rounds(sched)):
                 kv, rows = _ws_item(_ws_work(r, sched), kv, rows, sched, smem, HAS_WINDOW, G_PACK, PAGE_SIZE,
                                     COPY_ROWS, HEAD_DIM2)
-                _ws_consumer_item(smem, kv, rows, it, HALF, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP,
-                                  PINGPONG, HEAD_DIM2, COPY_ROWS)
+                _ws_consumer_item(smem, kv, rows, it, 0, 0, 0, sched, HALF, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK,
+                                  OVERLAP, PINGPONG, HEAD_DIM2, PAGE_SIZE, COPY_ROWS, False)
                 it += kv[7]
         else:
-            _ws_consumer_item(smem, kv, rows, 0, HALF, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG,
-                              HEAD_DIM2, COPY_ROWS)
+            _ws_consumer_item(smem, kv, rows, 0, 0, 0, 0, sched, HALF, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK,
+                              OVERLAP, PINGPONG, HEAD_DIM2, PAGE_SIZE, COPY_ROWS, False)
 
     @gluon.jit
     def _ws_consumer0(smem, kv, rows, sched, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
