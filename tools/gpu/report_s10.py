@@ -17,11 +17,10 @@ Run from the repository root: ``python tools/gpu/report_s10.py``.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
-from report_s9 import plot_ab
+from report_s9 import write_ab
 
 D = Path("docs/benchmarks/s10")
 
@@ -73,10 +72,7 @@ def rows() -> list[dict]:
 
 
 def main() -> None:
-    data = rows()
-    (D / "ab-h200-s10.json").write_text(json.dumps(data, indent=1))
-    plot_ab(data, D / "ab-h200-s10.png", "H200, 2026-12-01/02, session 10 A/B runs (tools/gpu/s11a-s11g.sh)")
-    print(f"wrote {D / 'ab-h200-s10.json'} ({len(data)} rows) and {D / 'ab-h200-s10.png'}")
+    write_ab(rows(), D / "ab-h200-s10", "H200, 2026-12-01/02, session 10 A/B runs (tools/gpu/s11a-s11g.sh)")
 
 
 if __name__ == "__main__":

@@ -92,11 +92,15 @@ def plot_ab(data: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def write_ab(data: list[dict], stem: Path, title: str) -> None:
+    """``stem``.json (the rows) and ``stem``.png (:func:`plot_ab`)."""
+    stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    plot_ab(data, stem.with_suffix(".png"), title)
+    print(f"wrote {stem}.json ({len(data)} rows) and {stem}.png")
+
+
 def main() -> None:
-    data = rows()
-    (D / "ab-h200-s9.json").write_text(json.dumps(data, indent=1))
-    plot_ab(data, D / "ab-h200-s9.png", "H200, 2026-12-01, session 9 A/B runs (tools/gpu/s10c.sh, s10e.sh, s10g.sh)")
-    print(f"wrote {D / 'ab-h200-s9.json'} ({len(data)} rows) and {D / 'ab-h200-s9.png'}")
+    write_ab(rows(), D / "ab-h200-s9", "H200, 2026-12-01, session 9 A/B runs (tools/gpu/s10c.sh, s10e.sh, s10g.sh)")
 
 
 if __name__ == "__main__":
