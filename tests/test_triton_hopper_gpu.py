@@ -134,7 +134,7 @@ def test_gpu_sm90_overlap_modes_vs_torch(overlap, pingpong, d, dv, hq, hkv, page
     paged with NaN in unused slots."""
     if overlap == 2 and page:
         pytest.skip("paged + window + sinks with overlap=2 did not finish within 150 s on the H200 (2026-12-02, "
-                    "twice, with a softmax-gated wait since removed); run it alone under a time limit first")
+                    "twice, with a softmax-gated wait since removed); run tools/gpu/overlap_case.py first")
     ext, pre = [3000, 17, 1, 900], [0, 200, 5, 2999]
     lens = [e + p for e, p in zip(ext, pre)]
     s, meta, q, k, v = _case("zigzag", 3, 1, ext, pre, hq, hkv, d, dv)
