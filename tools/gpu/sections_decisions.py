@@ -1,6 +1,7 @@
-"""Print, per dense kernel-benchmark point, the L2-section decision the triton plan takes
-(``sections="auto"``): heads per section, the simulated loss, the choice, and the L2 size torch
-reports. Usage: python tools/gpu/sections_decisions.py --shapes d192 --seqs 16384,65536 --cps 1,2,4,8"""
+"""Print, per dense kernel-benchmark point (rank 0 of zigzag C), what the triton plan chose for
+its L2 head sections (``sections="auto"``): head groups per section, the simulated loss, the
+choice, and the L2 size torch reports. Usage:
+``python tools/gpu/sections_decisions.py --shapes d192,d128 --seqs 16384,65536 --cps 1,2,4,8``"""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ import torch
 
 import cpattn
 from cpattn.bench.kernel import SHAPES
-from cpattn.kernels._tiles import gqa_packing, heads_per_l2_section, section_schedule_loss, tile_map
-from cpattn.kernels.triton_attn import default_block_m
 
 
 def main() -> None:
@@ -32,16 +31,10 @@ def main() -> None:
                 plan = s.plan_attention(meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
                                         dtype=torch.bfloat16, backend="triton")
                 run = plan._impl
-                args = run.sm90_args
-                g_pack, rows = gqa_packing(hq, hkv, default_block_m(d, dv))
-                tiles = tile_map(meta, rows)
-                groups = args["num_head_groups"]
-                section = heads_per_l2_section(meta.num_kv_rows, (d + dv) * 2, hq // hkv // g_pack, groups,
-                                               meta.device)
-                loss = section_schedule_loss(tiles.tile_keys, groups, section, props.multi_processor_count)
                 print(f"{shape} S={seq // 1024}k C={c}: family {run.family} persistent {run.persistent} "
-                      f"heads/section {section} of {groups} loss {loss:.3f} sections {run.sections} "
-                      f"(launched heads_per_section {args['heads_per_section']})")
+                      f"heads/section {run.heads_per_section} of {run.sm90_args['num_head_groups']} "
+                      f"loss {run.section_loss:.3f} sections {run.sections} "
+                      f"(launched heads_per_section {run.sm90_args['heads_per_section']})")
 
 
 if __name__ == "__main__":

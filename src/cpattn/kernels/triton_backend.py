@@ -253,9 +253,12 @@ class _TritonRun:
         self._contiguous = triton_attn.last_dim_contiguous
         self.fast_grid = self.grid
         #: whether the dense sm90 kernel runs its persistent schedule (:func:`use_persistent`) and
-        #: keeps its L2 head sections (:func:`use_sections`)
+        #: keeps its L2 head sections (:func:`use_sections`), the head groups per section it planned
+        #: and the sections' simulated loss (1.0 where it was not simulated)
         self.persistent = False
         self.sections = True
+        self.heads_per_section = section
+        self.section_loss = 1.0
         if family == "sm90":
             self._fast = triton_sm90.launch
             opts = self.sm90_options
@@ -268,8 +271,9 @@ class _TritonRun:
                 self.fast_grid = (max(1, min(self.grid[0], sms)),)
             else:  # heaviest first over all head groups where L2 sections would leave a long tail
                 simulate = opts["sections"] == "auto" and not meta.is_static  # ~1 ms host at most, plan time
-                loss = section_schedule_loss(tiles.tile_keys, num_head_groups, section, sms) if simulate else 1.0
-                self.sections = use_sections(opts["sections"], loss)
+                if simulate:
+                    self.section_loss = section_schedule_loss(tiles.tile_keys, num_head_groups, section, sms)
+                self.sections = use_sections(opts["sections"], self.section_loss)
                 if not self.sections:
                     self.sm90_args = dict(common, heads_per_section=num_head_groups)
         elif family == "mla":
