@@ -31,6 +31,17 @@ def test_default_workloads_name_what_they_are():
     assert names["d128 S=64k zigzag C=2 paged64"].page == 64
 
 
+def test_head_shapes_d64_on_request_unknown_refused():
+    """d64 (32 / 8 heads, D 64) is measured only when asked for; an unknown shape stops the run."""
+    assert not any(w.shape == "d64" for w in bench.all_workloads(_args()))
+    names = [w.name for w in bench.all_workloads(_args("--shapes", "d64", "--seqs", "16384", "--cps", "2",
+                                                       "--no-interleave", "--pages", "16"))]
+    assert names[:2] == ["d64 S=16k zigzag C=2", "d64 S=16k zigzag C=2 paged16"]
+    assert bench.SHAPES["d64"] == (32, 8, 64, 64)
+    with pytest.raises(SystemExit, match="--shapes takes d64,d128,d192, got 'd96'"):
+        bench.all_workloads(_args("--shapes", "d96"))
+
+
 def test_workload_selection_by_group_and_substring():
     ws = bench.all_workloads(_args())
     assert {w.group for w in bench.select(ws, "mla,decode")} == {"mla", "decode"}

@@ -122,7 +122,7 @@ def test_gpu_sm90_paged_vs_torch(page, d, dv, hq, hkv, window, sinks, int64):
 
 
 @needs_sm90
-@pytest.mark.parametrize("overlap,pingpong", [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize("overlap,pingpong", [(0, False), (1, False), (2, False), (2, True), ("auto", False)])
 @pytest.mark.parametrize("d,dv,hq,hkv,page,window,sinks", [
     (128, 128, 32, 8, None, -1, False),
     (192, 128, 16, 16, None, -1, False),
@@ -130,11 +130,8 @@ def test_gpu_sm90_paged_vs_torch(page, d, dv, hq, hkv, window, sinks, int64):
 ])
 def test_gpu_sm90_overlap_modes_vs_torch(overlap, pingpong, d, dv, hq, hkv, page, window, sinks):
     """The FA3-style overlap options (``overlap=1``: both GEMMs issued back to back, ``overlap=2``:
-    softmax_j issued under ``P_{j-1} V_{j-1}``) against torch on a ragged zigzag batch, packed and
-    paged with NaN in unused slots."""
-    if overlap == 2 and page:
-        pytest.skip("paged + window + sinks with overlap=2 did not finish within 150 s on the H200 (2026-12-02, "
-                    "twice, with a softmax-gated wait since removed); run tools/gpu/overlap_case.py first")
+    softmax_j issued under ``P_{j-1} V_{j-1}``; "auto", the default: 2 at D128, else 0)
+    against torch on a ragged zigzag batch, packed and paged with NaN in unused slots."""
     ext, pre = [3000, 17, 1, 900], [0, 200, 5, 2999]
     lens = [e + p for e, p in zip(ext, pre)]
     s, meta, q, k, v = _case("zigzag", 3, 1, ext, pre, hq, hkv, d, dv)
@@ -146,6 +143,8 @@ def test_gpu_sm90_overlap_modes_vs_torch(overlap, pingpong, d, dv, hq, hkv, page
                             window_size=(window, 0), page_size=page, has_sinks=sinks, backend="triton",
                             backend_options={"sm90": {"overlap": overlap, "pingpong": pingpong}})
     assert plan.family == "sm90"
+    want = overlap if overlap != "auto" else (2 if (d, dv) == (128, 128) else 0)
+    assert plan._impl.overlap == want
     out, lse = plan.run(q, kc, vc, page_table=table, sinks=sk, return_lse=True)
     _check(out, lse, ref, ref_lse, meta, f"overlap {overlap} pingpong {pingpong} page {page}")
 
@@ -180,9 +179,11 @@ def test_gpu_sm90_paged_matches_packed(page):
         (192, 128, 16, 4, 256, -1, True),
     ],
 )
-def test_gpu_sm90_persistent_is_bit_identical(d, dv, hq, hkv, page, window, sinks):
+@pytest.mark.parametrize("overlap", [0, 2])
+def test_gpu_sm90_persistent_is_bit_identical(d, dv, hq, hkv, page, window, sinks, overlap):
     """Persistent programs (one per SM, snake over the work items) compute every item exactly as
-    one program per item does: outputs and LSE are bit-identical (ragged batch, pad tiles)."""
+    one program per item does, in either loop (``overlap`` 0 / 2): outputs and LSE are
+    bit-identical (ragged batch, pad tiles)."""
     ext, pre = [5000, 300, 1, 700], [0, 900, 2, 64]
     lens = [e + p for e, p in zip(ext, pre)]
     s, meta, q, k, v = _case("zigzag", 2, 1, ext, pre, hq, hkv, d, dv, seed=5)
@@ -192,13 +193,13 @@ def test_gpu_sm90_persistent_is_bit_identical(d, dv, hq, hkv, page, window, sink
     for persistent in (False, True):
         plan = s.plan_attention(meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=q.dtype,
                                 window_size=(window, 0), page_size=page, has_sinks=sinks, backend="triton",
-                                backend_options={"sm90": {"persistent": persistent}})
-        assert plan.family == "sm90"
+                                backend_options={"sm90": {"persistent": persistent, "overlap": overlap}})
+        assert plan.family == "sm90" and plan._impl.persistent == persistent and plan._impl.overlap == overlap
         outs.append(plan.run(q, kk, vv, page_table=table, sinks=sk, return_lse=True))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     ref, ref_lse = s.attention(q.float(), k.float(), v.float(), meta, backend="torch", window_size=(window, 0),
                                sinks=sk, return_lse=True)
-    _check(outs[1][0], outs[1][1], ref, ref_lse, meta, "persistent")
+    _check(outs[1][0], outs[1][1], ref, ref_lse, meta, f"persistent overlap {overlap}")
 
 
 @needs_sm90

@@ -152,13 +152,18 @@ def test_sm90_options_are_validated_at_plan_time(interp):
     kw = dict(num_q_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, backend="triton")
     with pytest.raises(ValueError, match="unknown backend_options sm90 keys \\['block_m'\\]"):
         s.plan_attention(meta, **kw, backend_options={"sm90": {"block_m": 64}})
-    with pytest.raises(ValueError, match="persistent runs without overlap / pingpong"):
-        s.plan_attention(meta, **kw, backend_options={"sm90": {"persistent": True, "overlap": 2}})
+    with pytest.raises(ValueError, match="persistent runs without pingpong"):
+        s.plan_attention(meta, **kw, backend_options={"sm90": {"persistent": True, "overlap": 2, "pingpong": True}})
+    assert s.plan_attention(meta, **kw, backend_options={"sm90": {"persistent": True, "overlap": 2}})
     assert s.plan_attention(meta, **kw, backend_options={"sm90": {"persistent": True}}).family == "portable"
     with pytest.raises(ValueError, match="persistent must be True, False or 'auto', got 'yes'"):
         s.plan_attention(meta, **kw, backend_options={"sm90": {"persistent": "yes"}})
-    # "auto" with overlap is allowed (it then stays off); only an explicit True conflicts
-    assert s.plan_attention(meta, **kw, backend_options={"sm90": {"persistent": "auto", "overlap": 2}})
+    # "auto" with pingpong is allowed (it then stays off); only an explicit True conflicts
+    assert s.plan_attention(meta, **kw, backend_options={"sm90": {"persistent": "auto", "pingpong": True,
+                                                                  "overlap": 2}})
+    for bad in (3, -1, True, "2", 2.0):
+        with pytest.raises(ValueError, match="sm90 overlap must be 0, 1, 2 or 'auto'"):
+            s.plan_attention(meta, **kw, backend_options={"sm90": {"overlap": bad}})
 
 
 def test_sections_option_and_schedule_loss(interp):
@@ -192,14 +197,25 @@ def test_sections_option_and_schedule_loss(interp):
 
 def test_persistent_auto_rule():
     """``persistent="auto"``: on for short mean key ranges per tile, off for long ones, static plans
-    and overlap / pingpong; True / False are taken as given."""
+    and pingpong; True / False are taken as given."""
     from cpattn.kernels.triton_backend import PERSISTENT_MAX_MEAN_KEYS as cap, use_persistent
 
-    assert use_persistent("auto", 1024.0, False, 0, False)
-    assert use_persistent("auto", float(cap), False, 0, False)
-    assert not use_persistent("auto", cap + 1.0, False, 0, False)
-    assert not use_persistent("auto", 0.0, False, 0, False)  # only pad tiles
-    assert not use_persistent("auto", 1024.0, True, 0, False)  # static plan
-    assert not use_persistent("auto", 1024.0, False, 1, False)
-    assert not use_persistent("auto", 1024.0, False, 0, True)
-    assert use_persistent(True, 1e9, True, 0, False) and not use_persistent(False, 1.0, False, 0, False)
+    assert use_persistent("auto", 1024.0, False, False)
+    assert use_persistent("auto", float(cap), False, False)
+    assert not use_persistent("auto", cap + 1.0, False, False)
+    assert not use_persistent("auto", 0.0, False, False)  # only pad tiles
+    assert not use_persistent("auto", 1024.0, True, False)  # static plan
+    assert not use_persistent("auto", 1024.0, False, True)  # pingpong
+    assert use_persistent(True, 1e9, True, False) and not use_persistent(False, 1.0, False, False)
+
+
+def test_overlap_auto_rule():
+    """``overlap="auto"``: 2 at the head dims where the H200 measured it faster (D128), 0 at the
+    others; explicit values are taken as given."""
+    from cpattn.kernels.triton_backend import OVERLAP_HEAD_DIMS, SM90_OPTIONS, use_overlap
+
+    assert SM90_OPTIONS["overlap"] == "auto" and (128, 128) in OVERLAP_HEAD_DIMS
+    assert use_overlap("auto", 128, 128) == 2
+    assert use_overlap("auto", 192, 128) == 0
+    assert use_overlap("auto", 64, 64) == 0
+    assert [use_overlap(o, 192, 128) for o in (0, 1, 2)] == [0, 1, 2]

@@ -62,6 +62,8 @@ PERSISTENT_VARIANTS = [
     (128, 128, 4, 3, 0, False, True, True, False, 16),
     (192, 128, 1, 2, 0, False, False, False, True, None),
     (64, 64, 1, 3, 0, False, False, False, True, 1),
+    (128, 128, 4, 3, 2, False, False, False, True, None),
+    (128, 128, 4, 3, 2, False, True, True, False, 16),
 ]
 #: (variant, block_n): variants compiled with a key block other than 128.
 BLOCK_N_VARIANTS = [
@@ -244,7 +246,8 @@ def main() -> None:
         jobs.append((name, lambda *a, bn=block_n: compile_variant(*a, block_n=bn), v))
     for v in PERSISTENT_VARIANTS:
         d, dv, g_pack, stages, overlap, pingpong, window, sinks, lse, page = v
-        name = f"d{d}-{dv}_g{g_pack}_st{stages}_persistent{'_win' if window else ''}{'_sink' if sinks else ''}" \
+        name = f"d{d}-{dv}_g{g_pack}_st{stages}_persistent{f'_ov{overlap}' if overlap else ''}" \
+               f"{'_win' if window else ''}{'_sink' if sinks else ''}" \
                f"{f'_page{page}' if page else ''}"
         jobs.append((name, lambda *a: compile_variant(*a, persistent=True), v))
     for v in MLA_VARIANTS:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# For the next session (not run yet): the overlap=2 lead. (1) The two paged + window + sinks
+# Ninth session, first call (prepared in the eighth): the overlap=2 lead. (1) The two paged + window + sinks
 # overlap=2 cases that did not finish in s11g, alone under a limit with a stack dump after 45 s
 # (hang or slow compile?), on the tree and on a copy with tools/gpu/patches/overlap2_gated_wait.patch
 # (the wait for P_{j-1} V_{j-1} gated on the softmax by setp.neu, D128 / D64 only); (2) d128 dense
@@ -12,7 +12,7 @@ rm -rf /tmp/gated && mkdir -p /tmp/gated && cp -r src /tmp/gated/ \
 for tree in src /tmp/gated/src; do
   for pp in "" --pingpong; do
     echo "== $tree overlap 2 $pp, page 16, window 700, sinks"
-    PYTHONPATH=$tree timeout -s KILL 75 python3 tools/gpu/overlap_case.py --overlap 2 $pp --sinks 2>&1 | tail -20
+    PYTHONPATH=$tree timeout -s KILL 60 python3 tools/gpu/overlap_case.py --overlap 2 $pp --sinks --stack-after 40 2>&1 | tail -20
     echo "rc ${PIPESTATUS[0]}"
   done
 done

@@ -3,9 +3,9 @@
 Workload groups (``--workloads`` picks groups or name substrings, comma separated; default all):
 
 * ``dense``: for each head shape (``--shapes``: d128 = 32 / 8 heads, D 128; d192 = 16 heads,
-  D 192 / Dv 128) and total sequence length S (``--seqs``; one sequence, no prefix), rank 0's
-  work under zigzag C (``--cps``; q = two blocks, k = the whole sequence; C = 1 is plain causal)
-  and interleave C = 4. Names: ``d128 S=64k zigzag C=2``.
+  D 192 / Dv 128; d64 = 32 / 8 heads, D 64, only on request) and total sequence length S
+  (``--seqs``; one sequence, no prefix), rank 0's work under zigzag C (``--cps``; q = two
+  blocks, k = the whole sequence; C = 1 is plain causal) and interleave C = 4. Names: ``d128 S=64k zigzag C=2``.
 * ``paged``: zigzag C = 2 over a paged cache (``--pages``, default 16, 64, 256; shuffled pages,
   unused tail slots zero: FA4 needs finite ones), for every shape and S: ``d128 S=64k zigzag C=2 paged16``.
 * ``mla``: absorbed-MLA prefill (``mla576``: 128 query heads over one latent KV head, D 576,
@@ -71,7 +71,8 @@ WARMUP_MS = 200.0
 MIN_MS = 50.0
 
 #: (Hq, Hkv, D, Dv) per head shape.
-SHAPES = {"d128": (32, 8, 128, 128), "d192": (16, 16, 192, 128), "mla576": (128, 1, 576, 512)}
+SHAPES = {"d64": (32, 8, 64, 64), "d128": (32, 8, 128, 128), "d192": (16, 16, 192, 128),
+          "mla576": (128, 1, 576, 512)}
 BACKENDS = ("triton", "triton-persistent", "triton-per-tile", "triton-portable", "fa4", "fa4-raw", "sdpa")
 GROUPS = ("dense", "paged", "mla", "decode", "short")
 #: Where the benchmark runs (a module constant so tests can drive ``main`` on CPU).
@@ -82,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", default="all",
                    help="comma list of groups (" + ",".join(GROUPS) + ") and/or workload-name substrings "
                         "(e.g. 'paged16,mla576 S=16k'); default all")
-    p.add_argument("--shapes", default="d128,d192", help="dense/paged head shapes: comma list of d128,d192")
+    p.add_argument("--shapes", default="d128,d192", help="dense/paged head shapes: comma list of d64,d128,d192")
     p.add_argument("--seqs", default="16384,65536,131072", help="dense/paged total sequence lengths S")
     p.add_argument("--cps", default="1,2,4,8", help="dense zigzag CP sizes (rank 0's work)")
     p.add_argument("--pages", default="16,64,256", help="page sizes of the paged workloads (zigzag C=2)")
@@ -164,8 +165,8 @@ def all_workloads(args) -> list[Workload]:
     """Every workload the arguments describe, in run order (K/V shared between neighbours)."""
     out: list[Workload] = []
     for shape in [s for s in args.shapes.split(",") if s]:
-        if shape not in ("d128", "d192"):
-            raise SystemExit(f"--shapes takes d128,d192, got {shape!r}")
+        if shape not in ("d64", "d128", "d192"):
+            raise SystemExit(f"--shapes takes d64,d128,d192, got {shape!r}")
         for seq in _ints(args.seqs):
             base = f"{shape} S={_k(seq)}"
             for c in _ints(args.cps):

@@ -39,12 +39,20 @@ from ._tiles import gqa_packing, heads_per_l2_section, max_tiles, section_schedu
 _KERNEL_MODULE = "cpattn.kernels.triton_attn"
 
 #: Tuning of the sm_90 kernel: key block, K/V stages, FA3-style overlap (0 off, 1 paired GEMMs,
-#: 2 softmax under P V) and ping-pong between the two consumer warpgroups (none measured faster
-#: on H200; docs/kernels.md has the numbers), persistent programs (one per SM walking every work
-#: item: True, False, or "auto" = :func:`use_persistent`), L2 head sections (True: as
-#: ``heads_per_l2_section`` plans them, False: one section, "auto": :func:`use_sections`).
-SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": 0, "pingpong": False, "persistent": "auto",
+#: 2 softmax under P V, "auto" = :func:`use_overlap`) and ping-pong between the two consumer
+#: warpgroups (with overlap; not measured faster on H200; docs/kernels.md has the numbers),
+#: persistent programs (one per SM walking every work item: True, False, or "auto" =
+#: :func:`use_persistent`), L2 head sections (True: as ``heads_per_l2_section`` plans them,
+#: False: one section, "auto": :func:`use_sections`).
+SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": "auto", "pingpong": False, "persistent": "auto",
                 "sections": "auto"}
+
+#: ``overlap="auto"`` runs ``overlap=2`` at these (head_dim, head_dim_v) and 0 elsewhere. H200,
+#: 2026-12-02, sustained timing, two interleaved repeats (``tools/gpu/s12a.sh``, ``s12b.sh``,
+#: ``s12e.sh``): D128 zigzag +2-7% at 16k, -0.5 to +4% at 64k / 128k, paged16 +5-6%,
+#: interleave 16k -1 / +10%, persistent short batches +1-3%; D192 / 128 -9 to -20% everywhere;
+#: D64 -2 to +1% but for 16k C = 4 (+6-10%).
+OVERLAP_HEAD_DIMS = ((128, 128),)
 
 #: ``sections="auto"`` drops the L2 head sections when their grid order makes the simulated
 #: makespan this much longer than heaviest-first with head groups fastest. H200, d192 zigzag,
@@ -61,14 +69,24 @@ SECTION_MAX_LOSS = 1.05
 PERSISTENT_MAX_MEAN_KEYS = 3072
 
 
-def use_persistent(option, mean_keys: float, static: bool, overlap: int, pingpong: bool) -> bool:
+def use_persistent(option, mean_keys: float, static: bool, pingpong: bool) -> bool:
     """Whether the dense sm90 kernel runs the persistent schedule. ``option``: the ``persistent``
     sm90 option (True / False / "auto"); "auto" takes it for short key ranges (``mean_keys``, the
     tile map's mean keys per tile, <= :data:`PERSISTENT_MAX_MEAN_KEYS`), never for static plans
-    (whose batches differ between replays) or with ``overlap`` / ``pingpong``."""
+    (whose batches differ between replays) or with ``pingpong`` (whose turn-taking restarts per
+    work item)."""
     if option == "auto":
-        return not static and not overlap and not pingpong and 0 < mean_keys <= PERSISTENT_MAX_MEAN_KEYS
+        return not static and not pingpong and 0 < mean_keys <= PERSISTENT_MAX_MEAN_KEYS
     return bool(option)
+
+
+def use_overlap(option, head_dim: int, head_dim_v: int) -> int:
+    """The dense sm90 kernel's ``OVERLAP`` (0, 1, 2), persistent or not. ``option``: the
+    ``overlap`` sm90 option; "auto" is 2 at :data:`OVERLAP_HEAD_DIMS`, else 0; 0 / 1 / 2 are
+    taken as given."""
+    if option == "auto":
+        return 2 if (head_dim, head_dim_v) in OVERLAP_HEAD_DIMS else 0
+    return int(option)
 
 
 def use_sections(option, loss: float) -> bool:
@@ -187,9 +205,13 @@ class _TritonRun:
             value = self.sm90_options[name]
             if not (value == "auto" or isinstance(value, bool)):
                 raise ValueError(f"backend_options sm90 {name} must be True, False or 'auto', got {value!r}")
+        overlap = self.sm90_options["overlap"]
+        if not (overlap == "auto" or (isinstance(overlap, int) and not isinstance(overlap, bool)
+                                      and overlap in (0, 1, 2))):
+            raise ValueError(f"backend_options sm90 overlap must be 0, 1, 2 or 'auto', got {overlap!r}")
         persistent = self.sm90_options["persistent"]
-        if persistent is True and (self.sm90_options["overlap"] or self.sm90_options["pingpong"]):
-            raise ValueError("backend_options sm90: persistent runs without overlap / pingpong")
+        if persistent is True and self.sm90_options["pingpong"]:
+            raise ValueError("backend_options sm90: persistent runs without pingpong")
         self.reasons = {"portable": None}
         for name, fam_reason, fam_block in (
             ("sm90", triton_sm90.unsupported_reason(d, dv, spec.dtype, spec.page_size, meta.device),
@@ -252,20 +274,22 @@ class _TritonRun:
         self._device_index = meta.device.index if meta.device.type == "cuda" else None
         self._contiguous = triton_attn.last_dim_contiguous
         self.fast_grid = self.grid
-        #: whether the dense sm90 kernel runs its persistent schedule (:func:`use_persistent`) and
-        #: keeps its L2 head sections (:func:`use_sections`), the head groups per section it planned
-        #: and the sections' simulated loss (1.0 where it was not simulated)
+        #: whether the dense sm90 kernel runs its persistent schedule (:func:`use_persistent`), its
+        #: overlap mode (:func:`use_overlap`), whether it keeps its L2 head sections
+        #: (:func:`use_sections`), the head groups per section it planned and the sections'
+        #: simulated loss (1.0 where it was not simulated)
         self.persistent = False
+        self.overlap = 0
         self.sections = True
         self.heads_per_section = section
         self.section_loss = 1.0
         if family == "sm90":
             self._fast = triton_sm90.launch
             opts = self.sm90_options
-            self.persistent = use_persistent(opts["persistent"], tiles.mean_keys, meta.is_static, opts["overlap"],
-                                             opts["pingpong"])
+            self.persistent = use_persistent(opts["persistent"], tiles.mean_keys, meta.is_static, opts["pingpong"])
+            self.overlap = use_overlap(opts["overlap"], d, dv)
             self._fast_options = {k_: v_ for k_, v_ in opts.items() if k_ != "sections"}
-            self._fast_options["persistent"] = self.persistent
+            self._fast_options.update(persistent=self.persistent, overlap=self.overlap)
             sms = torch.cuda.get_device_properties(meta.device).multi_processor_count
             if self.persistent:  # one resident program per SM (one fits per SM)
                 self.fast_grid = (max(1, min(self.grid[0], sms)),)

@@ -9,10 +9,10 @@ one segment x ``G_PACK`` heads of one KV group), organised the way FA3 runs on H
   block: ``S = Q K^T`` (wgmma, Q and K in shared memory), online softmax in registers,
   ``O += P V`` (wgmma, P from registers), then release the stage. The two consumers run
   independently, so the warp scheduler overlaps one's softmax with the other's tensor-core work.
-  Options (off by default: not faster on H200, see docs/kernels.md): ``OVERLAP`` 1 issues
+  Options (see docs/kernels.md for what each measured on H200): ``OVERLAP`` 1 issues
   ``P_{j-1} V_{j-1}`` and the next block's ``Q K^T`` back to back, 2 also runs the softmax while
-  ``P V`` is in flight (FA3's intra-warpgroup overlap); ``PINGPONG`` (with ``OVERLAP``) makes
-  the consumers take turns issuing their GEMMs.
+  ``P V`` is in flight (FA3's intra-warpgroup overlap; the plan's default at D128); ``PINGPONG``
+  (with ``OVERLAP``, not with ``PERSISTENT``) makes the consumers take turns issuing their GEMMs.
 
 Programs walk the tile map by L2 head sections (see ``triton_attn.heads_per_l2_section``).
 
@@ -775,7 +775,7 @@ def launch(
     under the first; ``pingpong`` (with ``overlap``) makes the two consumers take turns issuing
     their GEMMs. ``stages`` is capped by shared memory (D192/128 fits 2 at 128-key blocks).
     ``persistent``: ``grid`` is a number of resident programs that walk all work items (round by
-    round, snake order; no overlap / pingpong), else one item per program. ``state``: the plan's
+    round, snake order; no pingpong), else one item per program. ``state``: the plan's
     :class:`~cpattn.kernels._launch.LaunchState` (per-K/V facts, a :class:`PlannedLaunch` per
     kernel variant with its prepared descriptors; None: every call through the JIT)."""
 
