@@ -210,12 +210,14 @@ def test_persistent_auto_rule():
 
 
 def test_overlap_auto_rule():
-    """``overlap="auto"``: 2 at the head dims where the H200 measured it faster (D128), 0 at the
-    others; explicit values are taken as given."""
+    """``overlap="auto"``: 2 at the head dims where the H200 measured it faster (D128) without a
+    sliding window (whose overlapped builds spill), 0 otherwise; explicit values are taken as
+    given."""
     from cpattn.kernels.triton_backend import OVERLAP_HEAD_DIMS, SM90_OPTIONS, use_overlap
 
     assert SM90_OPTIONS["overlap"] == "auto" and (128, 128) in OVERLAP_HEAD_DIMS
-    assert use_overlap("auto", 128, 128) == 2
-    assert use_overlap("auto", 192, 128) == 0
-    assert use_overlap("auto", 64, 64) == 0
-    assert [use_overlap(o, 192, 128) for o in (0, 1, 2)] == [0, 1, 2]
+    assert use_overlap("auto", 128, 128, False) == 2
+    assert use_overlap("auto", 128, 128, True) == 0
+    assert use_overlap("auto", 192, 128, False) == 0
+    assert use_overlap("auto", 64, 64, False) == 0
+    assert [use_overlap(o, 192, 128, True) for o in (0, 1, 2)] == [0, 1, 2]

@@ -51,7 +51,10 @@ SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": "auto", "pingpong": Fals
 #: 2026-12-02, sustained timing, two interleaved repeats (``tools/gpu/s12a.sh``, ``s12b.sh``,
 #: ``s12e.sh``): D128 zigzag +2-7% at 16k, -0.5 to +4% at 64k / 128k, paged16 +5-6%,
 #: interleave 16k -1 / +10%, persistent short batches +1-3%; D192 / 128 -9 to -20% everywhere;
-#: D64 -2 to +1% but for 16k C = 4 (+6-10%).
+#: D64 -2 to +1% but for 16k C = 4 (+6-10%). Not with a sliding window: none was measured, and
+#: with ``HAS_WINDOW`` the one-program-per-item ``overlap=2`` builds spill (offline ptxas,
+#: ``tools/sm90_overlap_spills.py``: 8 bytes packed with sinks, 40-80 bytes at page 16, 288-304
+#: at page 1), where ``overlap=0`` spills nothing packed or at page 16 and 48 bytes at page 1.
 OVERLAP_HEAD_DIMS = ((128, 128),)
 
 #: ``sections="auto"`` drops the L2 head sections when their grid order makes the simulated
@@ -80,12 +83,12 @@ def use_persistent(option, mean_keys: float, static: bool, pingpong: bool) -> bo
     return bool(option)
 
 
-def use_overlap(option, head_dim: int, head_dim_v: int) -> int:
+def use_overlap(option, head_dim: int, head_dim_v: int, window: bool) -> int:
     """The dense sm90 kernel's ``OVERLAP`` (0, 1, 2), persistent or not. ``option``: the
-    ``overlap`` sm90 option; "auto" is 2 at :data:`OVERLAP_HEAD_DIMS`, else 0; 0 / 1 / 2 are
-    taken as given."""
+    ``overlap`` sm90 option; "auto" is 2 at :data:`OVERLAP_HEAD_DIMS` without a sliding
+    ``window``, else 0; 0 / 1 / 2 are taken as given."""
     if option == "auto":
-        return 2 if (head_dim, head_dim_v) in OVERLAP_HEAD_DIMS else 0
+        return 2 if (head_dim, head_dim_v) in OVERLAP_HEAD_DIMS and not window else 0
     return int(option)
 
 
@@ -287,7 +290,7 @@ class _TritonRun:
             self._fast = triton_sm90.launch
             opts = self.sm90_options
             self.persistent = use_persistent(opts["persistent"], tiles.mean_keys, meta.is_static, opts["pingpong"])
-            self.overlap = use_overlap(opts["overlap"], d, dv)
+            self.overlap = use_overlap(opts["overlap"], d, dv, spec.window_left >= 0)
             self._fast_options = {k_: v_ for k_, v_ in opts.items() if k_ != "sections"}
             self._fast_options.update(persistent=self.persistent, overlap=self.overlap)
             sms = torch.cuda.get_device_properties(meta.device).multi_processor_count
