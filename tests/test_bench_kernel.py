@@ -104,6 +104,7 @@ def test_sm90_options_parse():
         block_n=64, stages=4, pingpong=True, overlap=2)
     assert bench.parse_options("persistent=0") == dict(persistent=False)
     assert bench.parse_options("persistent=auto") == dict(persistent="auto")
+    assert bench.parse_options("overlap=auto,sections=auto") == dict(overlap="auto", sections="auto")
     assert bench.parse_options("programs_per_sm=1,family=mla", "--decode-options") == dict(
         programs_per_sm=1, family="mla")
     with pytest.raises(SystemExit, match="--decode-options items are key=value"):

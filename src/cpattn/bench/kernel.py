@@ -114,14 +114,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def parse_options(text: str, flag: str = "--sm90-options") -> dict:
     """``"block_n=64,stages=4,pingpong=1"`` -> ``{"block_n": 64, "stages": 4, "pingpong": True}``
-    (``family=`` and ``persistent=auto`` stay strings, ``persistent=0/1`` is a bool)."""
+    (``family=`` and ``persistent`` / ``sections`` / ``overlap=auto`` stay strings,
+    ``persistent=0/1`` is a bool)."""
     out = {}
     for item in [t for t in text.split(",") if t]:
         key, _, value = item.partition("=")
         key = key.strip()
         if not value:
             raise SystemExit(f"{flag} items are key=value, got {item!r}")
-        if key == "family" or (key in ("persistent", "sections") and value == "auto"):
+        if key == "family" or (key in ("persistent", "sections", "overlap") and value == "auto"):
             out[key] = value
         else:
             out[key] = bool(int(value)) if key in ("pingpong", "persistent", "pair", "sections") else int(value)
