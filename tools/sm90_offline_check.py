@@ -73,10 +73,13 @@ BLOCK_N_VARIANTS = [
 ]
 
 
-#: Arguments the launcher specializes as 16-divisible in practice (pointers, head-dim strides).
+#: Arguments the launcher specializes as 16-divisible in practice (pointers, head-dim strides, the
+#: split-KV workspace's pointers and strides: without them the decode kernels' fp32 partials
+#: compile to 4-byte stores here where the GPU build has 8-byte ones).
 _DIV16 = ("Q", "K", "V", "Out", "Lse", "Sinks", "PageTable", "stride_qm", "stride_qh", "stride_om", "stride_oh",
           "stride_kp", "stride_kn", "stride_kh", "stride_vp", "stride_vn", "stride_vh", "Idx", "stride_im", "topk",
-          "row_seq", "row_pos", "row_kv_start")
+          "row_seq", "row_pos", "row_kv_start", "WsO", "WsLse", "PairLse", "stride_wi", "stride_wr", "stride_wh",
+          "stride_li", "stride_lr")
 
 
 def _attrs(fn) -> dict:

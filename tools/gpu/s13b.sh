@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# For the next session (not run yet), second call, right after s13a.sh: O stored through the free
+# Q tile (tools/gpu/patches/o_smem_epilogue.patch: stmatrix into shared memory, then 16-byte
+# coalesced stores; offline per consumer 8 STSM + 8 LDS.128 + 8 STG.E.128 instead of 32 STG.E,
+# no new spills). (1) All Hopper GPU tests on a patched copy of src; (2) A/B tree vs patched at
+# the defaults, short batches and d128 / d192 dense 16k / 64k, sustained timing, two interleaved
+# repeats; (3) FA4 stage 1 for s13c.sh (the next call, within 30 s).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONUNBUFFERED=1 CPATTN_TRITON_AUTOTUNE=0
+rm -rf /tmp/osmem && mkdir -p /tmp/osmem && cp -r src /tmp/osmem/ \
+  && patch -s -d /tmp/osmem/src -p2 < tools/gpu/patches/o_smem_epilogue.patch || { echo "patch failed"; exit 1; }
+T=$OUT/gpu-tests-h200-osmem.log; : > "$T"
+. tools/gpu/_tests.sh
+PYTHONPATH=/tmp/osmem/src:tools/gpu run_tests osmem 200 tests/test_triton_hopper_gpu.py
+ab() {  # ab LABEL TREE bench-args...
+  local label=$1 tree=$2; shift 2
+  rm -f /tmp/g.json
+  PYTHONPATH=$tree timeout -s KILL 80 python3 -m cpattn.bench kernel --backends triton --iters 5 --out /tmp/g "$@" \
+    > /tmp/g.log 2>&1
+  local rc=$?; [ $rc = 0 ] || tail -5 /tmp/g.log
+  echo "$label $tree rc $rc $(python3 -c "
+import json; rows = json.load(open('/tmp/g.json'))
+print(' | '.join(f\"{r['workload'].replace(' zigzag', '').replace('d128 ', '')} {r['tflops']:.0f}\" for r in rows))")"
+}
+for rep in 1 2; do
+  for tree in src /tmp/osmem/src; do
+    ab "short rep $rep" $tree --workloads short --short 1024x128,256x512,128x1024,64x2048,32x4096
+    ab "dense rep $rep" $tree --workloads dense --shapes d128,d192 --seqs 16384,65536 --cps 1,2,8 --no-interleave
+  done
+done
+bash .gpu/fa4-1/stage.sh

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# For the next session (not run yet), third call, within 30 s of s13b.sh: the tree with the
+# patches named in PATCHES (space separated, from tools/gpu/patches/, chosen at call time from
+# s13a / s13b: e.g. PATCHES="split_kv_release o_smem_epilogue"; empty: the tree as it is). FA4
+# install, all Hopper GPU tests on that source, then issue 14's whole kernel table with FA4 in one
+# run (as s12d.sh).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+rm -rf /tmp/variant && mkdir -p /tmp/variant && cp -r src /tmp/variant/
+for p in ${PATCHES:-}; do
+  patch -s -d /tmp/variant/src -p2 < tools/gpu/patches/$p.patch || { echo "patch $p failed"; exit 1; }
+done
+echo "source: tree + [${PATCHES:-}]"
+. tools/gpu/_fa4.sh
+export PYTHONPATH=/tmp/variant/src:$PYTHONPATH
+T=$OUT/gpu-tests-h200-s13c.log; : > "$T"
+. tools/gpu/_tests.sh
+PYTHONPATH=$PYTHONPATH:tools/gpu run_tests hopper 200 tests/test_triton_hopper_gpu.py
+timeout -s KILL 360 python3 -m cpattn.bench kernel --workloads dense,paged,mla,decode,short --shapes d128,d192 \
+  --seqs 16384,65536,131072 --cps 1,2,4,8 --pages 16,64,256 --no-interleave --backends triton,fa4 --iters 5 \
+  --short 1024x128,128x1024,64x2048,32x4096 --warmup-ms 200 --min-ms 50 \
+  --out $OUT/kernel14-fa4-h200-s13 > $OUT/kernel14-fa4-h200-s13.log 2>&1
+echo "kernel rc $? [$(date +%T)]"
+grep -E "^  " $OUT/kernel14-fa4-h200-s13.log | sed 's/(target[^)]*)//g' | cut -c1-150 | head -90
