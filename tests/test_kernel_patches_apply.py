@@ -1,0 +1,36 @@
+"""The kernel patches the next GPU session's scripts apply (``tools/gpu/s13a.sh`` ... ``s13c.sh``)
+still apply to the tree, alone and together, and leave Python that compiles: a patch that no
+longer applies would only show on the GPU machine, as a lost call."""
+
+from __future__ import annotations
+
+import py_compile
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PATCHES = ROOT / "tools" / "gpu" / "patches"
+#: The patch sets the pending scripts apply, in their order (s13c applies its PATCHES in order).
+PENDING = [("split_kv_release",), ("o_smem_epilogue",), ("split_kv_release", "o_smem_epilogue")]
+
+pytestmark = pytest.mark.skipif(shutil.which("git") is None or not PATCHES.is_dir(),
+                                reason="needs git and the repository's tools/gpu/patches")
+
+
+@pytest.mark.parametrize("names", PENDING, ids=["+".join(n) for n in PENDING])
+def test_pending_patches_apply_and_compile(tmp_path, names):
+    shutil.copytree(ROOT / "src", tmp_path / "src")
+    for name in names:
+        r = subprocess.run(["git", "apply", str(PATCHES / f"{name}.patch")], cwd=tmp_path,
+                           capture_output=True, text=True)
+        assert r.returncode == 0, f"{name}.patch does not apply: {r.stderr}"
+    changed = {line[len("+++ b/"):].strip() for name in names
+               for line in (PATCHES / f"{name}.patch").read_text().splitlines() if line.startswith("+++ b/")}
+    assert changed, "the patches name no files"
+    for rel in sorted(changed):
+        py_compile.compile(str(tmp_path / rel), doraise=True)
+    original = (ROOT / "src/cpattn/kernels/triton_sm90.py").read_text()
+    assert (tmp_path / "src/cpattn/kernels/triton_sm90.py").read_text() != original
