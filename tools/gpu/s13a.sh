@@ -10,8 +10,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 CPATTN_TRITON_AUTOTUNE=0
-rm -rf /tmp/split && mkdir -p /tmp/split && cp -r src /tmp/split/ \
-  && patch -s -d /tmp/split/src -p2 < tools/gpu/patches/split_kv_release.patch || { echo "patch failed"; exit 1; }
+. tools/gpu/_variant.sh
+make_variant /tmp/split split_kv_release
 T=$OUT/gpu-tests-h200-split.log; : > "$T"
 . tools/gpu/_tests.sh
 PYTHONPATH=/tmp/split/src:tools/gpu run_tests split 200 tests/test_triton_hopper_gpu.py

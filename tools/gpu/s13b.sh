@@ -8,8 +8,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 CPATTN_TRITON_AUTOTUNE=0
-rm -rf /tmp/osmem && mkdir -p /tmp/osmem && cp -r src /tmp/osmem/ \
-  && patch -s -d /tmp/osmem/src -p2 < tools/gpu/patches/o_smem_epilogue.patch || { echo "patch failed"; exit 1; }
+. tools/gpu/_variant.sh
+make_variant /tmp/osmem o_smem_epilogue
 T=$OUT/gpu-tests-h200-osmem.log; : > "$T"
 . tools/gpu/_tests.sh
 PYTHONPATH=/tmp/osmem/src:tools/gpu run_tests osmem 200 tests/test_triton_hopper_gpu.py

@@ -6,10 +6,8 @@
 # run (as s12d.sh).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-rm -rf /tmp/variant && mkdir -p /tmp/variant && cp -r src /tmp/variant/
-for p in ${PATCHES:-}; do
-  patch -s -d /tmp/variant/src -p2 < tools/gpu/patches/$p.patch || { echo "patch $p failed"; exit 1; }
-done
+. tools/gpu/_variant.sh
+make_variant /tmp/variant ${PATCHES:-}
 echo "source: tree + [${PATCHES:-}]"
 . tools/gpu/_fa4.sh
 export PYTHONPATH=/tmp/variant/src:$PYTHONPATH
