@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# For the next session (not run yet): K and V halves of a stage released separately
+# Eleventh session, first call: K and V halves of a stage released separately
 # (tools/gpu/patches/split_kv_release.patch: K after Q K^T, V after P V, the loader arming each
 # ready barrier once its half is free), which should let overlap=2 stream K_{j+1} while V_{j-1}
 # is still read: at D192 (2 stages) overlap=2 holds both stages and ran 9-20% slower (s12b).
@@ -9,12 +9,13 @@
 # stages; offline no spills), d128 + d192 dense at 16k / 64k, sustained timing, two repeats.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+L=/tmp/s13a-lines.txt; : > $L  # the lines choose_patches.py reads (s13c.sh, PATCHES=auto)
 export PYTHONUNBUFFERED=1 CPATTN_TRITON_AUTOTUNE=0
 . tools/gpu/_variant.sh
 make_variant /tmp/split split_kv_release
 T=$OUT/gpu-tests-h200-split.log; : > "$T"
 . tools/gpu/_tests.sh
-PYTHONPATH=/tmp/split/src:tools/gpu run_tests split 200 tests/test_triton_hopper_gpu.py
+PYTHONPATH=/tmp/split/src:tools/gpu run_tests split 200 tests/test_triton_hopper_gpu.py | tee -a $L
 for rep in 1 2; do
   for v in "src overlap=0" "src overlap=1" "src overlap=2" "/tmp/split/src overlap=0" "/tmp/split/src overlap=2" \
            "src block_n=64,stages=4,overlap=2"; do
@@ -26,6 +27,7 @@ for rep in 1 2; do
     rc=$?; [ $rc = 0 ] || tail -5 /tmp/g.log
     echo "$tree $o rep $rep rc $rc $(python3 -c "
 import json; rows = json.load(open('/tmp/g.json'))
-print(' | '.join(f\"{r['workload'].replace(' zigzag', '')} {r['tflops']:.0f}\" for r in rows))")"
+print(' | '.join(f\"{r['workload'].replace(' zigzag', '')} {r['tflops']:.0f}\" for r in rows))")" | tee -a $L
   done
 done
+cp $L $OUT/

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# For the next session (not run yet), second call, right after s13a.sh: O stored through the free
+# Eleventh session, second call, right after s13a.sh: O stored through the free
 # Q tile (tools/gpu/patches/o_smem_epilogue.patch: stmatrix into shared memory, then 16-byte
 # coalesced stores; offline per consumer 8 STSM + 8 LDS.128 + 8 STG.E.128 instead of 32 STG.E,
 # no new spills). (1) All Hopper GPU tests on a patched copy of src; (2) A/B tree vs patched at
@@ -7,12 +7,13 @@
 # repeats; (3) FA4 stage 1 for s13c.sh (the next call, within 30 s).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+L=/tmp/s13b-lines.txt; : > $L  # the lines choose_patches.py reads (s13c.sh, PATCHES=auto)
 export PYTHONUNBUFFERED=1 CPATTN_TRITON_AUTOTUNE=0
 . tools/gpu/_variant.sh
 make_variant /tmp/osmem o_smem_epilogue
 T=$OUT/gpu-tests-h200-osmem.log; : > "$T"
 . tools/gpu/_tests.sh
-PYTHONPATH=/tmp/osmem/src:tools/gpu run_tests osmem 200 tests/test_triton_hopper_gpu.py
+PYTHONPATH=/tmp/osmem/src:tools/gpu run_tests osmem 200 tests/test_triton_hopper_gpu.py | tee -a $L
 ab() {  # ab LABEL TREE bench-args...
   local label=$1 tree=$2; shift 2
   rm -f /tmp/g.json
@@ -21,7 +22,7 @@ ab() {  # ab LABEL TREE bench-args...
   local rc=$?; [ $rc = 0 ] || tail -5 /tmp/g.log
   echo "$label $tree rc $rc $(python3 -c "
 import json; rows = json.load(open('/tmp/g.json'))
-print(' | '.join(f\"{r['workload'].replace(' zigzag', '').replace('d128 ', '')} {r['tflops']:.0f}\" for r in rows))")"
+print(' | '.join(f\"{r['workload'].replace(' zigzag', '').replace('d128 ', '')} {r['tflops']:.0f}\" for r in rows))")" | tee -a $L
 }
 for rep in 1 2; do
   for tree in src /tmp/osmem/src; do
@@ -29,4 +30,5 @@ for rep in 1 2; do
     ab "dense rep $rep" $tree --workloads dense --shapes d128,d192 --seqs 16384,65536 --cps 1,2,8 --no-interleave
   done
 done
+cp $L $OUT/
 bash .gpu/fa4-1/stage.sh
