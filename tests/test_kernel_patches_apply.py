@@ -1,7 +1,7 @@
-"""The kernel patches the next GPU session's scripts apply (``tools/gpu/s13a.sh`` ... ``s13c.sh``,
-through ``tools/gpu/_variant.sh``)
-still apply to the tree, alone and together, and leave Python that compiles: a patch that no
-longer applies would only show on the GPU machine, as a lost call."""
+"""The kernel patches the GPU session scripts apply to a copy of the tree (through
+``tools/gpu/_variant.sh``; now ``tools/gpu/s14b.sh``'s joint K / V release) still apply, alone
+and together, and leave Python that compiles: a patch that no longer applies would only show on
+the GPU machine, as a lost call."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PATCHES = ROOT / "tools" / "gpu" / "patches"
-#: The patch sets the pending scripts apply, in their order (s13c applies its PATCHES in order).
-PENDING = [("split_kv_release",), ("o_smem_epilogue",), ("split_kv_release", "o_smem_epilogue")]
+#: The patch sets the scripts that still apply to the tree use, in their order (split_kv_release,
+#: o_smem_epilogue and d192_overlap are in the tree since the eleventh session: records only).
+PENDING = [("joint_release_overlap0",)]
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None or not PATCHES.is_dir(),
                                 reason="needs git and the repository's tools/gpu/patches")

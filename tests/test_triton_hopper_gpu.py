@@ -130,7 +130,8 @@ def test_gpu_sm90_paged_vs_torch(page, d, dv, hq, hkv, window, sinks, int64):
 ])
 def test_gpu_sm90_overlap_modes_vs_torch(overlap, pingpong, d, dv, hq, hkv, page, window, sinks):
     """The FA3-style overlap options (``overlap=1``: both GEMMs issued back to back, ``overlap=2``:
-    softmax_j issued under ``P_{j-1} V_{j-1}``; "auto", the default: 2 at D128 without a window)
+    softmax_j issued under ``P_{j-1} V_{j-1}``; "auto", the default: 2 at D128 and D192 / 128
+    without a window)
     against torch on a ragged zigzag batch, packed and paged with NaN in unused slots."""
     ext, pre = [3000, 17, 1, 900], [0, 200, 5, 2999]
     lens = [e + p for e, p in zip(ext, pre)]
@@ -143,7 +144,7 @@ def test_gpu_sm90_overlap_modes_vs_torch(overlap, pingpong, d, dv, hq, hkv, page
                             window_size=(window, 0), page_size=page, has_sinks=sinks, backend="triton",
                             backend_options={"sm90": {"overlap": overlap, "pingpong": pingpong}})
     assert plan.family == "sm90"
-    want = overlap if overlap != "auto" else (2 if (d, dv) == (128, 128) and window < 0 else 0)
+    want = overlap if overlap != "auto" else (2 if (d, dv) in ((128, 128), (192, 128)) and window < 0 else 0)
     assert plan._impl.overlap == want
     out, lse = plan.run(q, kc, vc, page_table=table, sinks=sk, return_lse=True)
     _check(out, lse, ref, ref_lse, meta, f"overlap {overlap} pingpong {pingpong} page {page}")

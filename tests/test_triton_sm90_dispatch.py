@@ -97,6 +97,23 @@ def test_qk_split_and_stage_budget():
     assert sm90.max_stages(192, 128, 64) == 4  # 48 KiB Q + 4 x 40 KiB K/V (the ring's cap)
 
 
+def test_gather_loader_on_two_stages_runs_without_overlap():
+    """The cp.async gather loader signals block j after issuing block j + 1; at 2 stages an
+    overlapped consumer would hold block j - 1's V while waiting for block j (a hang on the H200,
+    D192 / 128 at page 2): such variants compile with OVERLAP 0, every other keeps its overlap."""
+    assert sm90.ring_overlap(2, 2, True) == 0 and sm90.ring_overlap(1, 2, True) == 0
+    assert sm90.ring_overlap(2, 3, True) == 2 and sm90.ring_overlap(2, 2, False) == 2
+    assert sm90.ring_overlap(0, 3, False) == 0 and sm90.ring_overlap(1, 4, True) == 1
+    if not sm90.HAVE_GLUON:
+        return
+    bf16 = torch.bfloat16
+    for page, gather, want in ((2, False, 0), (12, False, 0), (16, True, 0), (16, False, 2), (None, False, 2)):
+        c = sm90.kernel_constexprs(192, 128, bf16, page, overlap=2, pingpong=True, gather=gather)
+        assert c["STAGES"] == 2 and c["OVERLAP"] == want and c["PINGPONG"] == bool(want), (page, gather)
+    assert sm90.kernel_constexprs(128, 128, bf16, 2, overlap=2)["OVERLAP"] == 2  # 3 stages
+    assert sm90.kernel_constexprs(192, 128, bf16, 2, block_n=64, overlap=2)["OVERLAP"] == 2  # 4 stages
+
+
 @pytest.mark.parametrize(
     "d,dv,hkv,dtype,page,expect",
     [
@@ -215,9 +232,10 @@ def test_overlap_auto_rule():
     given."""
     from cpattn.kernels.triton_backend import OVERLAP_HEAD_DIMS, SM90_OPTIONS, use_overlap
 
-    assert SM90_OPTIONS["overlap"] == "auto" and (128, 128) in OVERLAP_HEAD_DIMS
+    assert SM90_OPTIONS["overlap"] == "auto" and {(128, 128), (192, 128)} <= set(OVERLAP_HEAD_DIMS)
     assert use_overlap("auto", 128, 128, False) == 2
     assert use_overlap("auto", 128, 128, True) == 0
-    assert use_overlap("auto", 192, 128, False) == 0
+    assert use_overlap("auto", 192, 128, False) == 2
+    assert use_overlap("auto", 192, 128, True) == 0
     assert use_overlap("auto", 64, 64, False) == 0
     assert [use_overlap(o, 192, 128, True) for o in (0, 1, 2)] == [0, 1, 2]

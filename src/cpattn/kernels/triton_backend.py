@@ -50,12 +50,14 @@ SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": "auto", "pingpong": Fals
 #: ``overlap="auto"`` runs ``overlap=2`` at these (head_dim, head_dim_v) and 0 elsewhere. H200,
 #: 2026-12-02, sustained timing, two interleaved repeats (``tools/gpu/s12a.sh``, ``s12b.sh``,
 #: ``s12e.sh``): D128 zigzag +2-7% at 16k, -0.5 to +4% at 64k / 128k, paged16 +5-6%,
-#: interleave 16k -1 / +10%, persistent short batches +1-3%; D192 / 128 -9 to -20% everywhere;
-#: D64 -2 to +1% but for 16k C = 4 (+6-10%). Not with a sliding window: none was measured, and
-#: with ``HAS_WINDOW`` the one-program-per-item ``overlap=2`` builds spill (offline ptxas,
+#: interleave 16k -1 / +10%, persistent short batches +1-3%; D64 -2 to +1% but for 16k C = 4
+#: (+6-10%). D192 / 128 was -9 to -20% with one release per stage; with K and V released
+#: separately (0.3.8) +1 to +7% at 16k / 64k C = 1..8 (``tools/gpu/s13a.sh``). The cp.async
+#: gather on a 2-stage ring runs 0 regardless (``triton_sm90.ring_overlap``). Not with a
+#: sliding window: none was measured, and with ``HAS_WINDOW`` the one-program-per-item ``overlap=2`` builds spill (offline ptxas,
 #: ``tools/sm90_overlap_spills.py``: 8 bytes packed with sinks, 40-80 bytes at page 16, 288-304
 #: at page 1), where ``overlap=0`` spills nothing packed or at page 16 and 48 bytes at page 1.
-OVERLAP_HEAD_DIMS = ((128, 128),)
+OVERLAP_HEAD_DIMS = ((128, 128), (192, 128))
 
 #: ``sections="auto"`` drops the L2 head sections when their grid order makes the simulated
 #: makespan this much longer than heaviest-first with head groups fastest. H200, d192 zigzag,

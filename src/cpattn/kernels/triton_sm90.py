@@ -6,20 +6,22 @@ one segment x ``G_PACK`` heads of one KV group), organised the way FA3 runs on H
 * a 1-warp **loader** partition streams K/V blocks into a ring of shared-memory stages with TMA,
   signalling ``ready`` mbarriers;
 * two 4-warp **consumer** partitions each own half of the tile's rows (``BLOCK_M`` each). Per key
-  block: ``S = Q K^T`` (wgmma, Q and K in shared memory), online softmax in registers,
-  ``O += P V`` (wgmma, P from registers), then release the stage. The two consumers run
-  independently, so the warp scheduler overlaps one's softmax with the other's tensor-core work.
-  Options (see docs/kernels.md for what each measured on H200): ``OVERLAP`` 1 issues
-  ``P_{j-1} V_{j-1}`` and the next block's ``Q K^T`` back to back, 2 also runs the softmax while
-  ``P V`` is in flight (FA3's intra-warpgroup overlap; the plan's default at D128); ``PINGPONG``
-  (with ``OVERLAP``, not with ``PERSISTENT``) makes the consumers take turns issuing their GEMMs.
+  block: ``S = Q K^T`` (wgmma, Q and K in shared memory), then release the stage's K half,
+  online softmax in registers, ``O += P V`` (wgmma, P from registers), then release its V half
+  (the loader refills each half as soon as it is free). O is stored through the consumer's Q
+  tile (16-byte rows). The two consumers run independently, so the warp scheduler overlaps
+  one's softmax with the other's tensor-core work. Options (see docs/kernels.md for what each
+  measured on H200): ``OVERLAP`` 1 issues ``P_{j-1} V_{j-1}`` and the next block's ``Q K^T``
+  back to back, 2 also runs the softmax while ``P V`` is in flight (FA3's intra-warpgroup
+  overlap; the plan's default at D128 and D192); ``PINGPONG`` (with ``OVERLAP``, not with
+  ``PERSISTENT``) makes the consumers take turns issuing their GEMMs.
 
 Programs walk the tile map by L2 head sections (see ``triton_attn.heads_per_l2_section``).
 
 Used for ``(D, Dv)`` in (64, 64), (128, 128), (192, 128) (``Q K^T`` of D192 is two wgmmas over
 128 + 64 columns, with 2 K/V stages), bf16/fp16, on sm_90 with Gluon available, K/V packed or
 paged. Paged caches are read with TMA copies of ``gcd(page_size, BLOCK_N)`` rows (>= 8: one page
-table read per copy; page sizes with a smaller gcd run the portable kernel), one copy per
+table read per copy; page sizes with a smaller gcd are gathered with cp.async), one copy per
 64-column chunk into its sub-tile of the stage; rows past the tile's last key in the last block
 are clamped to that key's page (no table entry past the sequence is read) and zeroed in V before
 ``P V`` (unused cache slots may hold NaN). Everything else (other head dims, other GPUs, the CPU
@@ -116,12 +118,14 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ws_load_paged(k_desc, v_desc, k_slot, k2_slot, v_slot, k_ready, v_ready, pt_row, start, last_key, k_col,
-                       v_col, HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr):
-        """TMA one key block of a paged cache: per group of COPY_ROWS keys (inside one page: one
-        page-table read) one copy per 64-column chunk of K (and K's second split) and V into its
+                       v_col, HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr,
+                       PART: gl.constexpr):
+        """TMA one key block of a paged cache, PART 0: K (and K's second split), 1: V: per group of
+        COPY_ROWS keys (inside one page: one page-table read) one copy per 64-column chunk into its
         sub-tile, the stage seen as [chunks * groups, COPY_ROWS, 64] (the chunk-major order of a
-        128-byte-swizzled tile). All of K's copies are issued before V's (``Q K^T`` waits for K
-        only); the V pass reads the same page-table entries again (L1 hits)."""
+        128-byte-swizzled tile). The loader issues K's copies before V's (``Q K^T`` waits for K
+        only; V's slot may still be in use); the V pass reads the same page-table entries again
+        (L1 hits)."""
         BLOCK_N: gl.constexpr = k_slot.type.shape[0]
         CK: gl.constexpr = k_slot.type.shape[1] // 64
         CK2: gl.constexpr = HEAD_DIM2 // 64
@@ -130,7 +134,7 @@ if HAVE_GLUON:
         k_pieces = k_slot._reinterpret(k_desc.dtype, [CK * NG, COPY_ROWS, 64], k_desc.layout)
         k2_pieces = k2_slot._reinterpret(k_desc.dtype, [max(CK2, 1) * NG, COPY_ROWS, 64], k_desc.layout)
         v_pieces = v_slot._reinterpret(v_desc.dtype, [CV * NG, COPY_ROWS, 64], v_desc.layout)
-        for part in gl.static_range(2):  # 0: K (and K's second split), 1: V
+        for part in gl.static_range(PART, PART + 1):
             # page-table reads run two groups ahead of the copies (one warp issues everything)
             page_a, slot_a = page_of(pt_row, start, last_key, PAGE_SIZE, COPY_ROWS)
             page_b, slot_b = page_of(pt_row, start + COPY_ROWS, last_key, PAGE_SIZE, COPY_ROWS)
@@ -208,7 +212,8 @@ if HAVE_GLUON:
         NW: gl.constexpr = gl.num_warps()
         for j in range(num_blocks):
             slot = (it0 + j) % STAGES
-            mbarrier.wait(kv_empty.index(slot), (((it0 + j) // STAGES) & 1) ^ 1)
+            mbarrier.wait(kv_empty.index(slot), (((it0 + j) // STAGES) & 1) ^ 1)  # K slot free
+            mbarrier.wait(kv_empty.index(STAGES + slot), (((it0 + j) // STAGES) & 1) ^ 1)  # V slot free
             start = n_lo + j * BLOCK_N
             if HEAD_DIM1 == HEAD_DIM_V:  # K and V rows in the same passes
                 _ws_gather_rows((K, V), (k_bufs.index(slot), v_bufs.index(slot)), gather, (k_col, v_col), pt_row,
@@ -347,14 +352,21 @@ if HAVE_GLUON:
         for j in range(num_blocks):
             slot = (it0 + j) % STAGES
             phase = ((it0 + j) // STAGES) & 1
+            # K's and V's halves of a stage are released separately (K after Q K^T, V after P V), so
+            # the next K streams in while the consumers still read this stage's V (overlap=2 holds
+            # V_{j-1} and K_j at once); a ready barrier is armed only once its slot is free
             mbarrier.wait(kv_empty.index(slot), phase ^ 1)
             if PAGE_SIZE > 0:
                 copy_bytes: gl.constexpr = k_desc.block_type.nbytes * (BLOCK_N // COPY_ROWS)
                 mbarrier.expect(k_ready.index(slot), copy_bytes * ((HEAD_DIM1 + HEAD_DIM2) // 64))
+                _ws_load_paged(k_desc, v_desc, k_bufs.index(slot), k2_bufs.index(slot), v_bufs.index(slot),
+                               k_ready.index(slot), v_ready.index(slot), pt_row, n_lo + j * BLOCK_N, key_end - 1,
+                               k_col, v_col, HEAD_DIM2, PAGE_SIZE, COPY_ROWS, 0)
+                mbarrier.wait(kv_empty.index(STAGES + slot), phase ^ 1)
                 mbarrier.expect(v_ready.index(slot), copy_bytes * (HEAD_DIM_V // 64))
                 _ws_load_paged(k_desc, v_desc, k_bufs.index(slot), k2_bufs.index(slot), v_bufs.index(slot),
                                k_ready.index(slot), v_ready.index(slot), pt_row, n_lo + j * BLOCK_N, key_end - 1,
-                               k_col, v_col, HEAD_DIM2, PAGE_SIZE, COPY_ROWS)
+                               k_col, v_col, HEAD_DIM2, PAGE_SIZE, COPY_ROWS, 1)
             else:
                 row = (kv_row_base + n_lo + j * BLOCK_N).to(gl.int32)
                 if HEAD_DIM2 > 0:
@@ -365,6 +377,7 @@ if HAVE_GLUON:
                 else:
                     mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(k_desc, [row, k_col], k_ready.index(slot), k_bufs.index(slot))
+                mbarrier.wait(kv_empty.index(STAGES + slot), phase ^ 1)
                 mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(v_desc, [row, v_col], v_ready.index(slot), v_bufs.index(slot))
 
@@ -401,6 +414,7 @@ if HAVE_GLUON:
         mbarrier.wait(k_ready.index(slot), phase)
         s = _ws_qk(q_half, q2_half, k_bufs.index(slot), k2_bufs.index(slot), s_zero, HEAD_DIM2)
         s = warpgroup_mma_wait(0, deps=(s, ))
+        mbarrier.arrive(kv_empty.index(slot), count=1)  # K_j read
         p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, n_lo + j * BLOCK_N, pos, f_lo, f_hi, window, qk_scale, offs_n,
                                          HAS_WINDOW)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, O_ROWS), 1)
@@ -410,7 +424,7 @@ if HAVE_GLUON:
             _ws_fix_last_v(v_bufs.index(slot), j, num_blocks, n_lo, key_end)
         acc = warpgroup_mma(p_op, v_bufs.index(slot), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.arrive(kv_empty.index(slot), count=1)
+        mbarrier.arrive(kv_empty.index(STAGES + slot), count=1)  # V_j read
         return acc, m_i, l_i
 
     @gluon.jit
@@ -500,6 +514,7 @@ if HAVE_GLUON:
                 if PINGPONG:
                     mbarrier.arrive(turn.index(1 - HALF), count=1)
                 s = warpgroup_mma_wait(0, deps=(s, ))
+                mbarrier.arrive(kv_empty.index(first), count=1)  # K_0 read
                 p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, n_lo, pos, f_lo, f_hi, window, qk_scale, offs_n,
                                                  HAS_WINDOW)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)  # bf16 operand now: 32 registers, not 64
@@ -521,11 +536,12 @@ if HAVE_GLUON:
                         s, p_op = warpgroup_mma_wait(1, deps=(s, p_op))
                     else:
                         s, p_op = warpgroup_mma_wait(0, deps=(s, p_op))
+                    mbarrier.arrive(kv_empty.index(slot), count=1)  # K_j read
                     p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, n_lo + j * BLOCK_N, pos, f_lo, f_hi, window,
                                                      qk_scale, offs_n, HAS_WINDOW)
                     acc = warpgroup_mma_wait(0, deps=(acc, ))
                     p_op = gl.convert_layout(p.to(dtype), p_layout)
-                    mbarrier.arrive(kv_empty.index(prev), count=1)
+                    mbarrier.arrive(kv_empty.index(STAGES + prev), count=1)  # V_{j-1} read
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
                 last = (it0 + num_blocks - 1) % STAGES
                 mbarrier.wait(v_ready.index(last), ((it0 + num_blocks - 1) // STAGES) & 1)
@@ -536,7 +552,7 @@ if HAVE_GLUON:
                 if PINGPONG:
                     mbarrier.arrive(turn.index(1 - HALF), count=1)
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
-                mbarrier.arrive(kv_empty.index(last), count=1)
+                mbarrier.arrive(kv_empty.index(STAGES + last), count=1)
         else:
             # the last block (whose V rows past the tile's last key are zeroed) is peeled off the
             # loop: a zeroing branch inside the loop body costs the packed kernel ~8% (H200)
@@ -558,14 +574,23 @@ if HAVE_GLUON:
         # epilogue: O / l (0 / -inf for rows that saw no key; NaN stays NaN), LSE in natural log
         has_mass = l_i != 0.0
         inv_l = gl.where(has_mass, 1.0 / gl.where(has_mass, l_i, 1.0), 0.0)
-        out = acc * gl.expand_dims(gl.convert_layout(inv_l, o_rows), 1)
-        m_o = HALF * BLOCK_M + gl.arange(0, BLOCK_M, layout=o_rows)
+        out = (acc * gl.expand_dims(gl.convert_layout(inv_l, o_rows), 1)).to(dtype)
+        # O goes through this half's Q tile (free: its last Q K^T has retired) so that each thread
+        # stores 16 contiguous bytes and a warp whole rows, not 4-byte pieces of the accumulator
+        # layout (Dv == the Q tile's width at D64, D128 and D192 / 128)
+        gl.static_assert(HEAD_DIM_V == HEAD_DIM)
+        q_half.store(out)
+        gl.thread_barrier()
+        st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM_V // 8), HEAD_DIM_V // 8], [4, 1], [1, 0])
+        out = q_half.load(st_layout)
+        m_o = HALF * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
         r_o = roff + m_o // G_PACK
         head_o = hg * G_PACK + m_o % G_PACK
-        d_o = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
+        d_o = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, st_layout))
         o_ptrs = Out + gl.expand_dims((row0 + r_o).to(gl.int64) * stride_om + head_o * stride_oh, 1) \
             + gl.expand_dims(d_o, 0)
-        gl.store(o_ptrs, out.to(dtype), mask=gl.expand_dims(r_o < slen, 1))
+        gl.store(o_ptrs, out, mask=gl.expand_dims(r_o < slen, 1))
+        gl.thread_barrier()  # every row read back before the next item's Q rows overwrite the tile
         if RETURN_LSE:
             lse = gl.where(has_mass, (m_i + gl.log2(gl.where(has_mass, l_i, 1.0))) * 0.6931471805599453,
                            float("-inf"))
@@ -653,11 +678,13 @@ if HAVE_GLUON:
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # stage i's K half is free at kv_empty[i], its V half at kv_empty[STAGES + i] (both consumers)
+        kv_empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)
+            mbarrier.init(kv_empty.index(STAGES + i), count=2)
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
 
@@ -714,6 +741,15 @@ def kv_descriptors(k: Tensor, v: Tensor, block_n: int):
     return k_desc, k2_desc, v_desc
 
 
+def ring_overlap(overlap: int, stages: int, gather: bool) -> int:
+    """The consumers' ``OVERLAP`` on a ring of ``stages`` K/V stages: 0 where the cp.async gather
+    loader runs on fewer than 3. That loader signals block j once block j + 1's copies are issued,
+    into the slot of block j - 1 at 2 stages, while an overlapped consumer releases ``V_{j-1}``
+    only after ``Q K_j^T``: each would wait for the other (a hang, seen on the H200 at D192 / 128,
+    page 2). The TMA loaders signal each block by its own bytes and take any overlap."""
+    return 0 if gather and stages < 3 else int(overlap)
+
+
 def kernel_constexprs(d: int, dv: int, dtype: torch.dtype, page_size: Optional[int], block_n: int = 128,
                       stages: int = 3, overlap: int = 0, pingpong: bool = False, gather: bool = False,
                       persistent: bool = False) -> dict:
@@ -722,10 +758,11 @@ def kernel_constexprs(d: int, dv: int, dtype: torch.dtype, page_size: Optional[i
     d1, d2 = split_qk_dim(d)
     gather = bool(page_size) and (gather or not paged_copy_rows(page_size, block_n))
     elem = torch.empty((), dtype=dtype).element_size()
+    stages = min(stages, max_stages(d, dv, block_n, elem))
+    overlap = ring_overlap(overlap, stages, gather)
     return dict(
         BLOCK_M=CONSUMER_ROWS, BLOCK_N=block_n, HEAD_DIM=d1, HEAD_DIM2=d2, HEAD_DIM_V=dv,
-        STAGES=min(stages, max_stages(d, dv, block_n, elem)), OVERLAP=int(overlap),
-        PINGPONG=bool(pingpong and overlap), PAGE_SIZE=page_size or 0,
+        STAGES=stages, OVERLAP=overlap, PINGPONG=bool(pingpong and overlap), PAGE_SIZE=page_size or 0,
         COPY_ROWS=paged_copy_rows(page_size, block_n) if page_size and not gather else 0,
         Q_SMEM=_smem_layout(CONSUMER_ROWS, d1, dtype), Q2_SMEM=_smem_layout(CONSUMER_ROWS, max(d2, 16), dtype),
         K_SMEM=_smem_layout(block_n, d1, dtype), K2_SMEM=_smem_layout(block_n, max(d2, 16), dtype),
