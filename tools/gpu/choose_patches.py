@@ -63,12 +63,21 @@ def _ratios(tf: dict, new: dict[str, str], old: dict[str, str], workloads: list[
             if (new[w], w) in tf and (old[w], w) in tf}
 
 
+def _tested(path: str, pattern: str, group: str, patch: str):
+    """(mean TF/s per (variant, workload), the workloads) of one script's lines, or None with the
+    reason on stderr when its test group did not pass."""
+    tf, tests = _read(path, pattern)
+    if not tests.get(group):
+        print(f"{patch}: tests not passed ({tests})", file=sys.stderr)
+        return None
+    return tf, sorted({w for _, w in tf})
+
+
 def choose_split(path: str) -> list[str]:
-    tf, tests = _read(path, r"(?P<variant>\S+ \S+) rep \d rc 0 (?P<rest>.*)")
-    if not tests.get("split"):
-        print(f"split_kv_release: tests not passed ({tests})", file=sys.stderr)
+    got = _tested(path, r"(?P<variant>\S+ \S+) rep \d rc 0 (?P<rest>.*)", "split", "split_kv_release")
+    if got is None:
         return []
-    workloads = sorted({w for _, w in tf})
+    tf, workloads = got
     d192 = [w for w in workloads if w.startswith("d192")]
     d128 = [w for w in workloads if w.startswith("d128")]
     tree = {w: "src overlap=2" if w in d128 else "src overlap=0" for w in workloads}
@@ -90,11 +99,10 @@ def choose_split(path: str) -> list[str]:
 
 
 def choose_osmem(path: str) -> list[str]:
-    tf, tests = _read(path, r"(?P<kind>short|dense) rep \d (?P<variant>\S+) rc 0 (?P<rest>.*)")
-    if not tests.get("osmem"):
-        print(f"o_smem_epilogue: tests not passed ({tests})", file=sys.stderr)
+    got = _tested(path, r"(?P<kind>short|dense) rep \d (?P<variant>\S+) rc 0 (?P<rest>.*)", "osmem", "o_smem_epilogue")
+    if got is None:
         return []
-    workloads = sorted({w for _, w in tf})
+    tf, workloads = got
     r = _ratios(tf, dict.fromkeys(workloads, "/tmp/osmem/src"), dict.fromkeys(workloads, "src"), workloads)
     if not r:
         print("o_smem_epilogue: no A/B points", file=sys.stderr)
