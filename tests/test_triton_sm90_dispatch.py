@@ -227,9 +227,9 @@ def test_persistent_auto_rule():
 
 
 def test_overlap_auto_rule():
-    """``overlap="auto"``: 2 at the head dims where the H200 measured it faster (D128) without a
-    sliding window (whose overlapped builds spill), 0 otherwise; explicit values are taken as
-    given."""
+    """``overlap="auto"``: 2 at the head dims where the H200 measured it faster (D128, D192 / 128)
+    without a sliding window (whose overlapped builds spill), 0 otherwise (D64); explicit values
+    are taken as given."""
     from cpattn.kernels.triton_backend import OVERLAP_HEAD_DIMS, SM90_OPTIONS, use_overlap
 
     assert SM90_OPTIONS["overlap"] == "auto" and {(128, 128), (192, 128)} <= set(OVERLAP_HEAD_DIMS)

@@ -54,9 +54,10 @@ SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": "auto", "pingpong": Fals
 #: (+6-10%). D192 / 128 was -9 to -20% with one release per stage; with K and V released
 #: separately (0.3.8) +1 to +7% at 16k / 64k C = 1..8 (``tools/gpu/s13a.sh``). The cp.async
 #: gather on a 2-stage ring runs 0 regardless (``triton_sm90.ring_overlap``). Not with a
-#: sliding window: none was measured, and with ``HAS_WINDOW`` the one-program-per-item ``overlap=2`` builds spill (offline ptxas,
-#: ``tools/sm90_overlap_spills.py``: 8 bytes packed with sinks, 40-80 bytes at page 16, 288-304
-#: at page 1), where ``overlap=0`` spills nothing packed or at page 16 and 48 bytes at page 1.
+#: sliding window: none was measured, and with ``HAS_WINDOW`` the one-program-per-item
+#: ``overlap=2`` builds spill (offline ptxas, ``tools/sm90_overlap_spills.py``: 8 bytes packed
+#: with sinks, 40-80 bytes at page 16, 288-304 at page 1), where ``overlap=0`` spills nothing
+#: packed or at page 16 and 48 bytes at page 1.
 OVERLAP_HEAD_DIMS = ((128, 128), (192, 128))
 
 #: ``sections="auto"`` drops the L2 head sections when their grid order makes the simulated
