@@ -8,3 +8,13 @@ make_variant() {
     patch -s -d "$dir/src" -p2 < "tools/gpu/patches/$p.patch" || { echo "patch $p failed"; exit 1; }
   done
 }
+
+# variant_hopper_tests NAME PATCH...: make_variant /tmp/NAME with the patches, then the Hopper GPU
+# tests on it (run_tests of _tests.sh, 200 s, log $OUT/gpu-tests-h200-NAME.log); the summary line
+# is also appended to $L (the lines choose_patches.py reads).
+variant_hopper_tests() {
+  local name=$1; shift
+  make_variant "/tmp/$name" "$@"
+  T=$OUT/gpu-tests-h200-$name.log; : > "$T"
+  PYTHONPATH=/tmp/$name/src:tools/gpu run_tests "$name" 200 tests/test_triton_hopper_gpu.py | tee -a "$L"
+}

@@ -11,11 +11,9 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 L=/tmp/s13a-lines.txt; : > $L  # the lines choose_patches.py reads (s13c.sh, PATCHES=auto)
 export PYTHONUNBUFFERED=1 CPATTN_TRITON_AUTOTUNE=0
-. tools/gpu/_variant.sh
-make_variant /tmp/split split_kv_release
-T=$OUT/gpu-tests-h200-split.log; : > "$T"
 . tools/gpu/_tests.sh
-PYTHONPATH=/tmp/split/src:tools/gpu run_tests split 200 tests/test_triton_hopper_gpu.py | tee -a $L
+. tools/gpu/_variant.sh
+variant_hopper_tests split split_kv_release
 for rep in 1 2; do
   for v in "src overlap=0" "src overlap=1" "src overlap=2" "/tmp/split/src overlap=0" "/tmp/split/src overlap=2" \
            "src block_n=64,stages=4,overlap=2"; do

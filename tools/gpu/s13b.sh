@@ -9,11 +9,9 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 L=/tmp/s13b-lines.txt; : > $L  # the lines choose_patches.py reads (s13c.sh, PATCHES=auto)
 export PYTHONUNBUFFERED=1 CPATTN_TRITON_AUTOTUNE=0
-. tools/gpu/_variant.sh
-make_variant /tmp/osmem o_smem_epilogue
-T=$OUT/gpu-tests-h200-osmem.log; : > "$T"
 . tools/gpu/_tests.sh
-PYTHONPATH=/tmp/osmem/src:tools/gpu run_tests osmem 200 tests/test_triton_hopper_gpu.py | tee -a $L
+. tools/gpu/_variant.sh
+variant_hopper_tests osmem o_smem_epilogue
 ab() {  # ab LABEL TREE bench-args...
   local label=$1 tree=$2; shift 2
   rm -f /tmp/g.json

@@ -17,9 +17,5 @@ export PYTHONPATH=/tmp/variant/src:$PYTHONPATH
 T=$OUT/gpu-tests-h200-s13c.log; : > "$T"
 . tools/gpu/_tests.sh
 PYTHONPATH=$PYTHONPATH:tools/gpu run_tests hopper 200 tests/test_triton_hopper_gpu.py
-timeout -s KILL 360 python3 -m cpattn.bench kernel --workloads dense,paged,mla,decode,short --shapes d128,d192 \
-  --seqs 16384,65536,131072 --cps 1,2,4,8 --pages 16,64,256 --no-interleave --backends triton,fa4 --iters 5 \
-  --short 1024x128,128x1024,64x2048,32x4096 --warmup-ms 200 --min-ms 50 \
-  --out $OUT/kernel14-fa4-h200-s13 > $OUT/kernel14-fa4-h200-s13.log 2>&1
-echo "kernel rc $? [$(date +%T)]"
-grep -E "^  " $OUT/kernel14-fa4-h200-s13.log | sed 's/(target[^)]*)//g' | cut -c1-150 | head -90
+. tools/gpu/_table14.sh
+issue14_table kernel14-fa4-h200-s13 360

@@ -1,0 +1,12 @@
+# Sourced by the GPU session scripts: issue14_table STEM LIMIT runs issue 14's whole kernel table
+# with FA4 in one run (dense / paged / MLA / decode / short, sustained timing) into $OUT/STEM.{json,
+# png,log} under a hard time limit and prints its summary lines (s12d.sh, s13c.sh).
+issue14_table() {
+  local stem=$1 limit=$2
+  timeout -s KILL "$limit" python3 -m cpattn.bench kernel --workloads dense,paged,mla,decode,short \
+    --shapes d128,d192 --seqs 16384,65536,131072 --cps 1,2,4,8 --pages 16,64,256 --no-interleave \
+    --backends triton,fa4 --iters 5 --short 1024x128,128x1024,64x2048,32x4096 --warmup-ms 200 --min-ms 50 \
+    --out "$OUT/$stem" > "$OUT/$stem.log" 2>&1
+  echo "kernel rc $? [$(date +%T)]"
+  grep -E "^  " "$OUT/$stem.log" | sed 's/(target[^)]*)//g' | cut -c1-150 | head -90
+}
