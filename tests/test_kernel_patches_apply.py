@@ -1,5 +1,6 @@
 """The kernel patches the GPU session scripts apply to a copy of the tree (through
-``tools/gpu/_variant.sh``; now ``tools/gpu/s14b.sh``'s joint K / V release) still apply, alone
+``tools/gpu/_variant.sh``; now ``tools/gpu/s14b.sh``'s joint K / V release and the named-barrier
+ring release of the twelfth session) still apply, alone
 and together, and leave Python that compiles: a patch that no longer applies would only show on
 the GPU machine, as a lost call."""
 
@@ -15,8 +16,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PATCHES = ROOT / "tools" / "gpu" / "patches"
 #: The patch sets the scripts that still apply to the tree use, in their order (split_kv_release,
-#: o_smem_epilogue and d192_overlap are in the tree since the eleventh session: records only).
-PENDING = [("joint_release_overlap0",)]
+#: o_smem_epilogue and d192_overlap are in the tree since the eleventh session, named_pingpong and
+#: pingpong_auto since the twelfth; named_barrier_release is named_ring_release's first form:
+#: records only).
+PENDING = [("joint_release_overlap0",), ("named_ring_release",)]
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None or not PATCHES.is_dir(),
                                 reason="needs git and the repository's tools/gpu/patches")

@@ -223,7 +223,29 @@ def test_persistent_auto_rule():
     assert not use_persistent("auto", 0.0, False, False)  # only pad tiles
     assert not use_persistent("auto", 1024.0, True, False)  # static plan
     assert not use_persistent("auto", 1024.0, False, True)  # pingpong
+    assert use_persistent("auto", 1024.0, False, "auto")  # pingpong "auto" yields to persistent programs
     assert use_persistent(True, 1e9, True, False) and not use_persistent(False, 1.0, False, False)
+
+
+def test_pingpong_auto_rule(interp):
+    """``pingpong="auto"`` (the default): on at D128 with overlap and one program per work item,
+    off with overlap 0 (a sliding window, say), for persistent programs and at D192 / D64, where
+    the H200 measured it no faster; True / False are taken as given; anything else is refused."""
+    import cpattn
+    from cpattn.kernels.triton_backend import PINGPONG_HEAD_DIMS, SM90_OPTIONS, use_pingpong
+
+    assert SM90_OPTIONS["pingpong"] == "auto" and PINGPONG_HEAD_DIMS == ((128, 128),)
+    assert use_pingpong("auto", 128, 128, 2, False)
+    assert use_pingpong("auto", 128, 128, 1, False)
+    assert not use_pingpong("auto", 128, 128, 0, False)
+    assert not use_pingpong("auto", 128, 128, 2, True)
+    assert not use_pingpong("auto", 192, 128, 2, False) and not use_pingpong("auto", 64, 64, 2, False)
+    assert use_pingpong(True, 192, 128, 0, False) and not use_pingpong(False, 128, 128, 2, False)
+    s = cpattn.get_strategy("zigzag", 2, pad_multiple=4)
+    meta = s.build_metadata([40], rank=0)
+    kw = dict(num_q_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, backend="triton")
+    with pytest.raises(ValueError, match="pingpong must be True, False or 'auto', got 1"):
+        s.plan_attention(meta, **kw, backend_options={"sm90": {"pingpong": 1}})
 
 
 def test_overlap_auto_rule():

@@ -3,9 +3,12 @@ mbarrier phase semantics, asynchronous TMA copies and wgmma groups), to check a 
 before it costs GPU time: no deadlock, and no K/V slot rewritten while a wgmma that reads it is
 in flight (a wgmma is modelled as reading its operand when it completes, the latest it may).
 
-Protocols: ``joint`` (the kernel's: one ``kv_empty`` per stage, released after ``P V``) and
-``split`` (``tools/gpu/patches/split_kv_release.patch``: K released after ``Q K^T``, V after
-``P V``, each ready barrier armed once its half is free); loops ``overlap`` 0 (``Q K^T``, wait,
+Protocols: ``joint`` (one ``kv_empty`` mbarrier per stage, released after ``P V``), ``split``
+(the kernel's since 0.3.8: K released after ``Q K^T``, V after ``P V``, each ready barrier armed
+once its half is free) and ``named`` (``tools/gpu/patches/named_ring_release.patch``, measured and
+not kept in the twelfth session: ``split`` with each half's "free" signal a named hardware barrier,
+consumers ``bar.arrive``, the loader ``bar.sync`` before every refill but the first pass over the
+ring); loops ``overlap`` 0 (``Q K^T``, wait,
 ``P V``, wait) and 2 (``Q K_j^T`` and ``P_{j-1} V_{j-1}`` issued together, ``wait(1)``, then
 ``wait(0)``). Work items of random block counts (0 included) run back to back on one ring, as a
 persistent program's do.
@@ -50,23 +53,56 @@ class Barrier:
         return self.phase % 2 != parity
 
 
+class NamedBarrier:
+    """Named hardware barrier between the two consumers (``bar.arrive``) and the loader
+    (``bar.sync``): an instance completes when both consumers and the loader arrived. Arrivals have
+    no phase: a consumer arriving again before the loader synced would count towards the same
+    instance, which the model reports."""
+
+    def __init__(self):
+        self.arrivals = 0
+
+    def arrive(self) -> None:
+        self.arrivals += 1
+        assert self.arrivals <= 2, "a consumer arrived twice on a named barrier the loader has not synced"
+
+    def complete(self) -> bool:
+        """Both consumers arrived: the loader's ``bar.sync`` returns (a predicate, no effect)."""
+        return self.arrivals == 2
+
+    def sync(self) -> None:
+        """The loader's ``bar.sync`` returned: the instance is over."""
+        assert self.arrivals == 2
+        self.arrivals = 0
+
+
 class Violation(Exception):
     pass
 
 
-def _loader(sim, items, stages, split, arm_v_early=False):
+def _loader(sim, items, stages, split, arm_v_early=False, named=False):
     """The loader; ``arm_v_early`` (broken, for the self-check, ``split`` only): V's ready barrier
-    armed before V's slot is free, so its arrival can land in the phase the consumers still wait on."""
+    armed before V's slot is free, so its arrival can land in the phase the consumers still wait on.
+    ``named``: the "free" signals are :class:`NamedBarrier` s, synced from the second pass on."""
     it = 0
     for n in items:
         for j in range(n):
             slot, ph = (it + j) % stages, ((it + j) // stages) & 1
-            yield lambda s=slot, p=ph: sim.free_k[s].passed(p ^ 1)
+            if named:
+                if it + j >= stages:
+                    yield lambda s=slot: sim.free_k[s].complete()
+                    sim.free_k[slot].sync()
+            else:
+                yield lambda s=slot, p=ph: sim.free_k[s].passed(p ^ 1)
             sim.ready_k[slot].expect_arrive(1)
             sim.dma(("k", slot), it + j, sim.ready_k[slot])
             if arm_v_early:
                 sim.ready_v[slot].expect_arrive(1)
-            if split:
+            if named:
+                if it + j >= stages:
+                    yield lambda s=slot: sim.free_v[s].complete()
+                    sim.free_v[slot].sync()
+            elif split:
                 yield lambda s=slot, p=ph: sim.free_v[s].passed(p ^ 1)
             if not arm_v_early:
                 sim.ready_v[slot].expect_arrive(1)
@@ -128,16 +164,18 @@ def _consumer(sim, c, items, stages, split, overlap):
 
 
 class Sim:
-    def __init__(self, rng, items, stages, split, overlap, arm_v_early=False):
+    def __init__(self, rng, items, stages, split, overlap, arm_v_early=False, named=False):
         self.rng = rng
+        split = split or named
         self.ready_k = [Barrier(1) for _ in range(stages)]
         self.ready_v = [Barrier(1) for _ in range(stages)]
-        self.free_k = [Barrier(2) for _ in range(stages)]
-        self.free_v = [Barrier(2) for _ in range(stages)] if split else self.free_k
+        free = NamedBarrier if named else (lambda: Barrier(2))
+        self.free_k = [free() for _ in range(stages)]
+        self.free_v = [free() for _ in range(stages)] if split else self.free_k
         self.smem = {}  # (half, slot) -> block held
         self.dmas = []  # (half+slot, block, barrier)
         self.groups = {0: [], 1: []}  # per consumer, in commit order: (half+slot, block)
-        procs = [_loader(self, items, stages, split, arm_v_early)] + [_consumer(self, c, items, stages, split, overlap)
+        procs = [_loader(self, items, stages, split, arm_v_early, named)] + [_consumer(self, c, items, stages, split, overlap)
                                                           for c in (0, 1)]
         self.procs = [[p, None] for p in procs]
 
@@ -186,19 +224,20 @@ class Sim:
 
 def _self_check(trials: int) -> bool:
     """The model must catch a broken protocol: the loader arming V early, and consumers releasing K before
-    their ``Q K^T`` completes (``wait_groups`` made a no-op)."""
+    their ``Q K^T`` completes (``wait_groups`` made a no-op; mbarrier and named-barrier releases)."""
     found = [_violations(trials, 2, True, 2, arm_v_early=True)]
     found.append(_violations(trials, 2, True, 0, early_k=True))
+    found.append(_violations(trials, 2, True, 2, early_k=True, named=True))
     print(f"self-check: violations found in broken protocols: {found}")
     return all(found)
 
 
 def _violations(trials: int, stages: int, split: bool, overlap: int, early_k: bool = False,
-                arm_v_early: bool = False) -> int:
+                arm_v_early: bool = False, named: bool = False) -> int:
     n = 0
     for t in range(trials):
         rng = random.Random(t)
-        sim = Sim(rng, [rng.choice([1, 3, 5, 8]) for _ in range(3)], stages, split, overlap, arm_v_early)
+        sim = Sim(rng, [rng.choice([1, 3, 5, 8]) for _ in range(3)], stages, split, overlap, arm_v_early, named)
         if early_k:  # release K at issue: pretend no wgmma is ever outstanding when waited on
             sim.outstanding = lambda c: 0
         try:
@@ -213,18 +252,17 @@ def main() -> int:
     p.add_argument("--trials", type=int, default=300)
     a = p.parse_args()
     bad = 0
-    for split in (False, True):
+    for name in ("joint", "split", "named"):
         for overlap in (0, 2):
             for stages in (2, 3, 4):
-                rng = random.Random(1000 * stages + 10 * overlap + split)
+                rng = random.Random(1000 * stages + 10 * overlap + (name != "joint"))
                 errors = []
                 for _ in range(a.trials):
                     items = [rng.choice([0, 1, 2, 3, 5, 8]) for _ in range(rng.randint(1, 4))]
                     try:
-                        Sim(rng, items, stages, split, overlap).run()
+                        Sim(rng, items, stages, name != "joint", overlap, named=name == "named").run()
                     except (Violation, AssertionError) as e:
                         errors.append(f"{items}: {e}")
-                name = "split" if split else "joint"
                 print(f"{name:5s} overlap {overlap} stages {stages}: {a.trials - len(errors)}/{a.trials} ok"
                       + (f"; first: {errors[0]}" if errors else ""))
                 bad += bool(errors)

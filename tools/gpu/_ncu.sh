@@ -6,9 +6,13 @@ ncu_dense() {
   local out=$1 backends=$2
   timeout -s KILL 400 ncu --profile-from-start off --clock-control none --section SpeedOfLight \
     --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \
-    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis -o "$out" -f \
+    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section InstructionStats -o "$out" -f \
     python3 tools/gpu/ncu_dense.py --workloads "$NCU_WORKLOADS" --backends "$backends" > /tmp/ncu.log 2>&1
   echo "ncu rc $?"; grep -E "^profiled|skipped|Error|error" /tmp/ncu.log | head -20
   ncu --import "$out.ncu-rep" --page raw --csv --metrics "$NCU_METRICS" > "$out.csv" 2>&1
   cut -c1-400 "$out.csv" | head -30
+  # every collected metric, for reading back without ncu (raw names, and the sections' pages)
+  ncu --import "$out.ncu-rep" --page raw --csv > "$out-raw.csv" 2>&1
+  ncu --import "$out.ncu-rep" --page details --csv > "$out-details.csv" 2>&1
+  ls -la "$out"*
 }

@@ -18,3 +18,17 @@ variant_hopper_tests() {
   T=$OUT/gpu-tests-h200-$name.log; : > "$T"
   PYTHONPATH=/tmp/$name/src:tools/gpu run_tests "$name" 200 tests/test_triton_hopper_gpu.py | tee -a "$L"
 }
+
+# ab LABEL TREE bench-args...: one triton run of python -m cpattn.bench kernel on the source TREE
+# (80 s limit); prints and appends to $L one line "LABEL TREE rc N workload TF/s | ..." (the lines
+# choose_patches.py and ab_ratios.py read).
+ab() {
+  local label=$1 tree=$2; shift 2
+  rm -f /tmp/g.json
+  PYTHONPATH=$tree timeout -s KILL 80 python3 -m cpattn.bench kernel --backends triton --iters 5 --out /tmp/g "$@" \
+    > /tmp/g.log 2>&1
+  local rc=$?; [ $rc = 0 ] || tail -5 /tmp/g.log
+  echo "$label $tree rc $rc $(python3 -c "
+import json; rows = json.load(open('/tmp/g.json'))
+print(' | '.join(f\"{r['workload'].replace(' zigzag', '').replace('d128 ', '')} {r['tflops']:.0f}\" for r in rows))")" | tee -a $L
+}

@@ -12,16 +12,6 @@ export PYTHONUNBUFFERED=1 CPATTN_TRITON_AUTOTUNE=0
 . tools/gpu/_tests.sh
 . tools/gpu/_variant.sh
 variant_hopper_tests osmem o_smem_epilogue
-ab() {  # ab LABEL TREE bench-args...
-  local label=$1 tree=$2; shift 2
-  rm -f /tmp/g.json
-  PYTHONPATH=$tree timeout -s KILL 80 python3 -m cpattn.bench kernel --backends triton --iters 5 --out /tmp/g "$@" \
-    > /tmp/g.log 2>&1
-  local rc=$?; [ $rc = 0 ] || tail -5 /tmp/g.log
-  echo "$label $tree rc $rc $(python3 -c "
-import json; rows = json.load(open('/tmp/g.json'))
-print(' | '.join(f\"{r['workload'].replace(' zigzag', '').replace('d128 ', '')} {r['tflops']:.0f}\" for r in rows))")" | tee -a $L
-}
 for rep in 1 2; do
   for tree in src /tmp/osmem/src; do
     ab "short rep $rep" $tree --workloads short --short 1024x128,256x512,128x1024,64x2048,32x4096

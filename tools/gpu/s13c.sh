@@ -12,10 +12,5 @@ if [ "${PATCHES:-}" = auto ]; then  # the rule of choose_patches.py over s13a / 
 fi
 make_variant /tmp/variant ${PATCHES:-}
 echo "source: tree + [${PATCHES:-}]"
-. tools/gpu/_fa4.sh
-export PYTHONPATH=/tmp/variant/src:$PYTHONPATH
-T=$OUT/gpu-tests-h200-s13c.log; : > "$T"
-. tools/gpu/_tests.sh
-PYTHONPATH=$PYTHONPATH:tools/gpu run_tests hopper 200 tests/test_triton_hopper_gpu.py
 . tools/gpu/_table14.sh
-issue14_table kernel14-fa4-h200-s13 360
+source_tests_table14 /tmp/variant/src s13c kernel14-fa4-h200-s13

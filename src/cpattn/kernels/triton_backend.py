@@ -40,11 +40,11 @@ _KERNEL_MODULE = "cpattn.kernels.triton_attn"
 
 #: Tuning of the sm_90 kernel: key block, K/V stages, FA3-style overlap (0 off, 1 paired GEMMs,
 #: 2 softmax under P V, "auto" = :func:`use_overlap`) and ping-pong between the two consumer
-#: warpgroups (with overlap; not measured faster on H200; docs/kernels.md has the numbers),
+#: warpgroups (with overlap, not with persistent programs; "auto" = :func:`use_pingpong`),
 #: persistent programs (one per SM walking every work item: True, False, or "auto" =
 #: :func:`use_persistent`), L2 head sections (True: as ``heads_per_l2_section`` plans them,
 #: False: one section, "auto": :func:`use_sections`).
-SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": "auto", "pingpong": False, "persistent": "auto",
+SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": "auto", "pingpong": "auto", "persistent": "auto",
                 "sections": "auto"}
 
 #: ``overlap="auto"`` runs ``overlap=2`` at these (head_dim, head_dim_v) and 0 elsewhere. H200,
@@ -59,6 +59,13 @@ SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": "auto", "pingpong": Fals
 #: with sinks, 40-80 bytes at page 16, 288-304 at page 1), where ``overlap=0`` spills nothing
 #: packed or at page 16 and 48 bytes at page 1.
 OVERLAP_HEAD_DIMS = ((128, 128), (192, 128))
+
+#: ``pingpong="auto"`` makes the two consumer warpgroups take turns issuing their GEMMs at these
+#: (head_dim, head_dim_v), with ``overlap`` on and one program per work item (FA3 / FA4 do so at
+#: D <= 128). H200, 2026-12-02, sustained timing, two interleaved repeats (``tools/gpu/s16c.sh``,
+#: named-barrier turns): D128 zigzag 16k / 64k C = 1..8 geomean +1.3% (0.99-1.03 per point),
+#: paged 64k C = 2 +0.4%; D192 / 128 +0.7% (0.99-1.04), below the +1% the rule asked for: off.
+PINGPONG_HEAD_DIMS = ((128, 128),)
 
 #: ``sections="auto"`` drops the L2 head sections when their grid order makes the simulated
 #: makespan this much longer than heaviest-first with head groups fastest. H200, d192 zigzag,
@@ -82,7 +89,16 @@ def use_persistent(option, mean_keys: float, static: bool, pingpong: bool) -> bo
     (whose batches differ between replays) or with ``pingpong`` (whose turn-taking restarts per
     work item)."""
     if option == "auto":
-        return not static and not pingpong and 0 < mean_keys <= PERSISTENT_MAX_MEAN_KEYS
+        return not static and pingpong is not True and 0 < mean_keys <= PERSISTENT_MAX_MEAN_KEYS
+    return bool(option)
+
+
+def use_pingpong(option, head_dim: int, head_dim_v: int, overlap: int, persistent: bool) -> bool:
+    """Whether the dense sm90 kernel's consumers take turns issuing their GEMMs. ``option``: the
+    ``pingpong`` sm90 option; "auto" is on at :data:`PINGPONG_HEAD_DIMS` when ``overlap`` is on
+    and the programs are not ``persistent``; True / False are taken as given."""
+    if option == "auto":
+        return (head_dim, head_dim_v) in PINGPONG_HEAD_DIMS and overlap > 0 and not persistent
     return bool(option)
 
 
@@ -207,7 +223,7 @@ class _TritonRun:
         if bad:
             raise ValueError(f"unknown backend_options sm90 keys {sorted(bad)} (known: {sorted(SM90_OPTIONS)})")
         self.sm90_options = {**SM90_OPTIONS, **dict(options.get("sm90", {}))}
-        for name in ("persistent", "sections"):
+        for name in ("persistent", "sections", "pingpong"):
             value = self.sm90_options[name]
             if not (value == "auto" or isinstance(value, bool)):
                 raise ValueError(f"backend_options sm90 {name} must be True, False or 'auto', got {value!r}")
@@ -216,7 +232,7 @@ class _TritonRun:
                                       and overlap in (0, 1, 2))):
             raise ValueError(f"backend_options sm90 overlap must be 0, 1, 2 or 'auto', got {overlap!r}")
         persistent = self.sm90_options["persistent"]
-        if persistent is True and self.sm90_options["pingpong"]:
+        if persistent is True and self.sm90_options["pingpong"] is True:
             raise ValueError("backend_options sm90: persistent runs without pingpong")
         self.reasons = {"portable": None}
         for name, fam_reason, fam_block in (
@@ -286,6 +302,7 @@ class _TritonRun:
         #: simulated loss (1.0 where it was not simulated)
         self.persistent = False
         self.overlap = 0
+        self.pingpong = False
         self.sections = True
         self.heads_per_section = section
         self.section_loss = 1.0
@@ -294,8 +311,9 @@ class _TritonRun:
             opts = self.sm90_options
             self.persistent = use_persistent(opts["persistent"], tiles.mean_keys, meta.is_static, opts["pingpong"])
             self.overlap = use_overlap(opts["overlap"], d, dv, spec.window_left >= 0)
+            self.pingpong = use_pingpong(opts["pingpong"], d, dv, self.overlap, self.persistent)
             self._fast_options = {k_: v_ for k_, v_ in opts.items() if k_ != "sections"}
-            self._fast_options.update(persistent=self.persistent, overlap=self.overlap)
+            self._fast_options.update(persistent=self.persistent, overlap=self.overlap, pingpong=self.pingpong)
             sms = torch.cuda.get_device_properties(meta.device).multi_processor_count
             if self.persistent:  # one resident program per SM (one fits per SM)
                 self.fast_grid = (max(1, min(self.grid[0], sms)),)

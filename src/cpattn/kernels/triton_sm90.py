@@ -14,7 +14,8 @@ one segment x ``G_PACK`` heads of one KV group), organised the way FA3 runs on H
   measured on H200): ``OVERLAP`` 1 issues ``P_{j-1} V_{j-1}`` and the next block's ``Q K^T``
   back to back, 2 also runs the softmax while ``P V`` is in flight (FA3's intra-warpgroup
   overlap; the plan's default at D128 and D192); ``PINGPONG`` (with ``OVERLAP``, not with
-  ``PERSISTENT``) makes the consumers take turns issuing their GEMMs.
+  ``PERSISTENT``; the plan's default at D128) makes the consumers take turns issuing their GEMMs
+  through two named hardware barriers (``bar.sync`` / ``bar.arrive``, as FA3 does).
 
 Programs walk the tile map by L2 head sections (see ``triton_attn.heads_per_l2_section``).
 
@@ -239,6 +240,39 @@ if HAVE_GLUON:
             last = (it0 + num_blocks - 1) % STAGES
             mbarrier.arrive(k_ready.index(last), count=1)
             mbarrier.arrive(v_ready.index(last), count=1)
+
+    @gluon.jit
+    def _ws_bar(id, count, SYNC: gl.constexpr):
+        """Named hardware barrier ``id`` of ``count`` threads, for every thread of the calling
+        partition: SYNC, ``bar.sync`` (wait until ``count`` threads arrived, this partition's
+        included), else ``bar.arrive`` (count this partition in, do not wait). Per-thread inline
+        PTX: Triton's mbarrier arrive / wait come with a warpgroup ``bar.sync`` each."""
+        NW: gl.constexpr = gl.num_warps()
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        ids = gl.full([32 * NW], 0, gl.int32, layout) + id
+        counts = gl.full([32 * NW], 0, gl.int32, layout) + count
+        if SYNC:
+            gl.inline_asm_elementwise("bar.sync $1, $2;\n\tmov.b32 $0, 0;", "=r,r,r", [ids, counts], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        else:
+            gl.inline_asm_elementwise("bar.arrive $1, $2;\n\tmov.b32 $0, 0;", "=r,r,r", [ids, counts],
+                                      dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _ws_turn(turn, HALF: gl.constexpr, MINE: gl.constexpr):
+        """PINGPONG: consumer HALF waits for its turn to issue GEMMs (MINE), or hands the turn to
+        the other consumer (named barriers ``turn + HALF``, 2 x 128 threads; consumer 0 goes first:
+        see :func:`_ws_turn_start`)."""
+        if MINE:
+            _ws_bar(turn + HALF, 256, True)
+        else:
+            _ws_bar(turn + 1 - HALF, 256, False)
+
+    @gluon.jit
+    def _ws_turn_start(turn, HALF: gl.constexpr):
+        """Consumer 0 counts itself in on its own turn barrier once, so its first wait passes."""
+        if HALF == 0:
+            _ws_bar(turn, 256, False)
 
     @gluon.jit
     def _ws_rounds(sched):
@@ -509,10 +543,11 @@ if HAVE_GLUON:
                 first = it0 % STAGES
                 mbarrier.wait(k_ready.index(first), (it0 // STAGES) & 1)
                 if PINGPONG:
-                    mbarrier.wait(turn.index(HALF), HALF ^ 1)
+                    _ws_turn_start(turn, HALF)
+                    _ws_turn(turn, HALF, True)
                 s = _ws_qk(q_half, q2_half, k_bufs.index(first), k2_bufs.index(first), s_zero, HEAD_DIM2)
                 if PINGPONG:
-                    mbarrier.arrive(turn.index(1 - HALF), count=1)
+                    _ws_turn(turn, HALF, False)
                 s = warpgroup_mma_wait(0, deps=(s, ))
                 mbarrier.arrive(kv_empty.index(first), count=1)  # K_0 read
                 p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, n_lo, pos, f_lo, f_hi, window, qk_scale, offs_n,
@@ -526,11 +561,11 @@ if HAVE_GLUON:
                     mbarrier.wait(k_ready.index(slot), ((it0 + j) // STAGES) & 1)
                     mbarrier.wait(v_ready.index(prev), ((it0 + j - 1) // STAGES) & 1)
                     if PINGPONG:  # the two consumers take turns issuing their GEMMs
-                        mbarrier.wait(turn.index(HALF), (j & 1) ^ HALF ^ 1)
+                        _ws_turn(turn, HALF, True)
                     s = _ws_qk(q_half, q2_half, k_bufs.index(slot), k2_bufs.index(slot), s_zero, HEAD_DIM2)
                     acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
                     if PINGPONG:
-                        mbarrier.arrive(turn.index(1 - HALF), count=1)
+                        _ws_turn(turn, HALF, False)
                     # OVERLAP 2: softmax_j runs while P_{j-1} V_{j-1} is in flight; 1: after both GEMMs
                     if OVERLAP == 2:
                         s, p_op = warpgroup_mma_wait(1, deps=(s, p_op))
@@ -547,10 +582,10 @@ if HAVE_GLUON:
                 mbarrier.wait(v_ready.index(last), ((it0 + num_blocks - 1) // STAGES) & 1)
                 _ws_fix_last_v(v_bufs.index(last), num_blocks - 1, num_blocks, n_lo, key_end)
                 if PINGPONG:
-                    mbarrier.wait(turn.index(HALF), (num_blocks & 1) ^ HALF ^ 1)
+                    _ws_turn(turn, HALF, True)
                 acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
                 if PINGPONG:
-                    mbarrier.arrive(turn.index(1 - HALF), count=1)
+                    _ws_turn(turn, HALF, False)
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
                 mbarrier.arrive(kv_empty.index(STAGES + last), count=1)
         else:
@@ -675,7 +710,6 @@ if HAVE_GLUON:
             q2_smem = q_smem
             k2_bufs = k_bufs
         v_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DIM_V], V_SMEM)
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         # stage i's K half is free at kv_empty[i], its V half at kv_empty[STAGES + i] (both consumers)
@@ -685,11 +719,13 @@ if HAVE_GLUON:
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)
             mbarrier.init(kv_empty.index(STAGES + i), count=2)
-        for i in gl.static_range(2):
-            mbarrier.init(turn.index(i), count=1)
 
         # partition arguments (scalars and shared-memory handles only): buffers, K/V stream, rows,
         # and what locates a work item (tile x head group)
+        # PINGPONG's turn barriers: named barriers 14 - 2 * STAGES and 15 - 2 * STAGES, above the
+        # ids Triton's partitions use (and below those tools/gpu/patches/named_ring_release.patch
+        # gives the K/V ring)
+        turn = 14 - 2 * STAGES
         smem = (q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, k_ready, v_ready, kv_empty, turn)
         zero = gl.program_id(0) * 0
         gather = (K, V, stride_kp, stride_kn, stride_vp, stride_vn)
