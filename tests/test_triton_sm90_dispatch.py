@@ -41,7 +41,7 @@ def test_every_page_size_is_taken(page):
     """TMA copy groups where gcd(page, 128) >= 8, the cp.async gather otherwise: only the device
     is refused here."""
     reason = sm90.unsupported_reason(128, 128, torch.bfloat16, page, CPU)
-    assert reason == "not an sm_90 GPU" or reason.startswith("Gluon unavailable")
+    assert reason == "not an sm_90 GPU" or reason.startswith(("Gluon unavailable", "Gluon API"))
 
 
 def test_paged_copy_rows():
@@ -86,7 +86,7 @@ def test_kv_layout_must_be_tma_compatible():
 @pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (192, 128)])
 def test_supported_shape_on_cpu_is_refused_for_the_device(d, dv):
     reason = sm90.unsupported_reason(d, dv, torch.bfloat16, False, CPU)
-    assert reason == "not an sm_90 GPU" or reason.startswith("Gluon unavailable")
+    assert reason == "not an sm_90 GPU" or reason.startswith(("Gluon unavailable", "Gluon API"))
 
 
 def test_qk_split_and_stage_budget():
@@ -95,6 +95,20 @@ def test_qk_split_and_stage_budget():
     assert sm90.max_stages(128, 128, 128) == 3  # 32 KiB Q + 3 x 64 KiB K/V
     assert sm90.max_stages(192, 128, 128) == 2  # 48 KiB Q + 2 x 80 KiB K/V
     assert sm90.max_stages(192, 128, 64) == 4  # 48 KiB Q + 4 x 40 KiB K/V (the ring's cap)
+
+
+def test_gluon_api_other_than_the_kernels_is_reported_not_launched():
+    """The Hopper kernels are written against triton 3.5 / 3.6's Gluon; a Gluon without its calls
+    (triton 3.9: no ``gl.thread_barrier``) is a reason the families cannot run (the portable
+    kernel then does), not a compile error at the first launch; this triton's answer agrees."""
+    from types import SimpleNamespace
+
+    assert common.gluon_api_reason(SimpleNamespace(thread_barrier=None), "3.6.0") is None
+    reason = common.gluon_api_reason(SimpleNamespace(barrier=None), "3.9.0")
+    assert reason.startswith("Gluon API of triton 3.9.0") and "thread_barrier" in reason
+    if common.GLUON_API_REASON is not None:  # this triton's Gluon is not the kernels'
+        assert not common.HAVE_GLUON
+        assert common.hopper_reason(torch.bfloat16, torch.device("cpu")) == common.GLUON_API_REASON
 
 
 def test_gather_loader_on_two_stages_runs_without_overlap():
@@ -131,7 +145,7 @@ def test_mla_unsupported_plans_name_the_reason(d, dv, hkv, dtype, page, expect):
 @pytest.mark.parametrize("page", [None, 8, 16, 64, 256])
 def test_mla_supported_shape_on_cpu_is_refused_for_the_device(page):
     reason = mla.unsupported_reason(576, 512, 1, torch.bfloat16, page, CPU)
-    assert reason == "not an sm_90 GPU" or reason.startswith("Gluon unavailable")
+    assert reason == "not an sm_90 GPU" or reason.startswith(("Gluon unavailable", "Gluon API"))
 
 
 def test_mla_layout_needs_v_to_view_k():

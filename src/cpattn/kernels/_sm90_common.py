@@ -2,8 +2,10 @@
 :mod:`.triton_mla` absorbed MLA): the online-softmax step, paged-cache row lookup for TMA, and
 zeroing of key rows past a tile's last key. Not a kernel family: holds no kernel and no launch.
 
-``HAVE_GLUON`` is False where Gluon is missing (triton < 3.5) or triton was loaded for the CPU
-interpreter; the families then report themselves unsupported and the portable kernel runs.
+``HAVE_GLUON`` is False where Gluon is missing (triton < 3.5), triton was loaded for the CPU
+interpreter, or its Gluon API is not the one the kernels are written for
+(:func:`gluon_api_reason`); the families then report themselves unsupported and the portable
+kernel runs.
 """
 
 from __future__ import annotations
@@ -16,12 +18,27 @@ from typing import Optional
 
 import torch
 
+
+def gluon_api_reason(gl_module, version: str) -> Optional[str]:
+    """Why the Hopper kernels cannot compile with this Gluon (None if they can). They are written
+    against triton 3.5 / 3.6's Gluon (the GPU machine's); triton 3.9 renamed or removed calls they
+    use (``gl.thread_barrier`` is ``gl.barrier``, ``tma.async_copy_global_to_shared`` became
+    ``async_load``), so such a triton would fail at the first launch: it is reported here and the
+    portable kernel runs instead."""
+    if not hasattr(gl_module, "thread_barrier"):
+        return f"Gluon API of triton {version} (the Hopper kernels use triton 3.5-3.6's: no gl.thread_barrier)"
+    return None
+
+
+GLUON_API_REASON: Optional[str] = None
 try:  # Gluon ships with triton >= 3.5
+    import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
-    HAVE_GLUON = True
+    GLUON_API_REASON = gluon_api_reason(gl, triton.__version__)
+    HAVE_GLUON = GLUON_API_REASON is None
 except (ImportError, AssertionError):  # triton < 3.5, or triton loaded for the CPU interpreter
     HAVE_GLUON = False
 
@@ -39,7 +56,7 @@ def hopper_reason(dtype: torch.dtype, device: torch.device) -> Optional[str]:
     if dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {dtype} (needs bf16 or fp16)"
     if not HAVE_GLUON:
-        return "Gluon unavailable (needs triton >= 3.5, not in interpreter mode)"
+        return GLUON_API_REASON or "Gluon unavailable (needs triton >= 3.5, not in interpreter mode)"
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return "not an sm_90 GPU"
     return None
