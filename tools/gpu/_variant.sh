@@ -1,4 +1,13 @@
-# Sourced by the GPU session scripts: make_variant DIR [PATCH...] copies src to DIR/src and applies
+# Sourced by the GPU session scripts (A/B calls start with ". tools/gpu/_variant.sh; ab_session FILE").
+# ab_session FILE: the timing settings every A/B call uses, run_tests (_tests.sh), and FILE (emptied)
+# as $L, the file the saved lines go to (choose_patches.py, ab_ratios.py, choose_s16.py read it).
+ab_session() {
+  L=$1; : > "$L"
+  export PYTHONUNBUFFERED=1 CPATTN_TRITON_AUTOTUNE=0
+  . tools/gpu/_tests.sh
+}
+
+# make_variant DIR [PATCH...] copies src to DIR/src and applies
 # the named patches of tools/gpu/patches/ in order (tests/test_kernel_patches_apply.py checks they
 # apply); exits the script if one does not.
 make_variant() {

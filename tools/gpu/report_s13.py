@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 
 from choose_patches import _points
-from report_s9 import write_ab
+from report_s9 import ab_line_rows, write_ab
 
 D = Path("docs/benchmarks/s13")
 TREES = {"src": "tree", "/tmp/split/src": "split release", "/tmp/osmem/src": "O via Q tile"}
@@ -35,13 +35,7 @@ def rows() -> list[dict]:
             for w, tf in _points(m.group(4)).items():
                 out.append(dict(ab=f"{w.split()[0]} ring release", workload=w, variant=variant, rep=int(m.group(3)),
                                 tflops=tf))
-    for line in (D / "s13b-stdout.log").read_text().splitlines():
-        m = re.match(r"(short|dense) rep (\d) (\S+) rc 0 (.*)", line)
-        if m:
-            for w, tf in _points(m.group(4)).items():
-                w = w if w.startswith("d192") or "x" in w else f"d128 {w}"
-                out.append(dict(ab=f"{m.group(1)}: O epilogue", workload=w, variant=TREES[m.group(3)],
-                                rep=int(m.group(2)), tflops=tf))
+    out += ab_line_rows(D / "s13b-stdout.log", lambda group: f"{group}: O epilogue", TREES)
     for line in (D / "s14b-stdout.log").read_text().splitlines():
         m = re.match(r"(\S+) overlap=0 rep (\d) rc 0 (.*)", line)
         if m:

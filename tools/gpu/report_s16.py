@@ -15,11 +15,9 @@ Run from the repository root: ``PYTHONPATH=tools/gpu python tools/gpu/report_s16
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-from choose_patches import _points
-from report_s9 import write_ab
+from report_s9 import ab_line_rows, write_ab
 
 D = Path("docs/benchmarks/s16")
 TREES = {"src": "tree", "/tmp/nb/src": "named ring release", "/tmp/ppa/src": "named ping-pong",
@@ -27,16 +25,8 @@ TREES = {"src": "tree", "/tmp/nb/src": "named ring release", "/tmp/ppa/src": "na
 
 
 def rows() -> list[dict]:
-    out = []
-    for call in ("s16a", "s16c"):
-        for line in (D / f"{call}-stdout.log").read_text().splitlines():
-            m = re.match(r"(\S+) rep (\d) (\S+) rc 0 (.*)", line)
-            if m:
-                for w, tf in _points(m.group(4)).items():
-                    w = w if w.startswith("d192") or "x" in w else f"d128 {w}"
-                    out.append(dict(ab=f"{call} {m.group(1)}", workload=w, variant=TREES[m.group(3)],
-                                    rep=int(m.group(2)), tflops=tf))
-    return out
+    return [r for call in ("s16a", "s16c")
+            for r in ab_line_rows(D / f"{call}-stdout.log", lambda group, call=call: f"{call} {group}", TREES)]
 
 
 def main() -> None:

@@ -92,6 +92,23 @@ def plot_ab(data: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def ab_line_rows(path: Path, ab_name, trees: dict[str, str]) -> list[dict]:
+    """Rows of the lines ``_variant.sh``'s ``ab`` saved at ``path`` ("GROUP rep N TREE rc 0
+    workload TF/s | ...", d128 workloads named without their head dim): ``ab`` =
+    ``ab_name(GROUP)``, ``variant`` = ``trees[TREE]``."""
+    from choose_patches import _points
+
+    out = []
+    for line in path.read_text().splitlines():
+        m = re.match(r"(\S+) rep (\d) (\S+) rc 0 (.*)", line)
+        if m:
+            for w, tf in _points(m.group(4)).items():
+                w = w if w.startswith("d192") or "x" in w else f"d128 {w}"
+                out.append(dict(ab=ab_name(m.group(1)), workload=w, variant=trees[m.group(3)], rep=int(m.group(2)),
+                                tflops=tf))
+    return out
+
+
 def write_ab(data: list[dict], stem: Path, title: str) -> None:
     """``stem``.json (the rows) and ``stem``.png (:func:`plot_ab`)."""
     stem.with_suffix(".json").write_text(json.dumps(data, indent=1))

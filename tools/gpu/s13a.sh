@@ -9,10 +9,8 @@
 # stages; offline no spills), d128 + d192 dense at 16k / 64k, sustained timing, two repeats.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-L=/tmp/s13a-lines.txt; : > $L  # the lines choose_patches.py reads (s13c.sh, PATCHES=auto)
-export PYTHONUNBUFFERED=1 CPATTN_TRITON_AUTOTUNE=0
-. tools/gpu/_tests.sh
 . tools/gpu/_variant.sh
+ab_session /tmp/s13a-lines.txt
 variant_hopper_tests split split_kv_release
 for rep in 1 2; do
   for v in "src overlap=0" "src overlap=1" "src overlap=2" "/tmp/split/src overlap=0" "/tmp/split/src overlap=2" \

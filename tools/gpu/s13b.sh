@@ -7,10 +7,8 @@
 # repeats; (3) FA4 stage 1 for s13c.sh (the next call, within 30 s).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-L=/tmp/s13b-lines.txt; : > $L  # the lines choose_patches.py reads (s13c.sh, PATCHES=auto)
-export PYTHONUNBUFFERED=1 CPATTN_TRITON_AUTOTUNE=0
-. tools/gpu/_tests.sh
 . tools/gpu/_variant.sh
+ab_session /tmp/s13b-lines.txt
 variant_hopper_tests osmem o_smem_epilogue
 for rep in 1 2; do
   for tree in src /tmp/osmem/src; do

@@ -9,10 +9,8 @@
 # ratios per group (tools/gpu/ab_ratios.py); (4) FA4 stage 1 for s16b.sh (the next call).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-L=/tmp/s16a-lines.txt; : > $L
-export PYTHONUNBUFFERED=1 CPATTN_TRITON_AUTOTUNE=0
-. tools/gpu/_tests.sh
 . tools/gpu/_variant.sh
+ab_session /tmp/s16a-lines.txt
 variant_hopper_tests nb named_barrier_release
 for rep in 1 2; do
   for tree in src /tmp/nb/src; do

@@ -9,10 +9,8 @@
 # (3) choose_s16.py's verdict into /tmp/s16-choice.txt for s16d.sh; (4) FA4 stage 1.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-L=/tmp/s16c-lines.txt; : > $L
-export PYTHONUNBUFFERED=1 CPATTN_TRITON_AUTOTUNE=0
-. tools/gpu/_tests.sh
 . tools/gpu/_variant.sh
+ab_session /tmp/s16c-lines.txt
 variant_hopper_tests ppa named_pingpong pingpong_auto
 make_variant /tmp/ppnb named_pingpong named_ring_release pingpong_auto
 for rep in 1 2; do

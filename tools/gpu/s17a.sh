@@ -7,9 +7,8 @@
 # program per item (which now ping-pongs). Two interleaved repeats each.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-L=/tmp/s17a-lines.txt; : > $L
-export PYTHONUNBUFFERED=1 CPATTN_TRITON_AUTOTUNE=0
 . tools/gpu/_variant.sh
+ab_session /tmp/s17a-lines.txt
 for rep in 1 2; do
   for st in 3 2; do
     ab "stages$st rep $rep" src --workloads dense --shapes d128 --seqs 16384,65536 --cps 1,2,4 --no-interleave \

@@ -259,14 +259,15 @@ if HAVE_GLUON:
                                       dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _ws_turn(turn, HALF: gl.constexpr, MINE: gl.constexpr):
-        """PINGPONG: consumer HALF waits for its turn to issue GEMMs (MINE), or hands the turn to
-        the other consumer (named barriers ``turn + HALF``, 2 x 128 threads; consumer 0 goes first:
-        see :func:`_ws_turn_start`)."""
-        if MINE:
-            _ws_bar(turn + HALF, 256, True)
-        else:
-            _ws_bar(turn + 1 - HALF, 256, False)
+    def _ws_turn_wait(turn, HALF: gl.constexpr):
+        """PINGPONG: consumer HALF waits for its turn to issue GEMMs (named barrier ``turn + HALF``,
+        2 x 128 threads; consumer 0 goes first: see :func:`_ws_turn_start`)."""
+        _ws_bar(turn + HALF, 256, True)
+
+    @gluon.jit
+    def _ws_turn_pass(turn, HALF: gl.constexpr):
+        """PINGPONG: consumer HALF hands the turn to the other consumer."""
+        _ws_bar(turn + 1 - HALF, 256, False)
 
     @gluon.jit
     def _ws_turn_start(turn, HALF: gl.constexpr):
@@ -544,10 +545,10 @@ if HAVE_GLUON:
                 mbarrier.wait(k_ready.index(first), (it0 // STAGES) & 1)
                 if PINGPONG:
                     _ws_turn_start(turn, HALF)
-                    _ws_turn(turn, HALF, True)
+                    _ws_turn_wait(turn, HALF)
                 s = _ws_qk(q_half, q2_half, k_bufs.index(first), k2_bufs.index(first), s_zero, HEAD_DIM2)
                 if PINGPONG:
-                    _ws_turn(turn, HALF, False)
+                    _ws_turn_pass(turn, HALF)
                 s = warpgroup_mma_wait(0, deps=(s, ))
                 mbarrier.arrive(kv_empty.index(first), count=1)  # K_0 read
                 p, alpha, m_i, l_i = _ws_softmax(s, m_i, l_i, n_lo, pos, f_lo, f_hi, window, qk_scale, offs_n,
@@ -561,11 +562,11 @@ if HAVE_GLUON:
                     mbarrier.wait(k_ready.index(slot), ((it0 + j) // STAGES) & 1)
                     mbarrier.wait(v_ready.index(prev), ((it0 + j - 1) // STAGES) & 1)
                     if PINGPONG:  # the two consumers take turns issuing their GEMMs
-                        _ws_turn(turn, HALF, True)
+                        _ws_turn_wait(turn, HALF)
                     s = _ws_qk(q_half, q2_half, k_bufs.index(slot), k2_bufs.index(slot), s_zero, HEAD_DIM2)
                     acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
                     if PINGPONG:
-                        _ws_turn(turn, HALF, False)
+                        _ws_turn_pass(turn, HALF)
                     # OVERLAP 2: softmax_j runs while P_{j-1} V_{j-1} is in flight; 1: after both GEMMs
                     if OVERLAP == 2:
                         s, p_op = warpgroup_mma_wait(1, deps=(s, p_op))
@@ -582,10 +583,10 @@ if HAVE_GLUON:
                 mbarrier.wait(v_ready.index(last), ((it0 + num_blocks - 1) // STAGES) & 1)
                 _ws_fix_last_v(v_bufs.index(last), num_blocks - 1, num_blocks, n_lo, key_end)
                 if PINGPONG:
-                    _ws_turn(turn, HALF, True)
+                    _ws_turn_wait(turn, HALF)
                 acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
                 if PINGPONG:
-                    _ws_turn(turn, HALF, False)
+                    _ws_turn_pass(turn, HALF)
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
                 mbarrier.arrive(kv_empty.index(STAGES + last), count=1)
         else:
