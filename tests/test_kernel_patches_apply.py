@@ -1,6 +1,7 @@
 """The kernel patches the GPU session scripts apply to a copy of the tree (through
-``tools/gpu/_variant.sh``; now ``tools/gpu/s14b.sh``'s joint K / V release and the named-barrier
-ring release of the twelfth session) still apply, alone
+``tools/gpu/_variant.sh``; now ``tools/gpu/s14b.sh``'s joint K / V release, the named-barrier
+ring release of the twelfth session, the thirteenth's persistent ping-pong and softmax under
+``P V``) still apply, alone
 and together, and leave Python that compiles: a patch that no longer applies would only show on
 the GPU machine, as a lost call."""
 
@@ -19,7 +20,7 @@ PATCHES = ROOT / "tools" / "gpu" / "patches"
 #: o_smem_epilogue and d192_overlap are in the tree since the eleventh session, named_pingpong and
 #: pingpong_auto since the twelfth; named_barrier_release is named_ring_release's first form:
 #: records only).
-PENDING = [("joint_release_overlap0",), ("named_ring_release",)]
+PENDING = [("joint_release_overlap0",), ("named_ring_release",), ("persistent_pingpong",), ("softmax_under_pv",)]
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None or not PATCHES.is_dir(),
                                 reason="needs git and the repository's tools/gpu/patches")

@@ -13,6 +13,14 @@ ring); loops ``overlap`` 0 (``Q K^T``, wait,
 ``wait(0)``). Work items of random block counts (0 included) run back to back on one ring, as a
 persistent program's do.
 
+Ping-pong (``overlap`` 2 only): the consumers take turns issuing their GEMMs through two named
+barriers (:class:`TurnBarrier`; consumer c syncs on turn c, then arrives on the other's), consumer
+0's first turn granted by its own arrival at the start of every item with key blocks
+(``pingpong="item"``, the kernel's: it ping-pongs with one item per program only, and the
+self-check shows the rule breaks on a persistent program's second item) or once per program
+(``"program"``: ``tools/gpu/patches/persistent_pingpong.patch``, which lets persistent programs
+ping-pong; measured in the thirteenth session and not kept).
+
 ``python tools/ring_protocol_sim.py [--trials N]``: prints one line per (protocol, overlap,
 stages) and exits non-zero on any violation, or when its self-check (two broken protocols) finds
 none. A model of the protocol, not of the kernel's code."""
@@ -76,6 +84,23 @@ class NamedBarrier:
         self.arrivals = 0
 
 
+class TurnBarrier:
+    """A consumer's ping-pong turn: named barrier of 2 x 128 threads, one consumer ``bar.arrive``
+    and the owner's ``bar.sync``. Two arrivals before the sync would complete an instance without
+    its owner (the turn order lost), which the model reports."""
+
+    def __init__(self):
+        self.arrivals = 0
+
+    def arrive(self) -> None:
+        self.arrivals += 1
+        assert self.arrivals <= 1, "two arrivals on a turn barrier before its owner synced"
+
+    def sync(self) -> None:
+        assert self.arrivals == 1
+        self.arrivals = 0
+
+
 class Violation(Exception):
     pass
 
@@ -110,10 +135,22 @@ def _loader(sim, items, stages, split, arm_v_early=False, named=False):
         it += n
 
 
-def _consumer(sim, c, items, stages, split, overlap):
+def _consumer(sim, c, items, stages, split, overlap, pingpong=None):
     it = 0
     free_k = sim.free_k
     free_v = sim.free_v if split else sim.free_k
+    turn = sim.turn
+
+    def take_turn():
+        """Wait for this consumer's turn (the caller issues its GEMMs, then :func:`pass_turn`)."""
+        yield lambda: turn[c].arrivals == 1
+        turn[c].sync()
+
+    def pass_turn():
+        turn[1 - c].arrive()
+
+    if pingpong == "program" and c == 0:
+        turn[0].arrive()
 
     def wait_ready(bar, b):
         return lambda: bar[b % stages].passed((b // stages) & 1)
@@ -140,7 +177,13 @@ def _consumer(sim, c, items, stages, split, overlap):
                 free_v[b % stages].arrive()
         elif n > 0:
             yield wait_ready(sim.ready_k, it)
+            if pingpong == "item" and c == 0:
+                turn[0].arrive()
+            if pingpong:
+                yield from take_turn()
             mma("k", it)
+            if pingpong:
+                pass_turn()
             yield wait_groups(0)
             if split:
                 free_k[it % stages].arrive()
@@ -148,8 +191,12 @@ def _consumer(sim, c, items, stages, split, overlap):
                 b = it + j
                 yield wait_ready(sim.ready_k, b)
                 yield wait_ready(sim.ready_v, b - 1)
+                if pingpong:
+                    yield from take_turn()
                 mma("k", b)
                 mma("v", b - 1)
+                if pingpong:
+                    pass_turn()
                 yield wait_groups(1)
                 if split:
                     free_k[b % stages].arrive()
@@ -157,15 +204,20 @@ def _consumer(sim, c, items, stages, split, overlap):
                 free_v[(b - 1) % stages].arrive()
             last = it + n - 1
             yield wait_ready(sim.ready_v, last)
+            if pingpong:
+                yield from take_turn()
             mma("v", last)
+            if pingpong:
+                pass_turn()
             yield wait_groups(0)
             free_v[last % stages].arrive()
         it += n
 
 
 class Sim:
-    def __init__(self, rng, items, stages, split, overlap, arm_v_early=False, named=False):
+    def __init__(self, rng, items, stages, split, overlap, arm_v_early=False, named=False, pingpong=None):
         self.rng = rng
+        self.turn = [TurnBarrier(), TurnBarrier()]
         split = split or named
         self.ready_k = [Barrier(1) for _ in range(stages)]
         self.ready_v = [Barrier(1) for _ in range(stages)]
@@ -175,8 +227,8 @@ class Sim:
         self.smem = {}  # (half, slot) -> block held
         self.dmas = []  # (half+slot, block, barrier)
         self.groups = {0: [], 1: []}  # per consumer, in commit order: (half+slot, block)
-        procs = [_loader(self, items, stages, split, arm_v_early, named)] + [_consumer(self, c, items, stages, split, overlap)
-                                                          for c in (0, 1)]
+        procs = [_loader(self, items, stages, split, arm_v_early, named)] + \
+            [_consumer(self, c, items, stages, split, overlap, pingpong) for c in (0, 1)]
         self.procs = [[p, None] for p in procs]
 
     def dma(self, where, block, barrier):
@@ -224,20 +276,23 @@ class Sim:
 
 def _self_check(trials: int) -> bool:
     """The model must catch a broken protocol: the loader arming V early, and consumers releasing K before
-    their ``Q K^T`` completes (``wait_groups`` made a no-op; mbarrier and named-barrier releases)."""
+    their ``Q K^T`` completes (``wait_groups`` made a no-op; mbarrier and named-barrier releases), and
+    consumer 0's first turn granted per item in a persistent program."""
     found = [_violations(trials, 2, True, 2, arm_v_early=True)]
     found.append(_violations(trials, 2, True, 0, early_k=True))
     found.append(_violations(trials, 2, True, 2, early_k=True, named=True))
+    found.append(_violations(trials, 3, True, 2, pingpong="item"))
     print(f"self-check: violations found in broken protocols: {found}")
     return all(found)
 
 
 def _violations(trials: int, stages: int, split: bool, overlap: int, early_k: bool = False,
-                arm_v_early: bool = False, named: bool = False) -> int:
+                arm_v_early: bool = False, named: bool = False, pingpong=None) -> int:
     n = 0
     for t in range(trials):
         rng = random.Random(t)
-        sim = Sim(rng, [rng.choice([1, 3, 5, 8]) for _ in range(3)], stages, split, overlap, arm_v_early, named)
+        sim = Sim(rng, [rng.choice([1, 3, 5, 8]) for _ in range(3)], stages, split, overlap, arm_v_early, named,
+                  pingpong)
         if early_k:  # release K at issue: pretend no wgmma is ever outstanding when waited on
             sim.outstanding = lambda c: 0
         try:
@@ -252,20 +307,21 @@ def main() -> int:
     p.add_argument("--trials", type=int, default=300)
     a = p.parse_args()
     bad = 0
-    for name in ("joint", "split", "named"):
-        for overlap in (0, 2):
-            for stages in (2, 3, 4):
-                rng = random.Random(1000 * stages + 10 * overlap + (name != "joint"))
-                errors = []
-                for _ in range(a.trials):
-                    items = [rng.choice([0, 1, 2, 3, 5, 8]) for _ in range(rng.randint(1, 4))]
-                    try:
-                        Sim(rng, items, stages, name != "joint", overlap, named=name == "named").run()
-                    except (Violation, AssertionError) as e:
-                        errors.append(f"{items}: {e}")
-                print(f"{name:5s} overlap {overlap} stages {stages}: {a.trials - len(errors)}/{a.trials} ok"
-                      + (f"; first: {errors[0]}" if errors else ""))
-                bad += bool(errors)
+    cases = [(name, overlap, None) for name in ("joint", "split", "named") for overlap in (0, 2)]
+    cases += [("split", 2, "program"), ("named", 2, "program")]
+    for name, overlap, pingpong in cases:
+        for stages in (2, 3, 4):
+            rng = random.Random(1000 * stages + 10 * overlap + (name != "joint"))
+            errors = []
+            for _ in range(a.trials):
+                items = [rng.choice([0, 1, 2, 3, 5, 8]) for _ in range(rng.randint(1, 4))]
+                try:
+                    Sim(rng, items, stages, name != "joint", overlap, named=name == "named", pingpong=pingpong).run()
+                except (Violation, AssertionError) as e:
+                    errors.append(f"{items}: {e}")
+            print(f"{name:5s} overlap {overlap} stages {stages}{' pingpong' if pingpong else ''}: "
+                  f"{a.trials - len(errors)}/{a.trials} ok" + (f"; first: {errors[0]}" if errors else ""))
+            bad += bool(errors)
     return 1 if bad or not _self_check(a.trials) else 0
 
 

@@ -7,7 +7,7 @@ SASS of each variant (via the cuobjdump bundled with triton) for reading instruc
 Set-up (CPU only; the triton wheel carries ptxas and cuobjdump):
     python -m venv /tmp/t36 && /tmp/t36/bin/pip install torch==2.13.0 triton==3.6.0 numpy
 Run from the repository root:
-    PYTHONPATH=src /tmp/t36/bin/python tools/sm90_offline_check.py [--sass /tmp/sass]
+    PYTHONPATH=src /tmp/t36/bin/python tools/sm90_offline_check.py [--sass /tmp/sass] [--wait-order]
 ptxas's "Used N registers" is the launch count (168); ``setmaxnreg`` then gives the consumer
 warpgroups 240 and the loader 24, and the spill figures cover the whole kernel.
 """
@@ -228,10 +228,29 @@ def ptxas_report(ptx: str, sass_path: str | None = None) -> str:
                      if any(k in line for k in keep))
 
 
+def wait_order(sass: str) -> str:
+    """The order of the consumers' softmax ``EX2`` runs and wgmma waits in ``sass`` (``W1`` / ``W0``:
+    ``WARPGROUP.DEPBAR.LE gsb0`` 1 / 0, ``N``: the sleeping never-taken loop that ends a basic block,
+    runs of one kind counted): with ``overlap=2`` the loop reads ``W1 Ex66 Nx2 W0`` when softmax_j's
+    EX2s run under ``P_{j-1} V_{j-1}`` and ``W1 W0 Ex66`` when ptxas hoisted the second wait."""
+    seq: list[list] = []
+    for line in sass.splitlines():
+        kind = ("E" if "MUFU.EX2" in line else "W0" if "DEPBAR.LE gsb0, 0x0" in line
+                else "W1" if "DEPBAR.LE gsb0, 0x1" in line else "N" if "NANOSLEEP" in line else None)
+        if kind is None:
+            continue
+        if seq and seq[-1][0] == kind:
+            seq[-1][1] += 1
+        else:
+            seq.append([kind, 1])
+    return " ".join(f"{k}x{n}" if n > 1 else k for k, n in seq)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sass", default=None, help="folder to write each variant's SASS into")
     p.add_argument("--only", default=None, help="compile only variants whose name contains this")
+    p.add_argument("--wait-order", action="store_true", help="also print each variant's EX2 / wgmma-wait order")
     args = p.parse_args()
     if args.sass:
         os.makedirs(args.sass, exist_ok=True)
@@ -273,9 +292,12 @@ def main() -> None:
             continue
         k = compile_fn(*v)
         ptx = k.asm["ptx"]
-        sass = os.path.join(args.sass, name + ".sass") if args.sass else None
-        print(f"{name}: smem {k.metadata.shared} B, {ptx.count('wgmma.mma_async')} wgmma in PTX; "
-              f"{ptxas_report(ptx, sass)}", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            sass = os.path.join(args.sass or tmp, name + ".sass") if args.sass or args.wait_order else None
+            print(f"{name}: smem {k.metadata.shared} B, {ptx.count('wgmma.mma_async')} wgmma in PTX; "
+                  f"{ptxas_report(ptx, sass)}", flush=True)
+            if args.wait_order:
+                print(f"  waits: {wait_order(open(sass).read())}", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,95 @@
+"""JSON + PNG of the thirteenth session's GPU runs (docs/benchmarks/s17/), from the files the calls
+wrote:
+
+* A/B lines (``s17a-lines.txt``, ``s17b-lines.txt``, ``s17e-lines.txt``: ``_variant.sh``'s ``ab``),
+  d128 / d192 at the defaults unless the group says otherwise: ``s17a`` 3 against 2 K/V stages
+  (D128 with ping-pong) and persistent programs against one per item (short batches); ``s17b``
+  the tree against ping-pong in persistent programs (``persistent_pingpong`` patch) and, on that
+  patch, 16 x 8192 / 8 x 16384 persistent or not; ``s17e`` the tree against softmax_j's EX2s
+  under ``P_{j-1} V_{j-1}`` (``softmax_under_pv`` patch);
+* SM clock / board power per (workload, backend) under sustained timing (``s17d``:
+  ``clocks-*-probe.json`` of ``clock_probe.py``, two runs in opposite backend order).
+
+Writes ``ab-h200-s17.{json,png}`` ({ab, workload, variant, rep, tflops}) and
+``clocks-h200-s17.{json,png}``. Run from the repository root:
+``PYTHONPATH=tools/gpu python tools/gpu/report_s17.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from report_s9 import ab_line_rows, write_ab  # noqa: E402
+
+D = Path("docs/benchmarks/s17")
+TREES = {"src": "tree", "/tmp/ppp/src": "persistent ping-pong", "/tmp/spv/src": "softmax under P V"}
+
+
+def _s17a_variant(row: dict) -> dict:
+    """s17a compares options on the tree: the variant is the option (the group's name)."""
+    group = row["ab"].split(" ", 1)[1]
+    name = "stages" if group.startswith("stages") else "persistent"
+    return dict(row, ab=f"s17a {name}", variant=group)
+
+
+def ab_rows() -> list[dict]:
+    out = [_s17a_variant(r) for r in ab_line_rows(D / "s17a-lines.txt", lambda g: f"s17a {g}", TREES)]
+    for call in ("s17b", "s17e"):
+        path = D / f"{call}-lines.txt"
+        if not path.exists():
+            continue
+        for r in ab_line_rows(path, lambda g, call=call: f"{call} {g}", TREES):
+            if "persistent" in r["ab"]:  # s17b's persistent / per-item runs of the patched source
+                r = dict(r, ab=f"{call} long-short", variant=r["ab"].split("-")[-1])
+            out.append(r)
+    return out
+
+
+def clock_rows() -> list[dict]:
+    out = []
+    for run, order in enumerate(("triton-fa4", "fa4-triton"), 1):
+        for r in json.loads((D / f"clocks-{order}-probe.json").read_text()):
+            out.append(dict(r, run=run, order=order))
+    return out
+
+
+def plot_clocks(rows: list[dict], path: Path) -> None:
+    """Work per clock (TF/s per GHz) and SM clock per (workload, backend, run)."""
+    loads = list(dict.fromkeys(r["workload"] for r in rows))
+    keys = [(b, run) for run in (1, 2) for b in ("triton", "fa4")]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
+    width = 0.8 / len(keys)
+    for ax, field, label in ((axes[0], "tflops_per_ghz", "TF/s per GHz of SM clock"),
+                             (axes[1], "sm_mhz", "SM clock (MHz, median of busy samples)")):
+        for i, (b, run) in enumerate(keys):
+            vals = {r["workload"]: r[field] for r in rows if r["backend"] == b and r["run"] == run}
+            ax.bar([j + i * width for j in range(len(loads))], [vals.get(w, 0) for w in loads], width,
+                   label=f"{b} (run {run})", color=("C0" if b == "triton" else "C1"), alpha=1.0 if run == 1 else 0.6)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(loads))])
+        ax.set_xticklabels([w.replace(" zigzag", "") for w in loads], rotation=35, ha="right", fontsize=8)
+        ax.set_ylabel(label)
+        if field == "sm_mhz":
+            ax.set_ylim(1300, 1800)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle("H200, 2026-12-02, sustained timing at the 700 W cap: triton does less work per clock, "
+                 "at a higher clock (tools/gpu/s17d.sh)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    write_ab(ab_rows(), D / "ab-h200-s17", "H200, 2026-12-02, session 13 A/B (tools/gpu/s17a.sh, s17b.sh, s17e.sh)")
+    rows = clock_rows()
+    (D / "clocks-h200-s17.json").write_text(json.dumps(rows, indent=1))
+    plot_clocks(rows, D / "clocks-h200-s17.png")
+    print(f"wrote {D}/clocks-h200-s17.json ({len(rows)} rows) and .png")
+
+
+if __name__ == "__main__":
+    main()
