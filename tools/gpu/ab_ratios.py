@@ -4,9 +4,7 @@
 (``choose_patches.py``'s: tests passed, all points' geomean >= 1.01, no group below 0.995, no
 point below 0.96).
 
-Usage: ``python3 tools/gpu/ab_ratios.py LINES OLD_TREE NEW_TREE [--tests-later]``; with
-``--tests-later`` the verdict leaves the tests out (the call that takes the kept source runs them
-before anything else: ``s17f.sh``).
+Usage: ``python3 tools/gpu/ab_ratios.py LINES OLD_TREE NEW_TREE``.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from collections import defaultdict
 from choose_patches import MAX_LOSS, MIN_GAIN, MIN_POINT, _geomean, _points
 
 
-def main(path: str, old: str, new: str, tests_later: bool = False) -> None:
+def main(path: str, old: str, new: str) -> None:
     sums, tests_ok = defaultdict(list), None
     for line in open(path).read().splitlines():
         t = re.match(r"== (\S+) \(rc (\d+)\): (\d+) passed, (\d+) failed", line)
@@ -38,11 +36,10 @@ def main(path: str, old: str, new: str, tests_later: bool = False) -> None:
         print(f"{g}: geomean {_geomean(list(r.values())):.3f}, min {min(r.values()):.3f} | "
               + " | ".join(f"{w} {x:.3f}" for w, x in sorted(r.items())))
     all_r = list(ratios.values())
-    keep = ((tests_later or bool(tests_ok)) and _geomean(all_r) >= MIN_GAIN and min(all_r, default=0) >= MIN_POINT
+    keep = (bool(tests_ok) and _geomean(all_r) >= MIN_GAIN and min(all_r, default=0) >= MIN_POINT
             and all(_geomean([x for (gg, _), x in ratios.items() if gg == g]) >= MAX_LOSS for g in groups))
-    tests = "run by the next call" if tests_later else tests_ok
-    print(f"tests passed: {tests}; all points geomean {_geomean(all_r):.3f}; verdict: {'keep' if keep else 'drop'}")
+    print(f"tests passed: {tests_ok}; all points geomean {_geomean(all_r):.3f}; verdict: {'keep' if keep else 'drop'}")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4], tests_later="--tests-later" in sys.argv[4:])
+    main(*sys.argv[1:4])

@@ -5,15 +5,14 @@
 # 66 EX2s after WARPGROUP.DEPBAR.LE gsb0, 0x0). tools/gpu/patches/softmax_under_pv.patch ends the
 # basic block after the row sum (a never-taken sleeping loop on l_i == -1), which keeps the wait
 # after every EX2 in all overlap=2 builds (D128 ping-pong, D192, persistent, paged; no spills
-# added). (1) A/B at the defaults: dense d128 / d192 16k / 64k C = 1, 2, 4, 8, two interleaved
-# repeats; paged 16 / 64 and short batches once; (2) ab_ratios.py's verdict (tests left to s17f.sh,
-# which runs them on the kept source first: device time was short) into /tmp/s17-choice.txt;
-# (3) FA4 stage 1.
+# added). (1) All Hopper GPU tests on the patched copy; (2) A/B at the defaults: dense d128 /
+# d192 16k / 64k C = 1, 2, 4, 8, two interleaved repeats; paged 16 / 64 and short batches once;
+# (3) ab_ratios.py's verdict into /tmp/s17-choice.txt for s17f.sh; (4) FA4 stage 1.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/gpu/_variant.sh
 ab_session /tmp/s17e-lines.txt
-make_variant /tmp/spv softmax_under_pv
+variant_hopper_tests spv softmax_under_pv
 for rep in 1 2; do
   for tree in src /tmp/spv/src; do
     ab "dense rep $rep" $tree --workloads dense --shapes d128,d192 --seqs 16384,65536 --cps 1,2,4,8 --no-interleave
@@ -24,7 +23,7 @@ for tree in src /tmp/spv/src; do
   ab "short rep 1" $tree --workloads short --short 1024x128,128x1024,64x2048,32x4096
 done
 cp $L $OUT/
-python3 tools/gpu/ab_ratios.py $L src /tmp/spv/src --tests-later | tee /tmp/s17e-ratios.txt
+python3 tools/gpu/ab_ratios.py $L src /tmp/spv/src | tee /tmp/s17e-ratios.txt
 grep -q "verdict: keep" /tmp/s17e-ratios.txt && echo keep > /tmp/s17-choice.txt || echo drop > /tmp/s17-choice.txt
 echo "choice: $(cat /tmp/s17-choice.txt)"
 bash .gpu/fa4-1/stage.sh
