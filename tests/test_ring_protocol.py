@@ -49,7 +49,7 @@ def test_pingpong_turns(sim, stages):
         items = [rng.choice([0, 1, 2, 3, 5, 8]) for _ in range(rng.randint(1, 4))]
         sim.Sim(rng, items, stages, True, 2, pingpong="program").run()
         sim.Sim(rng, items[:1], stages, True, 2, pingpong="item").run()
-    with pytest.raises(AssertionError, match="two arrivals on a turn barrier"):
+    with pytest.raises(AssertionError, match="an arrival on a named barrier before its bar.sync"):
         sim.Sim(rng, [2, 3], stages, True, 2, pingpong="item").run()
 
 

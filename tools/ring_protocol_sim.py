@@ -14,7 +14,7 @@ ring); loops ``overlap`` 0 (``Q K^T``, wait,
 persistent program's do.
 
 Ping-pong (``overlap`` 2 only): the consumers take turns issuing their GEMMs through two named
-barriers (:class:`TurnBarrier`; consumer c syncs on turn c, then arrives on the other's), consumer
+barriers (:class:`NamedBarrier` s of one arriver; consumer c syncs on turn c, then arrives on the other's), consumer
 0's first turn granted by its own arrival at the start of every item with key blocks
 (``pingpong="item"``, the kernel's: it ping-pongs with one item per program only, and the
 self-check shows the rule breaks on a persistent program's second item) or once per program
@@ -62,42 +62,26 @@ class Barrier:
 
 
 class NamedBarrier:
-    """Named hardware barrier between the two consumers (``bar.arrive``) and the loader
-    (``bar.sync``): an instance completes when both consumers and the loader arrived. Arrivals have
-    no phase: a consumer arriving again before the loader synced would count towards the same
-    instance, which the model reports."""
+    """Named hardware barrier: ``arrivers`` parties ``bar.arrive`` and one ``bar.sync``s, which
+    returns once they all arrived. The ring's "slot free" signals: both consumers arrive, the
+    loader syncs (``arrivers`` 2); a ping-pong turn: the other consumer arrives, the owner syncs
+    (1). Arrivals have no phase: one more before the sync would count towards the same instance
+    (a consumer releasing a slot twice, a turn lost), which the model reports."""
 
-    def __init__(self):
-        self.arrivals = 0
+    def __init__(self, arrivers: int = 2):
+        self.arrivers, self.arrivals = arrivers, 0
 
     def arrive(self) -> None:
         self.arrivals += 1
-        assert self.arrivals <= 2, "a consumer arrived twice on a named barrier the loader has not synced"
+        assert self.arrivals <= self.arrivers, "an arrival on a named barrier before its bar.sync took the last"
 
     def complete(self) -> bool:
-        """Both consumers arrived: the loader's ``bar.sync`` returns (a predicate, no effect)."""
-        return self.arrivals == 2
+        """All parties arrived: the ``bar.sync`` returns (a predicate, no effect)."""
+        return self.arrivals == self.arrivers
 
     def sync(self) -> None:
-        """The loader's ``bar.sync`` returned: the instance is over."""
-        assert self.arrivals == 2
-        self.arrivals = 0
-
-
-class TurnBarrier:
-    """A consumer's ping-pong turn: named barrier of 2 x 128 threads, one consumer ``bar.arrive``
-    and the owner's ``bar.sync``. Two arrivals before the sync would complete an instance without
-    its owner (the turn order lost), which the model reports."""
-
-    def __init__(self):
-        self.arrivals = 0
-
-    def arrive(self) -> None:
-        self.arrivals += 1
-        assert self.arrivals <= 1, "two arrivals on a turn barrier before its owner synced"
-
-    def sync(self) -> None:
-        assert self.arrivals == 1
+        """The ``bar.sync`` returned: the instance is over."""
+        assert self.complete()
         self.arrivals = 0
 
 
@@ -143,7 +127,7 @@ def _consumer(sim, c, items, stages, split, overlap, pingpong=None):
 
     def take_turn():
         """Wait for this consumer's turn (the caller issues its GEMMs, then :func:`pass_turn`)."""
-        yield lambda: turn[c].arrivals == 1
+        yield turn[c].complete
         turn[c].sync()
 
     def pass_turn():
@@ -217,7 +201,7 @@ def _consumer(sim, c, items, stages, split, overlap, pingpong=None):
 class Sim:
     def __init__(self, rng, items, stages, split, overlap, arm_v_early=False, named=False, pingpong=None):
         self.rng = rng
-        self.turn = [TurnBarrier(), TurnBarrier()]
+        self.turn = [NamedBarrier(1), NamedBarrier(1)]
         split = split or named
         self.ready_k = [Barrier(1) for _ in range(stages)]
         self.ready_v = [Barrier(1) for _ in range(stages)]

@@ -41,3 +41,22 @@ ab() {
 import json; rows = json.load(open('/tmp/g.json'))
 print(' | '.join(f\"{r['workload'].replace(' zigzag', '').replace('d128 ', '')} {r['tflops']:.0f}\" for r in rows))")" | tee -a $L
 }
+
+# ab_dense_paged_short NEW: the standard A/B of the tree (src) against the source tree NEW (s16a,
+# s17e): dense d128 / d192 zigzag 16k / 64k C = 1, 2, 4, 8 at the defaults, two interleaved
+# repeats; then per tree paged 64k C = 2 (pages 16, 64) and short batches once (s16a ran short
+# before paged); saves the lines to $L and prints ab_ratios.py's groups and verdict.
+ab_dense_paged_short() {
+  local new=$1
+  for rep in 1 2; do
+    for tree in src "$new"; do
+      ab "dense rep $rep" $tree --workloads dense --shapes d128,d192 --seqs 16384,65536 --cps 1,2,4,8 --no-interleave
+    done
+  done
+  for tree in src "$new"; do
+    ab "paged rep 1" $tree --workloads paged --shapes d128,d192 --seqs 65536 --cps 2 --pages 16,64 --no-interleave
+    ab "short rep 1" $tree --workloads short --short 1024x128,128x1024,64x2048,32x4096
+  done
+  cp $L $OUT/
+  python3 tools/gpu/ab_ratios.py $L src "$new"
+}

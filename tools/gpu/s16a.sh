@@ -12,15 +12,5 @@ cd "$(dirname "$0")/../.."
 . tools/gpu/_variant.sh
 ab_session /tmp/s16a-lines.txt
 variant_hopper_tests nb named_barrier_release
-for rep in 1 2; do
-  for tree in src /tmp/nb/src; do
-    ab "dense rep $rep" $tree --workloads dense --shapes d128,d192 --seqs 16384,65536 --cps 1,2,4,8 --no-interleave
-  done
-done
-for tree in src /tmp/nb/src; do
-  ab "short rep 1" $tree --workloads short --short 1024x128,128x1024,64x2048,32x4096
-  ab "paged rep 1" $tree --workloads paged --shapes d128,d192 --seqs 65536 --cps 2 --pages 16,64 --no-interleave
-done
-cp $L $OUT/
-python3 tools/gpu/ab_ratios.py $L src /tmp/nb/src
+ab_dense_paged_short /tmp/nb/src
 bash .gpu/fa4-1/stage.sh

@@ -13,17 +13,7 @@ cd "$(dirname "$0")/../.."
 . tools/gpu/_variant.sh
 ab_session /tmp/s17e-lines.txt
 variant_hopper_tests spv softmax_under_pv
-for rep in 1 2; do
-  for tree in src /tmp/spv/src; do
-    ab "dense rep $rep" $tree --workloads dense --shapes d128,d192 --seqs 16384,65536 --cps 1,2,4,8 --no-interleave
-  done
-done
-for tree in src /tmp/spv/src; do
-  ab "paged rep 1" $tree --workloads paged --shapes d128,d192 --seqs 65536 --cps 2 --pages 16,64 --no-interleave
-  ab "short rep 1" $tree --workloads short --short 1024x128,128x1024,64x2048,32x4096
-done
-cp $L $OUT/
-python3 tools/gpu/ab_ratios.py $L src /tmp/spv/src | tee /tmp/s17e-ratios.txt
+ab_dense_paged_short /tmp/spv/src | tee /tmp/s17e-ratios.txt
 grep -q "verdict: keep" /tmp/s17e-ratios.txt && echo keep > /tmp/s17-choice.txt || echo drop > /tmp/s17-choice.txt
 echo "choice: $(cat /tmp/s17-choice.txt)"
 bash .gpu/fa4-1/stage.sh
