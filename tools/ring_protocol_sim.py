@@ -14,7 +14,7 @@ ring); loops ``overlap`` 0 (``Q K^T``, wait,
 persistent program's do.
 
 Ping-pong (``overlap`` 2 only): the consumers take turns issuing their GEMMs through two named
-barriers (:class:`NamedBarrier` s of one arriver; consumer c syncs on turn c, then arrives on the other's), consumer
+barriers of one arriver each (consumer c syncs on turn c, then arrives on the other's), consumer
 0's first turn granted by its own arrival at the start of every item with key blocks
 (``pingpong="item"``, the kernel's: it ping-pongs with one item per program only, and the
 self-check shows the rule breaks on a persistent program's second item) or once per program
@@ -22,7 +22,7 @@ self-check shows the rule breaks on a persistent program's second item) or once 
 ping-pong; measured in the thirteenth session and not kept).
 
 ``python tools/ring_protocol_sim.py [--trials N]``: prints one line per (protocol, overlap,
-stages) and exits non-zero on any violation, or when its self-check (two broken protocols) finds
+stages) and exits non-zero on any violation, or when its self-check (four broken protocols) finds
 none. A model of the protocol, not of the kernel's code."""
 
 from __future__ import annotations

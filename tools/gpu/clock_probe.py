@@ -2,11 +2,12 @@
 
 Reads a ``python -m cpattn.bench kernel`` log (its progress lines ``[HH:MM:SS] <workload>
 <backend> <family> <ms> ms <TF/s> TF/s ...``, one per finished (workload, backend)) and an
-``nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu[,...] --format=csv,noheader,nounits
--lms 100`` log taken during the same run. A result's window runs from the previous progress line
-to its own (warm-up and timed calls; whole seconds, the previous line's own second left out);
-its busy samples are those drawing at least half the window's peak power. Prints per result: TF/s, median SM MHz and W of the busy
-samples, TF/s per GHz (work per clock) and J per PFLOP (energy per work), and writes them as JSON.
+``nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu[,...]
+--format=csv,noheader,nounits -lms 100`` log taken during the same run. A result's window runs
+from the previous progress line to its own (warm-up and timed calls; whole seconds, the previous
+line's own second left out); its busy samples are those drawing at least half the window's peak
+power. Prints per result: TF/s, median SM MHz and W of the busy samples, TF/s per GHz (work per
+clock) and J per PFLOP (energy per work), and writes them as JSON.
 
 Usage: ``python3 tools/gpu/clock_probe.py BENCH_LOG SMI_LOG OUT_JSON``.
 """
