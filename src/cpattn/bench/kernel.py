@@ -44,9 +44,11 @@ queue), after each backend has run for ``--warmup-ms`` (200) and with at least `
 per repeat, so the GPU is in the power-capped state a steady stream of layers runs in
 (``--warmup-ms 0 --min-ms 0``: the timing before 2026-12-02, 2 warm-up calls). ``ms_sync`` in
 the JSON is one call between events followed by a sync (median of 3), which adds the host's
-per-call work for short kernels. Rows: {workload, group, backend, family, tflops,
-ms, ms_sync, tflops_sync[, gbps]}. A summary of the targets of issue 14 (ratios in the same run)
-is printed after the table.
+per-call work for short kernels. ``--clocks`` samples the GPU with nvidia-smi while each
+backend warms up and is timed (:mod:`.gpu_clocks`): at the power cap a kernel's TF/s also depends
+on the clock it leaves the GPU at. Rows: {workload, group, backend, family, tflops, ms, ms_sync,
+tflops_sync[, gbps][, sm_mhz, watts, clock_samples, tflops_per_ghz]}. A summary of the targets of
+issue 14 (ratios in the same run) is printed after the table.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ import argparse
 import math
 import re
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -101,6 +104,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run each backend at least this many ms (and 2 calls) before timing it; 0: 2 calls only")
     p.add_argument("--min-ms", type=float, default=MIN_MS,
                    help="more timed calls than --iters where needed, so one repeat lasts about this many ms")
+    p.add_argument("--clocks", action="store_true",
+                   help="sample SM clock and board power with nvidia-smi while timing: rows gain sm_mhz, watts, "
+                        "tflops_per_ghz (median of the busy samples of the backend's warm-up and timed calls)")
     p.add_argument("--list", action="store_true", help="print the selected workload names and exit")
     p.add_argument("--out", default=default_out("kernel"), help="output path without extension")
     p.add_argument("--triton-config", default=None, help="BLOCK_M,BLOCK_N,warps,stages: skip autotuning")
@@ -313,8 +319,6 @@ class _Tensors:
 
 
 def main(args: argparse.Namespace) -> int:
-    import cpattn
-
     workloads = select(all_workloads(args), args.workloads)
     if args.list:
         for w in workloads:
@@ -339,6 +343,24 @@ def main(args: argparse.Namespace) -> int:
         triton_kw["sm90"] = parse_options(args.sm90_options)
     if args.decode_options:
         triton_kw["decode"] = parse_options(args.decode_options, "--decode-options")
+    sampler = None
+    if args.clocks:
+        from .gpu_clocks import ClockSampler
+
+        try:
+            sampler = ClockSampler(torch.cuda.current_device()).start()
+        except ValueError as exc:
+            raise SystemExit(str(exc))
+    try:
+        return _run(args, workloads, backends, triton_kw, sampler)
+    finally:
+        if sampler is not None:
+            sampler.stop()
+
+
+def _run(args, workloads, backends, triton_kw, sampler) -> int:
+    import cpattn
+
     info = header("python -m cpattn.bench kernel " + " ".join(_argv_summary(args)))
     progress(f"{info['machine']}; backends {backends}; {len(workloads)} workloads")
     dev = DEVICE
@@ -368,7 +390,9 @@ def main(args: argparse.Namespace) -> int:
             est = flops / 500e12 * 1e3
             iters = timed_iters(est, args.iters, args.min_ms)
             try:
+                t0 = time.time()
                 ms = time_cuda_back_to_back(fn, warmup=2, iters=iters, warmup_ms=args.warmup_ms)
+                t1 = time.time()
                 ms_sync = time_cuda(fn, warmup=0, iters=3)
             except Exception as exc:  # a backend that cannot run this shape
                 progress(f"{w.name:38s} {backend:15s} failed: {type(exc).__name__}: {exc}"[:300])
@@ -378,9 +402,13 @@ def main(args: argparse.Namespace) -> int:
                        ms=round(ms, 4), ms_sync=round(ms_sync, 4),
                        tflops_sync=round(flops / (ms_sync * 1e-3) / 1e12, 1))
             extra = ""
+            clocks = sampler.stats(t0, t1) if sampler is not None else None
+            if clocks:
+                row.update(clocks, tflops_per_ghz=round(tflops / (clocks["sm_mhz"] / 1000), 1))
+                extra = f" @ {clocks['sm_mhz']:.0f} MHz {clocks['watts']:.0f} W"
             if w.group == "decode":
                 row["gbps"] = round(kv_bytes / (ms * 1e-3) / 1e9, 1)
-                extra = f" {row['gbps']:8.1f} GB/s"
+                extra = f" {row['gbps']:8.1f} GB/s" + extra
                 try:  # decode runs in CUDA graphs in engines: the replayed step's GPU time
                     ms_graph = time_cuda_graph(fn, warmup=1, iters=iters)
                     row.update(ms_graph=round(ms_graph, 4), tflops_graph=round(flops / (ms_graph * 1e-3) / 1e12, 1),
@@ -450,6 +478,8 @@ def _argv_summary(args) -> list[str]:
         out.append("--no-interleave")
     if args.no_paged:
         out.append("--no-paged")
+    if args.clocks:
+        out.append("--clocks")
     return out
 
 
