@@ -83,3 +83,15 @@ def dsa_interp():
             os.environ.pop("TRITON_INTERPRET", None)
         else:
             os.environ["TRITON_INTERPRET"] = old
+
+
+def load_tool(relpath: str):
+    """The module of a repository script ``relpath`` (e.g. ``tools/gpu/clock_probe.py``), loaded
+    from its file without putting its folder on ``sys.path`` (for standard-library-only tools)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), relpath)
+    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -5,22 +5,13 @@ ratios they claim to be."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-TOOLS = Path(__file__).resolve().parents[1] / "tools" / "gpu"
+from conftest import load_tool
 
 
 @pytest.fixture(scope="module")
 def probe():
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import clock_probe
-        yield clock_probe
-    finally:
-        sys.path.remove(str(TOOLS))
+    return load_tool("tools/gpu/clock_probe.py")
 
 
 def _result(hms: str, backend: str, tflops: float) -> str:

@@ -7,22 +7,13 @@ self-check finds the broken protocols it plants."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+from conftest import load_tool
 
 
 @pytest.fixture(scope="module")
 def sim():
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import ring_protocol_sim
-        yield ring_protocol_sim
-    finally:
-        sys.path.remove(str(TOOLS))
+    return load_tool("tools/ring_protocol_sim.py")
 
 
 @pytest.mark.parametrize("name", ["joint", "split", "named"])
