@@ -9,7 +9,8 @@ line's own second left out); its busy samples are those drawing at least half th
 power. Prints per result: TF/s, median SM MHz and W of the busy samples, TF/s per GHz (work per
 clock) and J per PFLOP (energy per work), and writes them as JSON.
 
-Usage: ``python3 tools/gpu/clock_probe.py BENCH_LOG SMI_LOG OUT_JSON``.
+Usage: ``PYTHONPATH=src python3 tools/gpu/clock_probe.py BENCH_LOG SMI_LOG OUT_JSON`` (the sample
+parsing and the busy filter are ``cpattn.bench.gpu_clocks``'s, which ``--clocks`` uses per row).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import re
 import statistics
 import sys
 from datetime import datetime
+
+from cpattn.bench.gpu_clocks import busy_samples, parse_sample
 
 _LINE = re.compile(r"\[(\d\d:\d\d:\d\d)\] (.{38}) (\S+)\s+(\S+)\s+([\d.]+) ms\s+([\d.]+) TF/s")
 
@@ -49,26 +52,20 @@ def smi_samples(text: str) -> list[tuple[float, float, float, list[str]]]:
     """(seconds of the day, SM MHz, W, the remaining fields) per nvidia-smi line."""
     out = []
     for line in text.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) < 3:
-            continue
-        try:
-            ts = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f")
-            out.append((ts.hour * 3600 + ts.minute * 60 + ts.second + ts.microsecond / 1e6, float(parts[1]),
-                        float(parts[2]), parts[3:]))
-        except ValueError:
-            continue
+        sample = parse_sample(line)
+        if sample is not None:
+            t = datetime.fromtimestamp(sample[0])
+            sod = t.hour * 3600 + t.minute * 60 + t.second + t.microsecond / 1e6
+            out.append((sod, sample[1], sample[2], [p.strip() for p in line.split(",")][3:]))
     return out
 
 
 def summarize(windows: list[dict], samples) -> list[dict]:
     rows = []
     for w in windows:
-        inside = [s for s in samples if w["start"] + 1 <= s[0] < w["end"] + 1]
-        if not inside:
+        busy = busy_samples(samples, w["start"] + 1, w["end"] + 0.9995)  # whole seconds: [start + 1, end + 1)
+        if not busy:
             continue
-        peak = max(s[2] for s in inside)
-        busy = [s for s in inside if s[2] >= 0.5 * peak]
         mhz = statistics.median(s[1] for s in busy)
         watts = statistics.median(s[2] for s in busy)
         rows.append(dict(workload=w["workload"], backend=w["backend"], tflops=w["tflops"], sm_mhz=mhz,

@@ -36,15 +36,20 @@ def parse_sample(line: str) -> Optional[tuple[float, float, float]]:
         return None
 
 
-def window_stats(samples: list[tuple[float, float, float]], t0: float, t1: float) -> Optional[dict]:
-    """Median SM MHz and W of the samples taken in ``[t0, t1]`` (seconds since the epoch) that draw
-    at least half of the window's peak power (the GPU busy), with their count; None when the
-    window holds no sample."""
+def busy_samples(samples: list[tuple], t0: float, t1: float) -> list[tuple]:
+    """The samples ``(time, MHz, W, ...)`` taken in ``[t0, t1]`` that draw at least half of the
+    window's peak power (the GPU busy)."""
     inside = [s for s in samples if t0 <= s[0] <= t1]
-    if not inside:
+    peak = max((s[2] for s in inside), default=0.0)
+    return [s for s in inside if s[2] >= 0.5 * peak]
+
+
+def window_stats(samples: list[tuple[float, float, float]], t0: float, t1: float) -> Optional[dict]:
+    """Median SM MHz and W of the :func:`busy_samples` of ``[t0, t1]`` (seconds since the epoch),
+    with their count; None when the window holds no sample."""
+    busy = busy_samples(samples, t0, t1)
+    if not busy:
         return None
-    peak = max(s[2] for s in inside)
-    busy = [s for s in inside if s[2] >= 0.5 * peak]
     return dict(sm_mhz=statistics.median(s[1] for s in busy), watts=round(statistics.median(s[2] for s in busy), 1),
                 clock_samples=len(busy))
 
