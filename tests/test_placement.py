@@ -162,6 +162,30 @@ def test_segments_and_tiles_cover_local_rows(batch, name):
             win = tile_map(m, rows_per_tile, window_left=7).mean_keys
             want = sum(p + 1 - max(0, f - 7) for f, p in real) / len(real) if real else 0.0
             assert win == pytest.approx(want)
+        _check_l2_groups(m, segs)
+
+
+def _check_l2_groups(m, segs):
+    """``tile_map(group_keys=g)``: the same tiles (same mean keys), run L2 group by group (sequence
+    ``b`` in group ``cu_kv_lens[b] // g``), heaviest first inside a group, pad tiles last."""
+    cu = m.cu_kv_lens.tolist()
+    for g in (1, 5, 64, 10**9):
+        plain, grouped = tile_map(m, 16), tile_map(m, 16, group_keys=g)
+        pairs = list(zip(grouped.segment.tolist(), grouped.row_offset.tolist()))
+        assert sorted(pairs) == sorted(zip(plain.segment.tolist(), plain.row_offset.tolist()))
+        assert grouped.mean_keys == plain.mean_keys
+        keys = []
+        for seg, off in pairs:
+            seq, _, length, pos0, stride = segs[seg]
+            last = pos0 + stride * (min(off + 16, length) - 1)
+            group = cu[seq] // g if last >= 0 else float("inf")  # the pad segment's tiles: last
+            keys.append((group, -last))
+        assert keys == sorted(keys)
+        assert grouped.tile_keys.tolist() == [float(-k) + 1 if k <= 0 else 0.0 for _, k in keys]
+        if g == 10**9:  # one group: the plain order
+            assert torch.equal(grouped.segment, plain.segment) and torch.equal(grouped.row_offset, plain.row_offset)
+    with pytest.raises(ValueError, match="group_keys must be >= 1, got 0"):
+        tile_map(m, 16, group_keys=0)
 
 
 @settings(max_examples=60, deadline=None)

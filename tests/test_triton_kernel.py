@@ -121,6 +121,25 @@ def test_l2_head_sections(interp, monkeypatch, kv_heads_per_section):
     _check("zigzag", 2, ext, pre, hq=8, hkv=4, d=d, seed=kv_heads_per_section)
 
 
+@pytest.mark.parametrize("strategy,cp_size", [("zigzag", 2), ("contiguous", 1)])
+def test_l2_sequence_groups(interp, monkeypatch, strategy, cp_size):
+    """An L2 budget below one KV head's K/V of the batch: the tiles run by sequence groups of that
+    many keys (here one group per two sequences, and one per sequence); outputs and LSE still match
+    the oracle on every rank."""
+    ext, pre, d = [40, 9, 23, 0, 17], [5, 0, 30, 4, 0], 16
+    row_bytes = (d + d) * 2
+    for budget_keys in (60, 1):
+        monkeypatch.setattr(_tiles, "L2_KV_BYTES", budget_keys * row_bytes)
+        assert _tiles.l2_group_keys(sum(ext + pre), row_bytes, torch.device("cpu")) == budget_keys
+        s = cpattn.get_strategy(strategy, cp_size, pad_multiple=4)
+        plan = s.plan_attention(s.build_metadata(ext, pre, rank=0), num_q_heads=4, num_kv_heads=2, head_dim=d,
+                                dtype=torch.bfloat16, backend="triton")
+        assert plan._impl.group_keys == budget_keys  # the plan ran the grouped tile order
+        _check(strategy, cp_size, ext, pre, hq=4, hkv=2, d=d, seed=budget_keys)
+    monkeypatch.setattr(_tiles, "L2_KV_BYTES", sum(ext + pre) * row_bytes)  # the batch fits: one group
+    assert _tiles.l2_group_keys(sum(ext + pre), row_bytes, torch.device("cpu")) is None
+
+
 def test_heads_per_l2_section_bounds(monkeypatch):
     monkeypatch.setattr(_tiles, "L2_KV_BYTES", 10 << 20)
     cpu = torch.device("cpu")

@@ -28,7 +28,8 @@ L2_KV_BYTES: Optional[int] = None
 
 @dataclass(frozen=True)
 class TileMap:
-    """Query tiles of ``rows`` rows each, heaviest first (largest last position), pad tiles last.
+    """Query tiles of ``rows`` rows each, heaviest first (largest last position; by L2 sequence
+    group first where :func:`tile_map` was given ``group_keys``), pad tiles last.
 
     segment [N] / row_offset [N] int32 host tensors: the tile's segment and first row in it.
     ``num_tiles`` real entries; ``N`` may be larger (a static plan's capacity). ``mean_keys``:
@@ -53,10 +54,15 @@ def kv_strides(k, v, paged: bool) -> tuple[int, int, int, int, int, int]:
     return 0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1)
 
 
-def tile_map(meta: CPMetadata, rows: int, capacity: Optional[int] = None, window_left: int = -1) -> TileMap:
+def tile_map(meta: CPMetadata, rows: int, capacity: Optional[int] = None, window_left: int = -1,
+             group_keys: Optional[int] = None) -> TileMap:
     """Tiles over every segment of ``meta`` including the pad segment (so kernels write pad
     rows). ``capacity``: pad the arrays to this many entries (static plans). ``window_left``:
-    the sliding window (-1: none), for ``mean_keys`` only."""
+    the sliding window (-1: none), for ``mean_keys`` only. ``group_keys`` (see
+    :func:`l2_group_keys`): the sequences go in L2 groups, sequence ``b`` in group
+    ``cu_kv_lens[b] // group_keys`` (so a group spans at most ``group_keys`` keys plus its last
+    sequence's), and the tiles run group by group, heaviest first inside a group; None: one
+    group (heaviest first over the batch)."""
     host = meta.host if meta.host is not None else meta
     s = meta.num_segments + 1
     seg_len = host.seg_len[:s].long()
@@ -76,6 +82,14 @@ def tile_map(meta: CPMetadata, rows: int, capacity: Optional[int] = None, window
     span = torch.where(real, last_pos + 1 - first_key, 0).double()
     mean_keys = float(span[real].mean()) if bool(real.any()) else 0.0
     order = torch.argsort(last_pos, descending=True, stable=True)  # heaviest first, pad (-1) last
+    if group_keys is not None:
+        if group_keys < 1:
+            raise ValueError(f"group_keys must be >= 1, got {group_keys}")
+        seq_group = host.cu_kv_lens[: meta.num_seqs].long() // group_keys
+        seg_group = seq_group[host.seg_seq[: s - 1].long()]
+        # pad tiles after every group; a stable sort keeps heaviest first inside each group
+        group = torch.cat([seg_group, seg_group.new_full((1,), 1 << 62)])[segment]
+        order = order[torch.argsort(group[order], stable=True)]
     size = num_tiles if capacity is None else capacity
     if num_tiles > size:
         raise ValueError(f"{num_tiles} query tiles exceed the plan's capacity of {size}")
@@ -145,6 +159,28 @@ def section_schedule_loss(tile_keys: Tensor, num_head_groups: int, heads_per_sec
     return _list_makespan(sections, num_sms) / _list_makespan(lpt, num_sms)
 
 
+def l2_kv_budget(device: torch.device) -> int:
+    """Bytes of L2 the launch order plans to keep K/V in: :data:`L2_KV_BYTES`, else two thirds of
+    the GPU's L2 (32 MiB on the CPU)."""
+    if L2_KV_BYTES is not None:
+        return L2_KV_BYTES
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).L2_cache_size * 2 // 3
+    return 32 << 20
+
+
+def l2_group_keys(num_kv_tokens: int, kv_row_bytes: int, device: torch.device) -> Optional[int]:
+    """Keys of one KV head whose K/V fit the L2 budget (:func:`l2_kv_budget`), where the batch's
+    ``num_kv_tokens`` keys of one KV head do not (None where they do: a section then holds whole KV
+    heads, see :func:`heads_per_l2_section`). With many sequences, heaviest first over the whole
+    batch runs tiles of every sequence at once (1 KV head x 32 x 4096 keys, D128: 64 MiB), so tiles
+    re-read K/V from HBM; :func:`tile_map` groups the sequences by this many keys instead."""
+    budget = l2_kv_budget(device)
+    if num_kv_tokens * kv_row_bytes <= budget:
+        return None
+    return max(1, budget // max(1, kv_row_bytes))
+
+
 def heads_per_l2_section(
     num_kv_tokens: int, kv_row_bytes: int, head_groups_per_kv_head: int, num_head_groups: int, device: torch.device
 ) -> int:
@@ -156,10 +192,6 @@ def heads_per_l2_section(
     different times would re-read it from HBM. ``kv_row_bytes`` is one key's K + V bytes for one
     KV head, ``num_kv_tokens`` the batch's keys; at least one KV head per section.
     """
-    budget = L2_KV_BYTES
-    if budget is None:
-        budget = 32 << 20
-        if device.type == "cuda":
-            budget = torch.cuda.get_device_properties(device).L2_cache_size * 2 // 3
+    budget = l2_kv_budget(device)
     kv_heads = max(1, budget // max(1, num_kv_tokens * kv_row_bytes))
     return max(1, min(num_head_groups, kv_heads * head_groups_per_kv_head))

@@ -6,10 +6,11 @@ absorbed-MLA kernel (:mod:`.triton_mla`: one latent KV head, D = 576, Dv = 512, 
 (192, 128)), packed or paged; else the portable kernel (:mod:`.triton_attn`, any CUDA GPU, and
 CPU tensors under the Triton interpreter: ``TRITON_INTERPRET=1`` set before triton is first
 imported). All read the same plan: a tile map of the placement plan's segments (pad segment
-included, so the kernels write the pad rows), GQA head packing and L2 head sections, uploaded
-once per forward. The family is chosen at plan time; the per-layer call only checks the K/V
-layout (TMA-compatible rows, ``v`` aliasing ``k`` for MLA: O(1)), falling back to the portable
-kernel for that call when it does not hold, gathers strides and launches: O(1) host work.
+included, so the kernels write the pad rows; ordered by L2 sequence groups, heaviest first in a
+group), GQA head packing and L2 head sections, uploaded once per forward. The family is chosen
+at plan time; the per-layer call only checks the K/V layout (TMA-compatible rows, ``v``
+aliasing ``k`` for MLA: O(1)), falling back to the portable kernel for that call when it does
+not hold, gathers strides and launches: O(1) host work.
 Triton is imported lazily: ``import cpattn`` works without it.
 
 ``backend_options``: ``family`` (:data:`FAMILIES`; "sm90" / "mla" raise ValueError where they
@@ -34,7 +35,7 @@ from torch import Tensor
 from . import AttentionSpec, triton_available, triton_unsupported_reason
 from .. import _buffers
 from ..metadata import CPMetadata
-from ._tiles import gqa_packing, heads_per_l2_section, max_tiles, section_schedule_loss, tile_map
+from ._tiles import gqa_packing, heads_per_l2_section, l2_group_keys, max_tiles, section_schedule_loss, tile_map
 
 _KERNEL_MODULE = "cpattn.kernels.triton_attn"
 
@@ -257,8 +258,11 @@ class _TritonRun:
         self.family = family
 
         g_pack, rows = gqa_packing(hq, hkv, block_m)
+        elem = torch.empty((), dtype=spec.dtype).element_size()
+        #: keys per L2 sequence group of the tile order (None: one group; see ``_tiles.l2_group_keys``)
+        self.group_keys = l2_group_keys(meta.num_kv_rows, (d + dv) * elem, meta.device)
         tiles = tile_map(meta, rows, capacity=max_tiles(meta, rows) if meta.is_static else None,
-                         window_left=spec.window_left)
+                         window_left=spec.window_left, group_keys=self.group_keys)
         self.num_tiles = tiles.num_tiles
         dev = _buffers.upload(meta, ("triton-tiles", rows), {
             "segment": tiles.segment, "row_offset": tiles.row_offset,
@@ -266,7 +270,6 @@ class _TritonRun:
         })
         num_head_groups = hq // g_pack
         self.grid = (tiles.segment.numel() * num_head_groups,)
-        elem = torch.empty((), dtype=spec.dtype).element_size()
         section = heads_per_l2_section(meta.num_kv_rows, (d + dv) * elem, hq // hkv // g_pack, num_head_groups,
                                        meta.device)
         common = dict(

@@ -17,7 +17,8 @@ one segment x ``G_PACK`` heads of one KV group), organised the way FA3 runs on H
   ``PERSISTENT``; the plan's default at D128) makes the consumers take turns issuing their GEMMs
   through two named hardware barriers (``bar.sync`` / ``bar.arrive``, as FA3 does).
 
-Programs walk the tile map by L2 head sections (see ``triton_attn.heads_per_l2_section``).
+Programs walk the tile map by L2 head sections and sequence groups (see
+``_tiles.heads_per_l2_section`` and ``_tiles.l2_group_keys``).
 
 Used for ``(D, Dv)`` in (64, 64), (128, 128), (192, 128) (``Q K^T`` of D192 is two wgmmas over
 128 + 64 columns, with 2 K/V stages), bf16/fp16, on sm_90 with Gluon available, K/V packed or

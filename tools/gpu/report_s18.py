@@ -1,0 +1,80 @@
+"""JSON + PNG of the fourteenth session's GPU runs (docs/benchmarks/s18/), from the files the calls
+wrote:
+
+* A/B lines (``_variant.sh``'s ``ab``): ``s18b-lines.txt``, the tree (L2 sequence groups in the tile
+  order) against ``no_seq_groups.patch`` on short batches, two interleaved repeats;
+  ``s18d-lines.txt``, the tree's L2 budget (two thirds of the L2) against a third and an eighth
+  (``l2_budget_3th`` / ``_8th.patch``), dense d128 / d192 16k / 64k C = 1..8 (two repeats) and short
+  batches (once);
+* s18b's benchmark JSON with ``--clocks`` (``short-{groups,nogroups}-rep{1,2}.json``): SM clock and
+  board power per short batch.
+
+Writes ``ab-h200-s18.{json,png}`` ({ab, workload, variant, rep, tflops}) and
+``clocks-short-h200-s18.{json,png}``. Run from the repository root:
+``PYTHONPATH=tools/gpu python tools/gpu/report_s18.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from report_s9 import ab_line_rows, write_ab  # noqa: E402
+
+D = Path("docs/benchmarks/s18")
+TREES = {"src": "tree", "/tmp/nog/src": "no sequence groups", "/tmp/b3/src": "L2 budget 1/3",
+         "/tmp/b8/src": "L2 budget 1/8"}
+
+
+def ab_rows() -> list[dict]:
+    return (ab_line_rows(D / "s18b-lines.txt", lambda g: f"s18b {g}", TREES)
+            + ab_line_rows(D / "s18d-lines.txt", lambda g: f"s18d {g}", TREES))
+
+
+def clock_rows() -> list[dict]:
+    out = []
+    for variant in ("groups", "nogroups"):
+        for rep in (1, 2):
+            for r in json.loads((D / f"short-{variant}-rep{rep}.json").read_text()):
+                out.append(dict(workload=r["workload"], variant=variant, rep=rep, tflops=r["tflops"],
+                                sm_mhz=r["sm_mhz"], watts=r["watts"], tflops_per_ghz=r["tflops_per_ghz"]))
+    return out
+
+
+def plot_clocks(rows: list[dict], path: Path) -> None:
+    """TF/s, SM clock and board power per short batch, sequence groups on and off, per repeat."""
+    loads = list(dict.fromkeys(r["workload"] for r in rows))
+    keys = [(v, rep) for rep in (1, 2) for v in ("nogroups", "groups")]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    width = 0.8 / len(keys)
+    for ax, field, label in ((axes[0], "tflops", "TF/s"), (axes[1], "sm_mhz", "SM clock (MHz, busy samples)"),
+                             (axes[2], "watts", "board power (W, busy samples)")):
+        for i, (v, rep) in enumerate(keys):
+            vals = {r["workload"]: r[field] for r in rows if r["variant"] == v and r["rep"] == rep}
+            ax.bar([j + i * width for j in range(len(loads))], [vals.get(w, 0) for w in loads], width,
+                   label=f"{v} (rep {rep})", color=("C0" if v == "groups" else "C1"), alpha=1.0 if rep == 1 else 0.6)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(loads))])
+        ax.set_xticklabels([w.replace("d128 ", "") for w in loads], rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle("H200, 2026-12-02, short batches with and without L2 sequence groups "
+                 "(tools/gpu/s18b.sh, python -m cpattn.bench kernel --clocks)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    write_ab(ab_rows(), D / "ab-h200-s18", "H200, 2026-12-02, session 14 A/B (tools/gpu/s18b.sh, s18d.sh)")
+    rows = clock_rows()
+    (D / "clocks-short-h200-s18.json").write_text(json.dumps(rows, indent=1))
+    plot_clocks(rows, D / "clocks-short-h200-s18.png")
+    print(f"wrote {D}/clocks-short-h200-s18.json ({len(rows)} rows) and .png")
+
+
+if __name__ == "__main__":
+    main()
