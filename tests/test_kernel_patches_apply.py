@@ -23,10 +23,11 @@ PATCHES = ROOT / "tools" / "gpu" / "patches"
 #: and not kept; tools/gpu/s18a.sh still applies the second. no_seq_groups (fourteenth session) turns
 #: the L2 sequence groups of the tile order off for tools/gpu/s18b.sh's A/B; l2_budget_3th / _8th
 #: plan the tile order for a third / an eighth of the L2 instead of two thirds (s18d.sh);
-#: named_ring_per_item: named_ring_release for one-program-per-item launches only (s18f.sh).
+#: named_ring_per_item: named_ring_release for one-program-per-item launches only (s18f.sh);
+#: mla_wait_first: a wgmma wait before the MLA consumers' key loop (s18h.sh).
 PENDING = [("joint_release_overlap0",), ("named_ring_release",), ("persistent_pingpong",), ("softmax_under_pv",),
            ("no_seq_groups",), ("l2_budget_3th",), ("l2_budget_8th",),
-           ("named_ring_per_item",)]
+           ("named_ring_per_item",), ("mla_wait_first",)]
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None or not PATCHES.is_dir(),
                                 reason="needs git and the repository's tools/gpu/patches")
