@@ -23,3 +23,15 @@ source_tests_table14() {
   PYTHONPATH=$PYTHONPATH:tools/gpu run_tests hopper 200 tests/test_triton_hopper_gpu.py
   issue14_table "$stem" 360
 }
+
+# final_table14 STEM [PATCH...] (the second call of an FA4 pair, within 30 s of the staging one):
+# make_variant /tmp/final with the patches (none: the tree), FA4 install, then issue 14's whole
+# table on /tmp/final (s18c.sh, s18e.sh, s18g.sh).
+final_table14() {
+  local stem=$1; shift
+  make_variant /tmp/final "$@"
+  echo "source: tree${*:+ + $*}"
+  . tools/gpu/_fa4.sh
+  export PYTHONPATH=/tmp/final/src:$PYTHONPATH
+  issue14_table "$stem" 360
+}

@@ -60,3 +60,15 @@ ab_dense_paged_short() {
   cp $L $OUT/
   python3 tools/gpu/ab_ratios.py $L src "$new"
 }
+
+# patch_ab_call NAME PATCH CHOICE: the standard A/B call of one kernel patch (s17e, s18f): the Hopper
+# tests on /tmp/NAME (the tree + PATCH), ab_dense_paged_short against the tree, ab_ratios.py's
+# verdict ("keep" / "drop") into the file CHOICE, then FA4 stage 1 (carry .gpu/fa4-1).
+patch_ab_call() {
+  local name=$1 patch=$2 choice=$3
+  variant_hopper_tests "$name" "$patch"
+  ab_dense_paged_short "/tmp/$name/src" | tee "/tmp/$name-ratios.txt"
+  grep -q "verdict: keep" "/tmp/$name-ratios.txt" && echo keep > "$choice" || echo drop > "$choice"
+  echo "choice: $(cat "$choice")"
+  bash .gpu/fa4-1/stage.sh
+}

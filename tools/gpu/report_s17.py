@@ -25,7 +25,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from report_s9 import ab_line_rows, write_ab  # noqa: E402
+from report_s9 import ab_line_rows, bar_panels, write_ab  # noqa: E402
 
 D = Path("docs/benchmarks/s17")
 TREES = {"src": "tree", "/tmp/ppp/src": "persistent ping-pong", "/tmp/spv/src": "softmax under P V"}
@@ -61,26 +61,11 @@ def clock_rows() -> list[dict]:
 
 def plot_clocks(rows: list[dict], path: Path) -> None:
     """Work per clock (TF/s per GHz) and SM clock per (workload, backend, run)."""
-    loads = list(dict.fromkeys(r["workload"] for r in rows))
-    keys = [(b, run) for run in (1, 2) for b in ("triton", "fa4")]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
-    width = 0.8 / len(keys)
-    for ax, field, label in ((axes[0], "tflops_per_ghz", "TF/s per GHz of SM clock"),
-                             (axes[1], "sm_mhz", "SM clock (MHz, median of busy samples)")):
-        for i, (b, run) in enumerate(keys):
-            vals = {r["workload"]: r[field] for r in rows if r["backend"] == b and r["run"] == run}
-            ax.bar([j + i * width for j in range(len(loads))], [vals.get(w, 0) for w in loads], width,
-                   label=f"{b} (run {run})", color=("C0" if b == "triton" else "C1"), alpha=1.0 if run == 1 else 0.6)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(loads))])
-        ax.set_xticklabels([w.replace(" zigzag", "") for w in loads], rotation=35, ha="right", fontsize=8)
-        ax.set_ylabel(label)
-        if field == "sm_mhz":
-            ax.set_ylim(1300, 1800)
-        ax.legend(fontsize=7, loc="lower right")
-    fig.suptitle("H200, 2026-12-02, sustained timing at the 700 W cap: triton does less work per clock, "
-                 "at a higher clock (tools/gpu/s17d.sh)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    bar_panels(rows, [(b, run) for run in (1, 2) for b in ("triton", "fa4")], lambda r: (r["backend"], r["run"]),
+               [("tflops_per_ghz", "TF/s per GHz of SM clock"), ("sm_mhz", "SM clock (MHz, median of busy samples)")],
+               path, "H200, 2026-12-02, sustained timing at the 700 W cap: triton does less work per clock, "
+               "at a higher clock (tools/gpu/s17d.sh)", lambda k: "C0" if k[0] == "triton" else "C1",
+               lambda k: 1.0 if k[1] == 1 else 0.6, lambda k: f"{k[0]} (run {k[1]})", {"sm_mhz": (1300, 1800)})
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from report_s9 import ab_line_rows, write_ab  # noqa: E402
+from report_s9 import ab_line_rows, bar_panels, write_ab  # noqa: E402
 
 D = Path("docs/benchmarks/s18")
 TREES = {"src": "tree", "/tmp/nog/src": "no sequence groups", "/tmp/b3/src": "L2 budget 1/3",
@@ -51,24 +51,13 @@ def clock_rows() -> list[dict]:
 
 def plot_clocks(rows: list[dict], path: Path) -> None:
     """TF/s, SM clock and board power per short batch, sequence groups on and off, per repeat."""
-    loads = list(dict.fromkeys(r["workload"] for r in rows))
-    keys = [(v, rep) for rep in (1, 2) for v in ("nogroups", "groups")]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
-    width = 0.8 / len(keys)
-    for ax, field, label in ((axes[0], "tflops", "TF/s"), (axes[1], "sm_mhz", "SM clock (MHz, busy samples)"),
-                             (axes[2], "watts", "board power (W, busy samples)")):
-        for i, (v, rep) in enumerate(keys):
-            vals = {r["workload"]: r[field] for r in rows if r["variant"] == v and r["rep"] == rep}
-            ax.bar([j + i * width for j in range(len(loads))], [vals.get(w, 0) for w in loads], width,
-                   label=f"{v} (rep {rep})", color=("C0" if v == "groups" else "C1"), alpha=1.0 if rep == 1 else 0.6)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(loads))])
-        ax.set_xticklabels([w.replace("d128 ", "") for w in loads], rotation=30, ha="right", fontsize=8)
-        ax.set_ylabel(label)
-        ax.legend(fontsize=7, loc="lower right")
-    fig.suptitle("H200, 2026-12-02, short batches with and without L2 sequence groups "
-                 "(tools/gpu/s18b.sh, python -m cpattn.bench kernel --clocks)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    bar_panels(rows, [(v, rep) for rep in (1, 2) for v in ("nogroups", "groups")], lambda r: (r["variant"], r["rep"]),
+               [("tflops", "TF/s"), ("sm_mhz", "SM clock (MHz, busy samples)"),
+                ("watts", "board power (W, busy samples)")], path,
+               "H200, 2026-12-02, short batches with and without L2 sequence groups "
+               "(tools/gpu/s18b.sh, python -m cpattn.bench kernel --clocks)",
+               lambda k: "C0" if k[0] == "groups" else "C1", lambda k: 1.0 if k[1] == 1 else 0.6,
+               lambda k: f"{k[0]} (rep {k[1]})")
 
 
 def main() -> None:

@@ -92,6 +92,31 @@ def plot_ab(data: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def bar_panels(rows: list[dict], keys: list[tuple], key_of, panels: list[tuple], path: Path, title: str,
+               color_of, fade_of, label_of, ylims: dict | None = None) -> None:
+    """One bar chart per ``(field, y label)`` of ``panels``: per workload, one bar per key of ``keys``
+    (``key_of(row)`` gives a row's key; ``color_of`` / ``fade_of`` / ``label_of`` a key's colour,
+    alpha and legend label); ``ylims`` {field: (lo, hi)}. Used for the clock records (s17, s18)."""
+    loads = list(dict.fromkeys(r["workload"] for r in rows))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5), squeeze=False)
+    width = 0.8 / len(keys)
+    for ax, (field, label) in zip(axes[0], panels):
+        for i, key in enumerate(keys):
+            vals = {r["workload"]: r[field] for r in rows if key_of(r) == key}
+            ax.bar([j + i * width for j in range(len(loads))], [vals.get(w, 0) for w in loads], width,
+                   label=label_of(key), color=color_of(key), alpha=fade_of(key))
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(loads))])
+        ax.set_xticklabels([w.replace(" zigzag", "").replace("d128 ", "") if "x" in w else w.replace(" zigzag", "")
+                            for w in loads], rotation=35, ha="right", fontsize=8)
+        ax.set_ylabel(label)
+        if ylims and field in ylims:
+            ax.set_ylim(*ylims[field])
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def ab_line_rows(path: Path, ab_name, trees: dict[str, str]) -> list[dict]:
     """Rows of the lines ``_variant.sh``'s ``ab`` saved at ``path`` ("GROUP rep N TREE rc 0
     workload TF/s | ...", d128 workloads named without their head dim): ``ab`` =

@@ -6,9 +6,6 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/gpu/_variant.sh
 choice=$(cat /tmp/s18-choice.txt 2>/dev/null || echo drop)
-if [ "$choice" = keep ]; then make_variant /tmp/final; else make_variant /tmp/final no_seq_groups; fi
-echo "source: $choice"
+if [ "$choice" = keep ]; then patches=(); else patches=(no_seq_groups); fi
 . tools/gpu/_table14.sh
-. tools/gpu/_fa4.sh
-export PYTHONPATH=/tmp/final/src:$PYTHONPATH
-issue14_table kernel14-fa4-h200-s18 360
+final_table14 kernel14-fa4-h200-s18 "${patches[@]}"

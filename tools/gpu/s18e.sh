@@ -6,9 +6,6 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/gpu/_variant.sh
 budget=$(cat /tmp/s18-budget.txt 2>/dev/null || echo tree)
-if [ "$budget" = tree ]; then make_variant /tmp/final; else make_variant /tmp/final l2_budget_${budget}th; fi
-echo "budget: $budget"
+if [ "$budget" = tree ]; then patches=(); else patches=(l2_budget_${budget}th); fi
 . tools/gpu/_table14.sh
-. tools/gpu/_fa4.sh
-export PYTHONPATH=/tmp/final/src:$PYTHONPATH
-issue14_table kernel14-fa4-h200-s18e 360
+final_table14 kernel14-fa4-h200-s18e "${patches[@]}"

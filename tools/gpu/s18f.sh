@@ -9,8 +9,4 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/gpu/_variant.sh
 ab_session /tmp/s18f-lines.txt
-variant_hopper_tests nrp named_ring_per_item
-ab_dense_paged_short /tmp/nrp/src | tee /tmp/s18f-ratios.txt
-grep -q "verdict: keep" /tmp/s18f-ratios.txt && echo keep > /tmp/s18-nrp.txt || echo drop > /tmp/s18-nrp.txt
-echo "choice: $(cat /tmp/s18-nrp.txt)"
-bash .gpu/fa4-1/stage.sh
+patch_ab_call nrp named_ring_per_item /tmp/s18-nrp.txt

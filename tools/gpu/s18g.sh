@@ -5,9 +5,6 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/gpu/_variant.sh
 choice=$(cat /tmp/s18-nrp.txt 2>/dev/null || echo drop)
-if [ "$choice" = keep ]; then make_variant /tmp/final named_ring_per_item; else make_variant /tmp/final; fi
-echo "source: $choice"
+if [ "$choice" = keep ]; then patches=(named_ring_per_item); else patches=(); fi
 . tools/gpu/_table14.sh
-. tools/gpu/_fa4.sh
-export PYTHONPATH=/tmp/final/src:$PYTHONPATH
-issue14_table kernel14-fa4-h200-s18g 360
+final_table14 kernel14-fa4-h200-s18g "${patches[@]}"
