@@ -7,7 +7,8 @@ wrote:
   (``l2_budget_3th`` / ``_8th.patch``), dense d128 / d192 16k / 64k C = 1..8 (two repeats) and short
   batches (once); ``s18f-lines.txt``, the tree against ``named_ring_per_item.patch`` (the ring's
   slots freed through named barriers where one program runs one work item): dense two repeats,
-  paged and short once;
+  paged and short once; ``s18h-lines.txt``, the tree against ``mla_wait_first.patch``: MLA
+  prefill and decode (the tree twice, the patch once: the call hit its time limit);
 * s18b's benchmark JSON with ``--clocks`` (``short-{groups,nogroups}-rep{1,2}.json``): SM clock and
   board power per short batch.
 
@@ -30,13 +31,14 @@ from report_s9 import ab_line_rows, bar_panels, write_ab  # noqa: E402
 
 D = Path("docs/benchmarks/s18")
 TREES = {"src": "tree", "/tmp/nog/src": "no sequence groups", "/tmp/b3/src": "L2 budget 1/3",
-         "/tmp/b8/src": "L2 budget 1/8", "/tmp/nrp/src": "named ring per item"}
+         "/tmp/b8/src": "L2 budget 1/8", "/tmp/nrp/src": "named ring per item", "/tmp/mw/src": "MLA wait first"}
 
 
 def ab_rows() -> list[dict]:
     return (ab_line_rows(D / "s18b-lines.txt", lambda g: f"s18b {g}", TREES)
             + ab_line_rows(D / "s18d-lines.txt", lambda g: f"s18d {g}", TREES)
-            + ab_line_rows(D / "s18f-lines.txt", lambda g: f"s18f {g}", TREES))
+            + ab_line_rows(D / "s18f-lines.txt", lambda g: f"s18f {g}", TREES)
+            + ab_line_rows(D / "s18h-lines.txt", lambda g: f"s18h {g}", TREES))
 
 
 def clock_rows() -> list[dict]:
@@ -61,7 +63,7 @@ def plot_clocks(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    write_ab(ab_rows(), D / "ab-h200-s18", "H200, 2026-12-02, session 14 A/B (tools/gpu/s18b.sh, s18d.sh, s18f.sh)")
+    write_ab(ab_rows(), D / "ab-h200-s18", "H200, 2026-12-02, session 14 A/B (tools/gpu/s18b.sh, s18d.sh, s18f.sh, s18h.sh)")
     rows = clock_rows()
     (D / "clocks-short-h200-s18.json").write_text(json.dumps(rows, indent=1))
     plot_clocks(rows, D / "clocks-short-h200-s18.png")
