@@ -200,10 +200,13 @@ def test_zigzag_causal_work_is_balanced(cp_size, extend, data):
     bound = sum(2 * (e // (2 * cp_size) + 1) * (p + e) for e, p in zip(extend, prefix))
     mean = sum(work) / cp_size
     assert max(abs(w - mean) for w in work) <= bound
-    # and it beats contiguous placement on long sequences
-    if min(extend) >= 16 * cp_size and cp_size > 1:
-        _, contiguous = all_metas("contiguous", cp_size, extend, prefix, 1)
-        assert metas[0].load_imbalance <= contiguous[0].load_imbalance
+    # and it beats contiguous placement on one long sequence (with several, contiguous cuts across
+    # sequences and can come out as balanced: e.g. C = 2 over 200 + 241 + 315 tokens, 1.0025 vs
+    # zigzag's 1.0032, a counterexample hypothesis found to the old multi-sequence claim)
+    if extend[0] >= 16 * cp_size and cp_size > 1:
+        _, one = all_metas("zigzag", cp_size, extend[:1], prefix[:1], 1)
+        _, contiguous = all_metas("contiguous", cp_size, extend[:1], prefix[:1], 1)
+        assert one[0].load_imbalance <= contiguous[0].load_imbalance
 
 
 def test_zigzag_rank_blocks_example():
