@@ -345,6 +345,11 @@ if HAVE_GLUON:
             l_i = gl.full([BM], 0.0, gl.float32, layout=s_rows)
         acc = gl.zeros([BM, HALF], gl.float32, layout=o_layout)
         s_zero = gl.zeros([BM, BN], gl.float32, layout=s_layout)
+        # no wgmma is in flight here, but ptxas cannot see that on the path from the other
+        # partitions' code (Triton runs the worker partitions from one dispatch loop): without this
+        # wait it injects one into the loop below, after this warpgroup's Q K^T_j and before the
+        # rescale of O for P_{j-1} V_{j-1} (C7517 in warpgroup 0), serializing the two GEMMs
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
 
         # two stages, blocks alternate: this warpgroup's blocks always sit in stage W, the other's in
         # stage 1 - W (constant shared-memory addresses: the wgmma descriptors fold to immediates)
