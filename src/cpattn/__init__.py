@@ -67,7 +67,7 @@ from .strategies import (
     get_strategy,
 )
 
-__version__ = "0.3.11"
+__version__ = "0.3.12"
 
 __all__ = [
     "AttentionPlan",

@@ -277,7 +277,9 @@ if HAVE_GLUON:
         global and map to local key counts of ``rank`` (CP_SIZE > 1), sinks count only when the
         item is its tile's only split (``ws < 0``), and the result goes to ``Out`` / ``Lse`` then,
         else as an fp32 partial into the workspace slot ``ws`` (DECODE == 2, pair mode: then merged
-        with the other split's by whichever finishes second, :func:`_mla_pair_merge`).
+        with the other split's by whichever finishes second, :func:`_mla_pair_merge`). Its key loop
+        adds the other warpgroup's block before waiting for its own (as SPARSE): the latent comes
+        from DRAM, and that frees a stage for the loader one ``Q K^T`` earlier.
 
         SPARSE: the tile is one query row's heads (see :func:`_mla_sparse_sm90`); block ``j`` holds
         the latent rows of entries ``[64 j, 64 j + 64)`` of its selection, gathered with cp.async
@@ -357,17 +359,18 @@ if HAVE_GLUON:
         slot: gl.constexpr = W
         other: gl.constexpr = 1 - W
         for j in range(W, num_blocks, 2):
-            if SPARSE:
+            if SPARSE | (DECODE != 0):
                 # the other warpgroup's block j - 1 first: its stage is released before this
-                # warpgroup waits for block j, so the loader's gather of block j + 1 into it never
-                # waits for block j's copies (with two stages and gathered keys, load latency
-                # would otherwise sit on every block's critical path)
+                # warpgroup waits for block j, so the load of block j + 1 into it never waits for
+                # block j's (with two stages and keys gathered or read from DRAM, as in decode,
+                # load latency would otherwise sit on every block's critical path)
                 if j > 0:
                     acc, l_i, m_i = _mla_pv_other(acc, l_i, m_i, s_p, s_alpha, s_m, v_bufs.index(other),
                                                   p_bar.index(W), ((j - 1) // 2) & 1, kv_empty.index(other),
-                                                  o_rows, s_rows, True)
+                                                  o_rows, s_rows, SPARSE)
                 mbarrier.wait(k_ready.index(slot), (j // NSTAGE) & 1)
-                fence_async_shared()  # cp.async (generic proxy) writes -> wgmma (async proxy) reads
+                if SPARSE:
+                    fence_async_shared()  # cp.async (generic proxy) writes -> wgmma (async proxy) reads
             else:
                 mbarrier.wait(k_ready.index(slot), (j // NSTAGE) & 1)
             # ``j >> 30`` is 0, but not provably so: the 36 Q / K tile descriptors of this block's
@@ -383,6 +386,8 @@ if HAVE_GLUON:
                 keep = gl.expand_dims((e >= 0) & (e <= pos0), 0)
                 s = warpgroup_mma_wait(0, deps=(s_f, ))
                 s = gl.where(keep, s, float("-inf"))
+            elif DECODE != 0:  # block j - 1 was added above
+                s = warpgroup_mma_wait(0, deps=(s_f, ))
             elif j > 0:
                 # block j - 1 (the other warpgroup's): rescale, add P_{j-1} V_{j-1} from shared memory,
                 # while this block's scores are computed
