@@ -29,6 +29,15 @@ def test_default_workloads_name_what_they_are():
     short = names["d128 1024x128"]
     assert short.ext == (128,) * 1024 and short.group == "short"
     assert names["d128 S=64k zigzag C=2 paged64"].page == 64
+    assert [w.page for w in names.values() if w.group == "mla" and w.page] == [64]
+
+
+def test_mla_page_sizes_on_request():
+    """``--mla-pages`` adds a paged absorbed-MLA prefill per page size (the first S, C = 1)."""
+    ws = bench.all_workloads(_args("--mla-seqs", "65536,16384", "--mla-cps", "4", "--mla-pages", "16,256"))
+    mla = [(w.name, w.cp, w.page) for w in ws if w.group == "mla"]
+    assert mla == [("mla576 S=64k zigzag C=4", 4, None), ("mla576 S=16k zigzag C=4", 4, None),
+                   ("mla576 S=64k zigzag C=1 paged16", 1, 16), ("mla576 S=64k zigzag C=1 paged256", 1, 256)]
 
 
 def test_head_shapes_d64_on_request_unknown_refused():

@@ -27,7 +27,7 @@ PATCHES = ROOT / "tools" / "gpu" / "patches"
 #: mla_wait_first: a wgmma wait before the MLA consumers' key loop (s18h.sh).
 PENDING = [("joint_release_overlap0",), ("named_ring_release",), ("persistent_pingpong",), ("softmax_under_pv",),
            ("no_seq_groups",), ("l2_budget_3th",), ("l2_budget_8th",),
-           ("named_ring_per_item",)]
+           ("named_ring_per_item",), ("mla_pv_first_all",), ("mla_pv_first_paged",)]
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None or not PATCHES.is_dir(),
                                 reason="needs git and the repository's tools/gpu/patches")

@@ -7,6 +7,8 @@ printed:
 * ``s19f-lines.txt``: the 0.3.11 tree against ``mla_decode_pv_first.patch`` (now in the tree,
   0.3.12): MLA decode B = 8, 64 over 4k / 32k keys, q1 / q4, graph-replay TF/s, two interleaved
   repeats;
+* ``s19g-lines.txt``: the 0.3.12 tree against ``mla_pv_first_all.patch`` (that order in every
+  mode): MLA prefill 16k / 64k C = 1, 4 and 16k paged 64, two interleaved repeats (not kept);
 * ``s19a-lines.txt``: ``s18a.sh``'s clock records, the tree against ``softmax_under_pv.patch``:
   d128 / d192 16k / 64k zigzag C = 1, 2, TF/s, SM clock (MHz, busy samples) and TF/s per GHz, two
   interleaved repeats.
@@ -34,6 +36,7 @@ from report_s9 import ab_line_rows, bar_panels, write_ab  # noqa: E402
 D = Path("docs/benchmarks/s19")
 TREES = {"src": "tree (0.3.10)", "/tmp/mw/src": "MLA wait first"}
 TREES_F = {"src": "tree (0.3.11)", "/tmp/pvf/src": "decode P V first"}
+TREES_G = {"src": "tree (0.3.12)", "/tmp/pfa/src": "P V first, every mode"}
 _POINT = re.compile(r"(d\d+ S=\d+k C=\d+) (\d+) TF/s (\d+) MHz (\d+)/GHz")
 
 
@@ -89,11 +92,12 @@ def plot_profile(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     ab = (ab_line_rows(D / "s18h-rerun-lines.txt", lambda g: f"s18h {g} (decode back to back)", TREES)
-          + ab_line_rows(D / "s19f-lines.txt", lambda g: f"s19f {g} (graph replay)", TREES_F))
+          + ab_line_rows(D / "s19f-lines.txt", lambda g: f"s19f {g} (graph replay)", TREES_F)
+          + ab_line_rows(D / "s19g-lines.txt", lambda g: f"s19g {g} prefill", TREES_G))
     for r in ab:  # ab_line_rows names d128 points without their head dim; these are MLA's
         r["workload"] = r["workload"].removeprefix("d128 ")
     write_ab(ab, D / "ab-h200-s19",
-             "H200, 2026-12-02/03, MLA: no injected wait (s18h again), decode P V first (s19f)")
+             "H200, 2026-12-02/03, MLA: no injected wait (s18h again), P V first in decode (s19f), everywhere (s19g)")
     rows = clock_rows(D / "s19a-lines.txt")
     (D / "clocks-spv-h200-s19.json").write_text(json.dumps(rows, indent=1))
     bar_panels(rows, [(v, rep) for rep in (1, 2) for v in ("tree", "spv")], lambda r: (r["variant"], r["rep"]),

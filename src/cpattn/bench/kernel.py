@@ -10,7 +10,8 @@ Workload groups (``--workloads`` picks groups or name substrings, comma separate
   unused tail slots zero: FA4 needs finite ones), for every shape and S: ``d128 S=64k zigzag C=2 paged16``.
 * ``mla``: absorbed-MLA prefill (``mla576``: 128 query heads over one latent KV head, D 576,
   Dv 512, ``v = k[..., :512]``), S in ``--mla-seqs`` under zigzag ``--mla-cps`` (default 16k / 64k,
-  C = 1 / 4), packed, plus S=16k C=1 over 64-key pages: ``mla576 S=16k zigzag C=1``.
+  C = 1 / 4), packed, plus the first S at C = 1 over pages of ``--mla-pages`` keys (default 64):
+  ``mla576 S=16k zigzag C=1``, ``mla576 S=16k zigzag C=1 paged64``.
 * ``decode``: absorbed-MLA decode through a dense plan over a replicated cache (C = 1): B sequences
   (``--decode-batches``) of L keys (``--decode-lens``) with q new tokens each (``--decode-qlens``):
   ``mla576 decode B=64 L=32k q1``; the JSON adds ``gbps`` (latent bytes read once / time) and
@@ -92,6 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pages", default="16,64,256", help="page sizes of the paged workloads (zigzag C=2)")
     p.add_argument("--mla-seqs", default="16384,65536", help="absorbed-MLA prefill sequence lengths")
     p.add_argument("--mla-cps", default="1,4", help="absorbed-MLA prefill zigzag CP sizes")
+    p.add_argument("--mla-pages", default="64",
+                   help="page sizes of the paged absorbed-MLA prefill workloads (the first --mla-seqs, C=1)")
     p.add_argument("--decode-batches", default="1,8,64", help="absorbed-MLA decode batch sizes B")
     p.add_argument("--decode-lens", default="4096,32768,131072", help="absorbed-MLA decode keys per sequence L")
     p.add_argument("--decode-qlens", default="1,4", help="absorbed-MLA decode new tokens per sequence")
@@ -189,7 +192,9 @@ def all_workloads(args) -> list[Workload]:
             out.append(Workload(f"mla576 S={_k(seq)} zigzag C={c}", "mla", "mla576", "zigzag", c, (seq,)))
     if _ints(args.mla_seqs):
         seq = _ints(args.mla_seqs)[0]
-        out.append(Workload(f"mla576 S={_k(seq)} zigzag C=1 paged64", "mla", "mla576", "zigzag", 1, (seq,), page=64))
+        for page in _ints(args.mla_pages):
+            out.append(Workload(f"mla576 S={_k(seq)} zigzag C=1 paged{page}", "mla", "mla576", "zigzag", 1, (seq,),
+                                page=page))
     for length in _ints(args.decode_lens):
         for b in _ints(args.decode_batches):
             for ql in _ints(args.decode_qlens):
@@ -471,6 +476,7 @@ def _argv_summary(args) -> list[str]:
     out = [f"--workloads '{args.workloads}'", f"--sm90-options {args.sm90_options}",
            f"--decode-options {args.decode_options}", f"--shapes {args.shapes}", f"--seqs {args.seqs}",
            f"--cps {args.cps}", f"--pages {args.pages}", f"--mla-seqs {args.mla_seqs}", f"--mla-cps {args.mla_cps}",
+           f"--mla-pages {args.mla_pages}",
            f"--decode-batches {args.decode_batches}", f"--decode-lens {args.decode_lens}",
            f"--decode-qlens {args.decode_qlens}", f"--short {args.short}", f"--iters {args.iters}",
            f"--warmup-ms {args.warmup_ms:g}", f"--min-ms {args.min_ms:g}"]
