@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Prepared in the fifteenth session, not run: after 0.3.12 a decode block's load may still sit on
+# the critical path (the consumer waits for the whole 72 KB block before its first Q K^T wgmma).
+# mla_chunk_ready.patch gives each latent stage three ready barriers in the TMA modes (columns
+# 0-255, 256-511, the rope part; packed and paged loaders), so Q K^T starts on the first third
+# while the rest lands. Offline: every MLA build compiles with the same registers, no new spill,
+# no C7517. (1) the MLA / DSA GPU tests on the patched copy (s19f's selection, 230 s); (2) A/B
+# against the tree, two interleaved repeats: decode B = 8, 64 over 4k / 32k keys q1 / q4 (graph
+# replay) and MLA prefill 16k / 64k C = 1, 4 + paged 64 (back to back); ab_ratios.py's verdict
+# over both. No FA4, no carry; about 7 minutes.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+. tools/gpu/_variant.sh
+ab_session /tmp/s20b-lines.txt
+make_variant /tmp/mcr mla_chunk_ready
+T=$OUT/gpu-tests-h200-mcr.log; : > "$T"
+PYTHONPATH=/tmp/mcr/src:tools/gpu run_tests mcr 230 tests/test_triton_hopper_gpu.py tests/test_dsa_gpu.py \
+  tests/test_shard_attention.py -k "mla and not test_gpu_split_kv_at_128k or test_dsa_gpu" | tee -a "$L"
+for rep in 1 2; do
+  for tree in src /tmp/mcr/src; do
+    rm -f /tmp/g.json
+    PYTHONPATH=$tree timeout -s KILL 100 python3 -m cpattn.bench kernel --backends triton --iters 5 --out /tmp/g \
+      --workloads decode --decode-batches 8,64 --decode-lens 4096,32768 --decode-qlens 1,4 > /tmp/g.log 2>&1
+    rc=$?; [ $rc = 0 ] || tail -5 /tmp/g.log
+    echo "decode rep $rep $tree rc $rc $(python3 -c "
+import json; rows = json.load(open('/tmp/g.json'))
+print(' | '.join(f\"{r['workload'].replace('mla576 ', '')} {r.get('tflops_graph', 0):.0f}\" for r in rows))")" | tee -a $L
+    ab "mla rep $rep" $tree --workloads mla
+  done
+done
+cp $L $OUT/
+python3 tools/gpu/ab_ratios.py $L src /tmp/mcr/src
