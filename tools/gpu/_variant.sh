@@ -23,23 +23,37 @@ make_variant() {
 # is also appended to $L (the lines choose_patches.py reads).
 variant_hopper_tests() {
   local name=$1; shift
-  make_variant "/tmp/$name" "$@"
+  variant_tests "$name" 200 "$@" -- tests/test_triton_hopper_gpu.py
+}
+
+# variant_tests NAME LIMIT PATCH... -- PYTEST-ARGS...: make_variant /tmp/NAME with the patches, then
+# the GPU tests PYTEST-ARGS select on it (run_tests of _tests.sh, LIMIT s, log
+# $OUT/gpu-tests-h200-NAME.log); the summary line is also appended to $L.
+variant_tests() {
+  local name=$1 limit=$2 patches=(); shift 2
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do patches+=("$1"); shift; done
+  shift
+  make_variant "/tmp/$name" "${patches[@]}"
   T=$OUT/gpu-tests-h200-$name.log; : > "$T"
-  PYTHONPATH=/tmp/$name/src:tools/gpu run_tests "$name" 200 tests/test_triton_hopper_gpu.py | tee -a "$L"
+  PYTHONPATH=/tmp/$name/src:tools/gpu run_tests "$name" "$limit" "$@" | tee -a "$L"
 }
 
 # ab LABEL TREE bench-args...: one triton run of python -m cpattn.bench kernel on the source TREE
-# (80 s limit); prints and appends to $L one line "LABEL TREE rc N workload TF/s | ..." (the lines
-# choose_patches.py and ab_ratios.py read).
-ab() {
-  local label=$1 tree=$2; shift 2
+# (${AB_LIMIT:-80} s limit); prints and appends to $L one line "LABEL TREE rc N workload TF/s | ..."
+# (the lines choose_patches.py and ab_ratios.py read). ab_graph: the same with the decode rows'
+# graph-replay TF/s (how engines run decode steps).
+ab() { ab_field tflops "$@"; }
+ab_graph() { ab_field tflops_graph "$@"; }
+
+ab_field() {
+  local field=$1 label=$2 tree=$3; shift 3
   rm -f /tmp/g.json
-  PYTHONPATH=$tree timeout -s KILL 80 python3 -m cpattn.bench kernel --backends triton --iters 5 --out /tmp/g "$@" \
-    > /tmp/g.log 2>&1
+  PYTHONPATH=$tree timeout -s KILL "${AB_LIMIT:-80}" python3 -m cpattn.bench kernel --backends triton --iters 5 \
+    --out /tmp/g "$@" > /tmp/g.log 2>&1
   local rc=$?; [ $rc = 0 ] || tail -5 /tmp/g.log
   echo "$label $tree rc $rc $(python3 -c "
 import json; rows = json.load(open('/tmp/g.json'))
-print(' | '.join(f\"{r['workload'].replace(' zigzag', '').replace('d128 ', '')} {r['tflops']:.0f}\" for r in rows))")" | tee -a $L
+print(' | '.join(f\"{r['workload'].replace(' zigzag', '').replace('d128 ', '')} {r.get('$field', 0):.0f}\" for r in rows))")" | tee -a $L
 }
 
 # ab_dense_paged_short NEW: the standard A/B of the tree (src) against the source tree NEW (s16a,

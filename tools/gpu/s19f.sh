@@ -7,23 +7,18 @@
 # j), which frees a stage one Q K^T earlier. (1) the MLA / DSA GPU tests on the patched copy
 # (without the 128k case); (2) A/B against the tree: MLA decode B = 8, 64 over 4k / 32k keys,
 # q1 / q4, graph-replay TF/s, two interleaved repeats; MLA prefill is the same code (DECODE = 0).
+# (Rewritten onto _variant.sh's variant_tests / ab_graph after the run, same commands; the run's
+# own loop printed the workload names without their 'mla576 ' prefix, as in s19f-lines.txt.)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/gpu/_variant.sh
 ab_session /tmp/s19f-lines.txt
-make_variant /tmp/pvf mla_decode_pv_first
-T=$OUT/gpu-tests-h200-pvf.log; : > "$T"
-PYTHONPATH=/tmp/pvf/src:tools/gpu run_tests pvf 230 tests/test_triton_hopper_gpu.py tests/test_dsa_gpu.py \
-  tests/test_shard_attention.py -k "mla and not test_gpu_split_kv_at_128k or test_dsa_gpu" | tee -a "$L"
+variant_tests pvf 230 mla_decode_pv_first -- tests/test_triton_hopper_gpu.py tests/test_dsa_gpu.py \
+  tests/test_shard_attention.py -k "mla and not test_gpu_split_kv_at_128k or test_dsa_gpu"
 for rep in 1 2; do
   for tree in src /tmp/pvf/src; do
-    rm -f /tmp/g.json
-    PYTHONPATH=$tree timeout -s KILL 100 python3 -m cpattn.bench kernel --backends triton --iters 5 --out /tmp/g \
-      --workloads decode --decode-batches 8,64 --decode-lens 4096,32768 --decode-qlens 1,4 > /tmp/g.log 2>&1
-    rc=$?; [ $rc = 0 ] || tail -5 /tmp/g.log
-    echo "decode rep $rep $tree rc $rc $(python3 -c "
-import json; rows = json.load(open('/tmp/g.json'))
-print(' | '.join(f\"{r['workload'].replace('mla576 ', '')} {r.get('tflops_graph', 0):.0f}\" for r in rows))")" | tee -a $L
+    AB_LIMIT=100 ab_graph "decode rep $rep" $tree --workloads decode --decode-batches 8,64 --decode-lens 4096,32768 \
+      --decode-qlens 1,4
   done
 done
 cp $L $OUT/

@@ -10,9 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/gpu/_variant.sh
 ab_session /tmp/s19g-lines.txt
-make_variant /tmp/pfa mla_pv_first_all
-T=$OUT/gpu-tests-h200-pfa.log; : > "$T"
-PYTHONPATH=/tmp/pfa/src:tools/gpu run_tests pfa 100 tests/test_triton_hopper_gpu.py -k mla | tee -a "$L"
+variant_tests pfa 100 mla_pv_first_all -- tests/test_triton_hopper_gpu.py -k mla
 for rep in 1 2; do
   for tree in src /tmp/pfa/src; do
     ab "mla rep $rep" $tree --workloads mla

@@ -10,9 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/gpu/_variant.sh
 ab_session /tmp/s20a-lines.txt
-make_variant /tmp/pfp mla_pv_first_paged
-T=$OUT/gpu-tests-h200-pfp.log; : > "$T"
-PYTHONPATH=/tmp/pfp/src:tools/gpu run_tests pfp 100 tests/test_triton_hopper_gpu.py -k mla | tee -a "$L"
+variant_tests pfp 100 mla_pv_first_paged -- tests/test_triton_hopper_gpu.py -k mla
 for rep in 1 2; do
   for tree in src /tmp/pfp/src; do
     ab "p16k rep $rep" $tree --workloads mla --mla-seqs 16384 --mla-cps 1 --mla-pages 16,64,256

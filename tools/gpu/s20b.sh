@@ -12,19 +12,12 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/gpu/_variant.sh
 ab_session /tmp/s20b-lines.txt
-make_variant /tmp/mcr mla_chunk_ready
-T=$OUT/gpu-tests-h200-mcr.log; : > "$T"
-PYTHONPATH=/tmp/mcr/src:tools/gpu run_tests mcr 230 tests/test_triton_hopper_gpu.py tests/test_dsa_gpu.py \
-  tests/test_shard_attention.py -k "mla and not test_gpu_split_kv_at_128k or test_dsa_gpu" | tee -a "$L"
+variant_tests mcr 230 mla_chunk_ready -- tests/test_triton_hopper_gpu.py tests/test_dsa_gpu.py \
+  tests/test_shard_attention.py -k "mla and not test_gpu_split_kv_at_128k or test_dsa_gpu"
 for rep in 1 2; do
   for tree in src /tmp/mcr/src; do
-    rm -f /tmp/g.json
-    PYTHONPATH=$tree timeout -s KILL 100 python3 -m cpattn.bench kernel --backends triton --iters 5 --out /tmp/g \
-      --workloads decode --decode-batches 8,64 --decode-lens 4096,32768 --decode-qlens 1,4 > /tmp/g.log 2>&1
-    rc=$?; [ $rc = 0 ] || tail -5 /tmp/g.log
-    echo "decode rep $rep $tree rc $rc $(python3 -c "
-import json; rows = json.load(open('/tmp/g.json'))
-print(' | '.join(f\"{r['workload'].replace('mla576 ', '')} {r.get('tflops_graph', 0):.0f}\" for r in rows))")" | tee -a $L
+    AB_LIMIT=100 ab_graph "decode rep $rep" $tree --workloads decode --decode-batches 8,64 --decode-lens 4096,32768 \
+      --decode-qlens 1,4
     ab "mla rep $rep" $tree --workloads mla
   done
 done
