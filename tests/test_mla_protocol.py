@@ -30,14 +30,14 @@ def test_mla_protocol_holds(sim, order, parts):
 def test_model_catches_an_early_stage_release(sim, order):
     """A stage freed when its P V is issued, not completed: the loader rewrites it under the wgmma."""
     assert sim.violations(60, order, 1, early_release=True) > 0
-    with pytest.raises(sim.Violation, match="rewritten .* while warpgroup"):
+    with pytest.raises(sim.Violation, match="rewritten .* while consumer"):
         for seed in range(60):
             sim.Sim(random.Random(seed), 6, order, 1, early_release=True).run()
 
 
 def test_model_catches_p_overwritten_under_its_reader(sim):
     assert sim.violations(60, "qk_first", 1, p_before_wait=True) > 0
-    with pytest.raises(sim.Violation, match="stores p .* while warpgroup"):
+    with pytest.raises(sim.Violation, match="stores p .* while consumer"):
         for seed in range(60):
             sim.Sim(random.Random(seed), 6, "qk_first", 1, p_before_wait=True).run()
 

@@ -31,13 +31,13 @@ _spec = importlib.util.spec_from_file_location(
     "ring_protocol_sim", os.path.join(os.path.dirname(os.path.abspath(__file__)), "ring_protocol_sim.py"))
 _ring = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_ring)
-Barrier, Violation = _ring.Barrier, _ring.Violation
+Barrier, Interleaving, Violation = _ring.Barrier, _ring.Interleaving, _ring.Violation
 
 PARTS = ("a", "b", "r")
 STAGES = 2
 
 
-class Sim:
+class Sim(Interleaving):
     """One program: ``num_blocks`` latent blocks. ``order``: "qk_first" or "pv_first"; ``parts``: 1 or
     3 ready barriers per stage. Broken variants for the self-check: ``early_release`` (a warpgroup
     frees its stage before its ``P V`` completed, then waits), ``p_before_wait`` (a warpgroup
@@ -53,7 +53,7 @@ class Sim:
         self.p_bar = [Barrier(1) for _ in range(2)]
         self.smem = {}  # ("a"/"b"/"r", slot) or "p" / "alpha" -> the block it holds
         self.dmas = []  # ((part, slot), block, barrier)
-        self.groups = {0: [], 1: []}  # per warpgroup, in commit order: list of (resource, block) reads
+        self.groups = {0: [], 1: []}  # per warpgroup, in commit order: (resource, block) reads
         procs = [self._loader(), self._consumer(0), self._consumer(1)]
         self.procs = [[p, None] for p in procs]
 
@@ -66,26 +66,14 @@ class Sim:
                 bar = self.ready[slot][i if self.parts == 3 else 0]
                 if self.parts == 3 or i == 0:  # one expect per barrier, for all its bytes
                     bar.expect_arrive(1 if self.parts == 3 else 3)
-                self._dma((part, slot), j, bar)
-
-    def _dma(self, where, block, barrier):
-        for c in (0, 1):
-            for reads in self.groups[c]:
-                for w, b in reads:
-                    if w == where:
-                        raise Violation(f"slot {where} rewritten (block {block}) while warpgroup {c}'s wgmma "
-                                        f"reads block {b}")
-        self.dmas.append((where, block, barrier))
+                self.dma((part, slot), j, bar)
 
     # -- the consumers -----------------------------------------------------------------------
     def _store(self, c, where, block):
         """A warpgroup's immediate shared-memory store: no wgmma may still read ``where``."""
-        for cc in (0, 1):
-            for reads in self.groups[cc]:
-                for w, b in reads:
-                    if w == where:
-                        raise Violation(f"warpgroup {c} stores {where} (block {block}) while warpgroup {cc}'s "
-                                        f"wgmma reads block {b} there")
+        for cc, b in self.readers(where):
+            raise Violation(f"warpgroup {c} stores {where} (block {block}) while consumer {cc}'s wgmma reads "
+                            f"block {b} there")
         self.smem[where] = block
 
     def _load(self, c, where, block):
@@ -106,7 +94,7 @@ class Sim:
         for part in PARTS:
             if self.parts == 3 and part != "a" and not (self.skip_part_wait and part == "b"):
                 yield self._wait_ready(slot, part, j)
-            self.groups[c].append([((part, slot), j)])
+            self.group(c, (part, slot), j)
 
     def _pv_other(self, c, jr):
         """The other warpgroup's block ``jr``: wait for its P, load its rescale factor, add
@@ -114,7 +102,8 @@ class Sim:
         yield lambda: self.p_bar[c].passed((jr // 2) & 1)
         self._load(c, "alpha", jr)
         half = PARTS[c]
-        self.groups[c].append([("p", jr), ((half, jr % STAGES), jr)])
+        self.group(c, "p", jr)  # one wgmma reading both operands: modelled as two reads committed together
+        self.group(c, (half, jr % STAGES), jr)
 
     def _release(self, c, slot):
         """Wait for this warpgroup's wgmmas, then free its hold on ``slot`` (``early_release``,
@@ -158,40 +147,12 @@ class Sim:
                 self._softmax_store(c, j)
             self.p_bar[1 - c].arrive()
             # P_j V_j over this warpgroup's half (P from registers), then this warpgroup's hold on the stage ends
-            self.groups[c].append([((half, slot), j)])
+            self.group(c, (half, slot), j)
             yield from self._release(c, slot)
         last = self.n - 1
         if self.n > 0 and last % 2 != c:
             yield from self._pv_other(c, last)
             yield from self._release(c, last % STAGES)
-
-    # -- the scheduler -----------------------------------------------------------------------
-    def run(self) -> None:
-        while True:
-            choices = [("proc", i) for i, pr in enumerate(self.procs)
-                       if pr[0] is not None and (pr[1] is None or pr[1]())]
-            choices += [("dma", i) for i in range(len(self.dmas))]
-            choices += [("mma", c) for c in (0, 1) if self.groups[c]]
-            if not choices:
-                if any(pr[0] is not None for pr in self.procs):
-                    raise Violation("deadlock: " + ", ".join(f"proc {i} waiting" for i, pr in enumerate(self.procs)
-                                                            if pr[0] is not None))
-                return
-            kind, i = self.rng.choice(choices)
-            if kind == "proc":
-                try:
-                    self.procs[i][1] = next(self.procs[i][0])
-                except StopIteration:
-                    self.procs[i] = [None, None]
-            elif kind == "dma":
-                where, block, barrier = self.dmas.pop(i)
-                self.smem[where] = block
-                barrier.complete_tx(1)
-            else:  # the warpgroup's oldest wgmma completes (in commit order), reading its operands
-                for where, block in self.groups[i].pop(0):
-                    if self.smem.get(where) != block:
-                        raise Violation(f"warpgroup {i}'s wgmma read {where} holding {self.smem.get(where)}, "
-                                        f"wanted block {block}")
 
 
 def violations(trials: int, order: str, parts: int, **broken) -> int:

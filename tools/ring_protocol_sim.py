@@ -23,7 +23,8 @@ ping-pong; measured in the thirteenth session and not kept).
 
 ``python tools/ring_protocol_sim.py [--trials N]``: prints one line per (protocol, overlap,
 stages) and exits non-zero on any violation, or when its self-check (four broken protocols) finds
-none. A model of the protocol, not of the kernel's code."""
+none. A model of the protocol, not of the kernel's code. :class:`Interleaving` (the random
+scheduler and the slot checks) also runs ``tools/mla_protocol_sim.py``'s model of the MLA kernel."""
 
 from __future__ import annotations
 
@@ -198,28 +199,20 @@ def _consumer(sim, c, items, stages, split, overlap, pingpong=None):
         it += n
 
 
-class Sim:
-    def __init__(self, rng, items, stages, split, overlap, arm_v_early=False, named=False, pingpong=None):
-        self.rng = rng
-        self.turn = [NamedBarrier(1), NamedBarrier(1)]
-        split = split or named
-        self.ready_k = [Barrier(1) for _ in range(stages)]
-        self.ready_v = [Barrier(1) for _ in range(stages)]
-        free = NamedBarrier if named else (lambda: Barrier(2))
-        self.free_k = [free() for _ in range(stages)]
-        self.free_v = [free() for _ in range(stages)] if split else self.free_k
-        self.smem = {}  # (half, slot) -> block held
-        self.dmas = []  # (half+slot, block, barrier)
-        self.groups = {0: [], 1: []}  # per consumer, in commit order: (half+slot, block)
-        procs = [_loader(self, items, stages, split, arm_v_early, named)] + \
-            [_consumer(self, c, items, stages, split, overlap, pingpong) for c in (0, 1)]
-        self.procs = [[p, None] for p in procs]
+class Interleaving:
+    """Processes (generators yielding wait predicates), asynchronous copies into shared memory and
+    per-consumer wgmma groups, run in a random order: subclasses set ``rng``, ``procs`` (``[generator,
+    None]`` each), ``smem``, ``dmas`` and ``groups`` (consumer -> committed ``(where, block)`` reads).
+    A copy into a slot a pending wgmma reads, a wgmma that completes over the wrong block, and a
+    state where nothing can run while a process waits raise :class:`Violation`."""
+
+    def readers(self, where):
+        """(consumer, block) of every pending wgmma read of ``where``."""
+        return [(c, b) for c in self.groups for w, b in self.groups[c] if w == where]
 
     def dma(self, where, block, barrier):
-        for c in (0, 1):
-            for w, b in self.groups[c]:
-                if w == where:
-                    raise Violation(f"slot {where} rewritten (block {block}) while consumer {c}'s wgmma reads block {b}")
+        for c, b in self.readers(where):
+            raise Violation(f"slot {where} rewritten (block {block}) while consumer {c}'s wgmma reads block {b}")
         self.dmas.append((where, block, barrier))
 
     def group(self, c, where, block):
@@ -235,7 +228,7 @@ class Sim:
                 if pr[0] is not None and (pr[1] is None or pr[1]()):
                     choices.append(("proc", i))
             choices += [("dma", i) for i in range(len(self.dmas))]
-            choices += [("mma", c) for c in (0, 1) if self.groups[c]]
+            choices += [("mma", c) for c in self.groups if self.groups[c]]
             if not choices:
                 if any(pr[0] is not None for pr in self.procs):
                     raise Violation("deadlock: " + ", ".join(f"proc {i} waiting" for i, pr in enumerate(self.procs)
@@ -256,6 +249,24 @@ class Sim:
                 if self.smem.get(where) != block:
                     raise Violation(f"consumer {i}'s wgmma read slot {where} holding {self.smem.get(where)}, "
                                     f"wanted block {block}")
+
+
+class Sim(Interleaving):
+    def __init__(self, rng, items, stages, split, overlap, arm_v_early=False, named=False, pingpong=None):
+        self.rng = rng
+        self.turn = [NamedBarrier(1), NamedBarrier(1)]
+        split = split or named
+        self.ready_k = [Barrier(1) for _ in range(stages)]
+        self.ready_v = [Barrier(1) for _ in range(stages)]
+        free = NamedBarrier if named else (lambda: Barrier(2))
+        self.free_k = [free() for _ in range(stages)]
+        self.free_v = [free() for _ in range(stages)] if split else self.free_k
+        self.smem = {}  # (half, slot) -> block held
+        self.dmas = []  # (half+slot, block, barrier)
+        self.groups = {0: [], 1: []}  # per consumer, in commit order: (half+slot, block)
+        procs = [_loader(self, items, stages, split, arm_v_early, named)] + \
+            [_consumer(self, c, items, stages, split, overlap, pingpong) for c in (0, 1)]
+        self.procs = [[p, None] for p in procs]
 
 
 def _self_check(trials: int) -> bool:
