@@ -5,12 +5,13 @@
 NCU_WORKLOADS="d128 S=16k zigzag C=1,d128 S=16k zigzag C=2,d192 S=16k zigzag C=1,d192 S=16k zigzag C=2"
 NCU_METRICS=gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sector_hit_rate.pct,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__registers_per_thread,sm__cycles_active.avg
 ncu_dense() {
-  local out=$1 backends=$2 bench_args=${3:---shapes d128,d192 --seqs 16384,65536 --no-paged}
+  local out=$1 backends=$2 extra=()
+  [ -n "${3:-}" ] && extra=(--bench-args "$3")  # else ncu_dense.py's default: the dense points
   timeout -s KILL 400 ncu --profile-from-start off --clock-control none --section SpeedOfLight \
     --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section InstructionStats -o "$out" -f \
     python3 tools/gpu/ncu_dense.py --workloads "$NCU_WORKLOADS" --backends "$backends" \
-      --bench-args "$bench_args" > /tmp/ncu.log 2>&1
+      "${extra[@]}" > /tmp/ncu.log 2>&1
   echo "ncu rc $?"; grep -E "^profiled|skipped|Error|error" /tmp/ncu.log | head -20
   ncu --import "$out.ncu-rep" --page raw --csv --metrics "$NCU_METRICS" > "$out.csv" 2>&1
   cut -c1-400 "$out.csv" | head -30
