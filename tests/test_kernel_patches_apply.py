@@ -24,13 +24,13 @@ PATCHES = ROOT / "tools" / "gpu" / "patches"
 #: the L2 sequence groups of the tile order off for tools/gpu/s18b.sh's A/B; l2_budget_3th / _8th
 #: plan the tile order for a third / an eighth of the L2 instead of two thirds (s18d.sh);
 #: named_ring_per_item: named_ring_release for one-program-per-item launches only (s18f.sh);
-#: mla_wait_first and mla_decode_pv_first are in the tree since 0.3.11 / 0.3.12 (records);
-#: mla_pv_first_all (s19g.sh, not kept) and mla_pv_first_paged (s20a.sh, prepared) give MLA
-#: prefill decode's loop order, everywhere / over paged caches only; mla_chunk_ready (s20b.sh,
-#: prepared) gives each latent stage three ready barriers (columns 0-255, 256-511, rope).
+#: mla_wait_first, mla_decode_pv_first, mla_pv_first_paged and mla_chunk_ready are in the tree
+#: since 0.3.11 / 0.3.12 / 0.3.13 / 0.3.13 (records); mla_pv_first_all (s19g.sh, not kept) gave
+#: packed MLA prefill decode's loop order too and no longer applies over mla_pv_first_paged
+#: (records only).
 PENDING = [("joint_release_overlap0",), ("named_ring_release",), ("persistent_pingpong",), ("softmax_under_pv",),
            ("no_seq_groups",), ("l2_budget_3th",), ("l2_budget_8th",),
-           ("named_ring_per_item",), ("mla_pv_first_all",), ("mla_pv_first_paged",), ("mla_chunk_ready",)]
+           ("named_ring_per_item",)]
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None or not PATCHES.is_dir(),
                                 reason="needs git and the repository's tools/gpu/patches")

@@ -1,7 +1,8 @@
 """The absorbed-MLA kernel's latent ring and P hand-off (``kernels/triton_mla.py``), checked in
 ``tools/mla_protocol_sim.py``'s random-interleaving model (the kernel runs only on Hopper): both
-key-loop orders (prefill's ``Q K^T`` first; decode's and sparse's other-block-first since 0.3.12)
-with one ready barrier per stage (the tree) or one per part (``mla_chunk_ready.patch``) never
+key-loop orders (packed prefill's ``Q K^T`` first; the other-block-first order of sparse, decode
+since 0.3.12 and paged prefill since 0.3.13) with one ready barrier per stage (sparse) or one per
+part (the TMA modes since 0.3.13) never
 deadlock, rewrite a latent slot under a wgmma or overwrite P before it is read; the model finds
 the broken protocols it plants."""
 

@@ -12,10 +12,11 @@ writes ``P_j`` and its rescale factor to the one shared buffer and signals the o
 1); the other warpgroup adds ``P_j V_j`` over its half from the shared ``P_j``. A stage is free
 (``kv_empty``, count 2) once both halves' ``P V`` completed. Orders: ``"qk_first"`` (prefill: a
 warpgroup issues ``Q K_j^T``, then waits for ``P_{j-1}`` and adds it, one wait for both) and
-``"pv_first"`` (decode since 0.3.12, sparse: ``P_{j-1} V_{j-1}`` added and its stage released
-before the wait for block ``j``). Ready barriers: one per stage (``parts=1``, the tree) or one per
-part (``parts=3``, ``tools/gpu/patches/mla_chunk_ready.patch``: each wgmma of ``Q K^T`` waits for
-its own part). ``python tools/mla_protocol_sim.py [--trials N]`` prints one line per case and exits
+``"pv_first"`` (decode since 0.3.12, paged prefill since 0.3.13, sparse: ``P_{j-1} V_{j-1}``
+added and its stage released before the wait for block ``j``). Ready barriers: one per stage
+(``parts=1``: the sparse mode's cp.async arrivals, and the TMA modes before 0.3.13) or one per part
+(``parts=3``, the TMA modes since 0.3.13, ``tools/gpu/patches/mla_chunk_ready.patch``: each wgmma
+of ``Q K^T`` waits for its own part). ``python tools/mla_protocol_sim.py [--trials N]`` prints one line per case and exits
 non-zero on a violation, or when its self-check (three broken protocols) finds none. A model of
 the protocol, not of the kernel's code."""
 

@@ -67,7 +67,7 @@ from .strategies import (
     get_strategy,
 )
 
-__version__ = "0.3.12"
+__version__ = "0.3.13"
 
 __all__ = [
     "AttentionPlan",

@@ -14,7 +14,7 @@ variant_tests pfp 100 mla_pv_first_paged -- tests/test_triton_hopper_gpu.py -k m
 for rep in 1 2; do
   for tree in src /tmp/pfp/src; do
     ab "p16k rep $rep" $tree --workloads mla --mla-seqs 16384 --mla-cps 1 --mla-pages 16,64,256
-    ab "p64k rep $rep" $tree --workloads mla --mla-seqs 65536 --mla-cps 1 --mla-pages 16,64,256
+    AB_LIMIT=150 ab "p64k rep $rep" $tree --workloads mla --mla-seqs 65536 --mla-cps 1 --mla-pages 16,64,256
   done
 done
 cp $L $OUT/

@@ -23,3 +23,4 @@ for rep in 1 2; do
 done
 cp $L $OUT/
 python3 tools/gpu/ab_ratios.py $L src /tmp/mcr/src
+bash .gpu/fa4-1/stage.sh

@@ -209,7 +209,9 @@ if HAVE_GLUON:
             if PAGE_SIZE > 0:
                 NG: gl.constexpr = BN // COPY_ROWS
                 CH: gl.constexpr = HALF // 64
-                mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes * NG * (2 * CH + 1))
+                mbarrier.expect(k_ready.index(3 * slot), k_desc.block_type.nbytes * NG * CH)
+                mbarrier.expect(k_ready.index(3 * slot + 1), k_desc.block_type.nbytes * NG * CH)
+                mbarrier.expect(k_ready.index(3 * slot + 2), k_desc.block_type.nbytes * NG)
                 a_pieces = ka.index(slot)._reinterpret(k_desc.dtype, [CH * NG, COPY_ROWS, 64], k_desc.layout)
                 b_pieces = kb.index(slot)._reinterpret(k_desc.dtype, [CH * NG, COPY_ROWS, 64], k_desc.layout)
                 r_pieces = kr.index(slot)._reinterpret(k_desc.dtype, [NG, COPY_ROWS, 64], k_desc.layout)
@@ -223,18 +225,21 @@ if HAVE_GLUON:
                         page_b, slot_b = page_of(pt_row, start + (g + 2) * COPY_ROWS, key_end - 1, PAGE_SIZE,
                                                  COPY_ROWS)
                     for c in gl.static_range(CH):
-                        tma.async_copy_global_to_shared(k_desc, [row, c * 64], k_ready.index(slot),
+                        tma.async_copy_global_to_shared(k_desc, [row, c * 64], k_ready.index(3 * slot),
                                                         a_pieces.index(c * NG + g))
                     for c in gl.static_range(CH):
-                        tma.async_copy_global_to_shared(k_desc, [row, HALF + c * 64], k_ready.index(slot),
+                        tma.async_copy_global_to_shared(k_desc, [row, HALF + c * 64], k_ready.index(3 * slot + 1),
                                                         b_pieces.index(c * NG + g))
-                    tma.async_copy_global_to_shared(k_desc, [row, 2 * HALF], k_ready.index(slot), r_pieces.index(g))
+                    tma.async_copy_global_to_shared(k_desc, [row, 2 * HALF], k_ready.index(3 * slot + 2),
+                                                    r_pieces.index(g))
             else:
                 row = (kv_row_base + n_lo + j * BN).to(gl.int32)
-                mbarrier.expect(k_ready.index(slot), 2 * k_desc.block_type.nbytes + kr_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(slot), ka.index(slot))
-                tma.async_copy_global_to_shared(k_desc, [row, HALF], k_ready.index(slot), kb.index(slot))
-                tma.async_copy_global_to_shared(kr_desc, [row, 2 * HALF], k_ready.index(slot), kr.index(slot))
+                mbarrier.expect(k_ready.index(3 * slot), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(3 * slot), ka.index(slot))
+                mbarrier.expect(k_ready.index(3 * slot + 1), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [row, HALF], k_ready.index(3 * slot + 1), kb.index(slot))
+                mbarrier.expect(k_ready.index(3 * slot + 2), kr_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(kr_desc, [row, 2 * HALF], k_ready.index(3 * slot + 2), kr.index(slot))
 
     @gluon.jit
     def _mla_fix_last_v(va_slot, vb_slot, jb, num_blocks, n_lo, key_end, PAGE_SIZE: gl.constexpr):
@@ -359,26 +364,35 @@ if HAVE_GLUON:
         slot: gl.constexpr = W
         other: gl.constexpr = 1 - W
         for j in range(W, num_blocks, 2):
-            if SPARSE | (DECODE != 0):
+            if SPARSE | (DECODE != 0) | (PAGE_SIZE > 0):
                 # the other warpgroup's block j - 1 first: its stage is released before this
                 # warpgroup waits for block j, so the load of block j + 1 into it never waits for
-                # block j's (with two stages and keys gathered or read from DRAM, as in decode,
-                # load latency would otherwise sit on every block's critical path)
+                # block j's (with two stages and keys gathered, read from DRAM as in decode, or
+                # behind page-table reads, load latency would otherwise sit on every block's
+                # critical path)
                 if j > 0:
                     acc, l_i, m_i = _mla_pv_other(acc, l_i, m_i, s_p, s_alpha, s_m, v_bufs.index(other),
                                                   p_bar.index(W), ((j - 1) // 2) & 1, kv_empty.index(other),
                                                   o_rows, s_rows, SPARSE)
-                mbarrier.wait(k_ready.index(slot), (j // NSTAGE) & 1)
                 if SPARSE:
+                    mbarrier.wait(k_ready.index(slot), (j // NSTAGE) & 1)
                     fence_async_shared()  # cp.async (generic proxy) writes -> wgmma (async proxy) reads
+                else:
+                    mbarrier.wait(k_ready.index(3 * slot), (j // NSTAGE) & 1)
             else:
-                mbarrier.wait(k_ready.index(slot), (j // NSTAGE) & 1)
+                mbarrier.wait(k_ready.index(3 * slot), (j // NSTAGE) & 1)
             # ``j >> 30`` is 0, but not provably so: the 36 Q / K tile descriptors of this block's
             # Q K^T are then built in the loop instead of hoisted into (spilled) registers
             z = j >> 30
+            # TMA modes: columns 0-255, 256-511 and the rope part land on their own barriers, so
+            # Q K^T starts on the first third of the block while the rest is still in flight
             s_f = warpgroup_mma(qa.index(z), ka.index(slot + z).permute((1, 0)), s_zero, use_acc=False,
                                 is_async=True)
+            if not SPARSE:
+                mbarrier.wait(k_ready.index(3 * slot + 1), (j // NSTAGE) & 1)
             s_f = warpgroup_mma(qb.index(z), kb.index(slot + z).permute((1, 0)), s_f, is_async=True)
+            if not SPARSE:
+                mbarrier.wait(k_ready.index(3 * slot + 2), (j // NSTAGE) & 1)
             s_f = warpgroup_mma(qr.index(z), kr.index(slot + z).permute((1, 0)), s_f, is_async=True)
             if SPARSE:  # this block's entries (per-key mask), read while Q K^T runs
                 kcol = j * BN + offs_n
@@ -386,7 +400,7 @@ if HAVE_GLUON:
                 keep = gl.expand_dims((e >= 0) & (e <= pos0), 0)
                 s = warpgroup_mma_wait(0, deps=(s_f, ))
                 s = gl.where(keep, s, float("-inf"))
-            elif DECODE != 0:  # block j - 1 was added above
+            elif (DECODE != 0) | (PAGE_SIZE > 0):  # block j - 1 was added above
                 s = warpgroup_mma_wait(0, deps=(s_f, ))
             elif j > 0:
                 # block j - 1 (the other warpgroup's): rescale, add P_{j-1} V_{j-1} from shared memory,
@@ -581,7 +595,9 @@ if HAVE_GLUON:
         s_alpha = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec)
         s_m = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec)
         s_l = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], vec)
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # TMA modes: three per stage (barrier 3 s + 0 / 1 / 2: columns 0-255 / 256-511 / the rope
+        # part); SPARSE uses the first STAGES (one cp.async arrival per loader thread)
+        k_ready = gl.allocate_shared_memory(gl.int64, [3 * STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -589,8 +605,9 @@ if HAVE_GLUON:
         for i in gl.static_range(STAGES):
             if SPARSE:  # one cp.async arrival per loader thread (the default partition's warps)
                 mbarrier.init(k_ready.index(i), count=32 * gl.num_warps())
-            else:  # the loader's expect-tx arrival
-                mbarrier.init(k_ready.index(i), count=1)
+            else:  # the loader's expect-tx arrival, one per part
+                for p in gl.static_range(3):
+                    mbarrier.init(k_ready.index(3 * i + p), count=1)
             mbarrier.init(kv_empty.index(i), count=2)
         for i in gl.static_range(2):
             mbarrier.init(p_bar.index(i), count=1)
