@@ -86,3 +86,20 @@ patch_ab_call() {
   echo "choice: $(cat "$choice")"
   bash .gpu/fa4-1/stage.sh
 }
+
+# ab_mla OLD NEW: the MLA A/B of s20b.sh / s21a.sh / s21b.sh on the sources OLD and NEW, two
+# interleaved repeats of decode B = 8, 64 over 4k / 32k keys q1 / q4 (graph replay, 100 s limit)
+# and `--workloads mla` (back to back); the lines copied to $OUT, ab_ratios.py's verdict (NEW
+# against OLD).
+ab_mla() {
+  local old=$1 new=$2 rep tree
+  for rep in 1 2; do
+    for tree in "$old" "$new"; do
+      AB_LIMIT=100 ab_graph "decode rep $rep" "$tree" --workloads decode --decode-batches 8,64 \
+        --decode-lens 4096,32768 --decode-qlens 1,4
+      ab "mla rep $rep" "$tree" --workloads mla
+    done
+  done
+  cp "$L" "$OUT/"
+  python3 tools/gpu/ab_ratios.py "$L" "$old" "$new"
+}

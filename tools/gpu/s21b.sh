@@ -16,12 +16,4 @@ cd "$(dirname "$0")/../.."
 ab_session /tmp/s21b-lines.txt
 variant_tests mse 230 mla_staged_epilogue -- tests/test_triton_hopper_gpu.py tests/test_dsa_gpu.py \
   tests/test_shard_attention.py -k "mla and not test_gpu_split_kv_at_128k or test_dsa_gpu"
-for rep in 1 2; do
-  for tree in src /tmp/mse/src; do
-    AB_LIMIT=100 ab_graph "decode rep $rep" $tree --workloads decode --decode-batches 8,64 --decode-lens 4096,32768 \
-      --decode-qlens 1,4
-    ab "mla rep $rep" $tree --workloads mla
-  done
-done
-cp $L $OUT/
-python3 tools/gpu/ab_ratios.py $L src /tmp/mse/src
+ab_mla src /tmp/mse/src
