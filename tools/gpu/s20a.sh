@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Prepared in the fifteenth session, not run (no device time left): s19g measured decode's loop
+# Prepared in the fifteenth session, run in the sixteenth (kept: 0.3.13; a record now, its patch is
+# in the tree). s19g measured decode's loop
 # order (0.3.12) in every MLA mode: packed prefill 0.993-1.003, paged 64 prefill +3.4% in both
 # repeats (550, 552 -> 570, 570). Paged loads wait on page-table reads before their TMAs, so the
 # stage-first order may pay there only. mla_pv_first_paged.patch takes it for PAGE_SIZE > 0.

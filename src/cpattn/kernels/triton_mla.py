@@ -362,9 +362,12 @@ if HAVE_GLUON:
         # stage 1 - W (constant shared-memory addresses: the wgmma descriptors fold to immediates)
         gl.static_assert(NSTAGE == 2)
         slot: gl.constexpr = W
+        # the other warpgroup's block first where keys come from far away (gathered, from DRAM in
+        # decode, behind page-table reads); packed prefill (K in L2) issues its own Q K^T first
+        PV_FIRST: gl.constexpr = SPARSE | (DECODE != 0) | (PAGE_SIZE > 0)
         other: gl.constexpr = 1 - W
         for j in range(W, num_blocks, 2):
-            if SPARSE | (DECODE != 0) | (PAGE_SIZE > 0):
+            if PV_FIRST:
                 # the other warpgroup's block j - 1 first: its stage is released before this
                 # warpgroup waits for block j, so the load of block j + 1 into it never waits for
                 # block j's (with two stages and keys gathered, read from DRAM as in decode, or
@@ -400,7 +403,7 @@ if HAVE_GLUON:
                 keep = gl.expand_dims((e >= 0) & (e <= pos0), 0)
                 s = warpgroup_mma_wait(0, deps=(s_f, ))
                 s = gl.where(keep, s, float("-inf"))
-            elif (DECODE != 0) | (PAGE_SIZE > 0):  # block j - 1 was added above
+            elif PV_FIRST:  # (not SPARSE) block j - 1 was added above
                 s = warpgroup_mma_wait(0, deps=(s_f, ))
             elif j > 0:
                 # block j - 1 (the other warpgroup's): rescale, add P_{j-1} V_{j-1} from shared memory,
