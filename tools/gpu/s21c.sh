@@ -2,16 +2,17 @@
 # Prepared in the sixteenth session: every GPU test of the suite (pytest -m gpu, 8 workers; 175
 # passed in 239 s on 0.3.11, s19c) on the tree of 0.3.13 + the patches given as arguments (s21b's
 # mla_staged_epilogue if it was kept), one hard limit of 420 s; log
-# $OUT/gpu-tests-h200-session21.log, the 25 slowest tests at its end; then FA4 stage 1 (carry
-# .gpu/fa4-1) for the table call right after it: STEM=kernel14-fa4-h200-s21d bash tools/gpu/s20c.sh
+# $OUT/gpu-tests-h200-session21.log, the 25 slowest tests at its end; FA4 stage 1 (carry
+# .gpu/fa4-1) first, for the table call right after it. Run in the seventeenth session with a 240 s
+# test limit (a refused start had left 851 s of device time for this call and the table's): STEM=kernel14-fa4-h200-s21d bash tools/gpu/s20c.sh
 # [the same patches] (carry .gpu/fa4-2, within 30 s).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/gpu/_variant.sh
 ab_session /tmp/s21c-lines.txt
 T=$OUT/gpu-tests-h200-session21.log; : > "$T"
+bash .gpu/fa4-1/stage.sh
 make_variant /tmp/all "$@"
 echo "source: tree${*:+ + $*}"
-PYTHONPATH=/tmp/all/src:tools/gpu run_tests all 420 tests --durations=25 | tee -a "$L"
+PYTHONPATH=/tmp/all/src:tools/gpu run_tests all "${TEST_LIMIT:-420}" tests --durations=25 | tee -a "$L"
 tail -40 "$T" | grep -E "passed|failed|s call" | tail -30
-bash .gpu/fa4-1/stage.sh
