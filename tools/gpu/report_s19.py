@@ -94,8 +94,6 @@ def main() -> None:
     ab = (ab_line_rows(D / "s18h-rerun-lines.txt", lambda g: f"s18h {g} (decode back to back)", TREES)
           + ab_line_rows(D / "s19f-lines.txt", lambda g: f"s19f {g} (graph replay)", TREES_F)
           + ab_line_rows(D / "s19g-lines.txt", lambda g: f"s19g {g} prefill", TREES_G))
-    for r in ab:  # ab_line_rows names d128 points without their head dim; these are MLA's
-        r["workload"] = r["workload"].removeprefix("d128 ")
     write_ab(ab, D / "ab-h200-s19",
              "H200, 2026-12-02/03, MLA: no injected wait (s18h again), P V first in decode (s19f), everywhere (s19g)")
     rows = clock_rows(D / "s19a-lines.txt")

@@ -65,8 +65,6 @@ def main() -> None:
             + ab_line_rows(D / "s20b-lines.txt", lambda g: f"s20b {g}" + (" (graph replay)" if g == "decode" else ""),
                            TREES_B)
             + single_rows(D / "s20d-lines.txt", "tree (0.3.13)"))
-    for r in rows:  # ab_line_rows names d128 points without their head dim; these are MLA's
-        r["workload"] = r["workload"].removeprefix("d128 ")
     write_ab(rows, D / "ab-h200-s20",
              "H200, 2026-12-03, MLA: P V first for paged prefill (s20a), ready barrier per part (s20b), both (s20d)")
 

@@ -33,8 +33,6 @@ def _name(call: str):
 def main() -> None:
     rows = (ab_line_rows(D / "s21a-lines.txt", _name("s21a"), TREES_A)
             + ab_line_rows(D / "s21b-lines.txt", _name("s21b"), TREES_B))
-    for r in rows:  # ab_line_rows names d128 points without their head dim; these are MLA's
-        r["workload"] = r["workload"].removeprefix("d128 ")
     write_ab(rows, D / "ab-h200-s21",
              "H200, 2026-12-03, MLA: 0.3.13 vs 0.3.12 (s21a), staged epilogue (s21b)")
 

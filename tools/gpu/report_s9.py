@@ -119,8 +119,9 @@ def bar_panels(rows: list[dict], keys: list[tuple], key_of, panels: list[tuple],
 
 def ab_line_rows(path: Path, ab_name, trees: dict[str, str]) -> list[dict]:
     """Rows of the lines ``_variant.sh``'s ``ab`` saved at ``path`` ("GROUP rep N TREE rc 0
-    workload TF/s | ...", d128 workloads named without their head dim): ``ab`` =
-    ``ab_name(GROUP)``, ``variant`` = ``trees[TREE]``."""
+    workload TF/s | ...", d128 workloads named without their head dim, MLA ones ``mla576 ...`` or,
+    in older lines, ``decode ...``): ``ab`` = ``ab_name(GROUP)``, ``variant`` = ``trees[TREE]``;
+    d128 rows get their ``d128`` prefix back, MLA rows keep their name."""
     from choose_patches import _points
 
     out = []
@@ -128,7 +129,7 @@ def ab_line_rows(path: Path, ab_name, trees: dict[str, str]) -> list[dict]:
         m = re.match(r"(\S+) rep (\d) (\S+) rc 0 (.*)", line)
         if m:
             for w, tf in _points(m.group(4)).items():
-                w = w if w.startswith("d192") or "x" in w else f"d128 {w}"
+                w = w if w.startswith(("d192", "mla", "decode")) or "x" in w else f"d128 {w}"
                 out.append(dict(ab=ab_name(m.group(1)), workload=w, variant=trees[m.group(3)], rep=int(m.group(2)),
                                 tflops=tf))
     return out
