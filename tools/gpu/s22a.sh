@@ -8,8 +8,9 @@
 # s19d). Offline (sm_90a): the MLA decode build keeps 168 registers, no spill, one PREEXIT added.
 # (1) the decode / shard / planned-launch / plan GPU tests and the static-plan graph replays on the
 # patched copy;
-# (2) A/B against the tree, two interleaved repeats: MLA decode B = 1, 8, 64 over 4k / 32k keys
-# q1 / q4 (graph replay); ab_ratios.py's verdict. No FA4, no carry; about 6 minutes.
+# (2) A/B against the tree, two interleaved repeats: MLA decode B = 1, 8 over 4k / 32k keys
+# q1 / q4 (graph replay) and one rank's shard step of GQA and MLA at C = 1 / 8, B = 1 / 8 over 4k /
+# 32k keys q1 (8 layers in one graph); ab_ratios.py's verdict. No FA4, no carry; about 8 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/gpu/_variant.sh
@@ -17,10 +18,26 @@ ab_session /tmp/s22a-lines.txt
 variant_tests pdl 200 split_combine_pdl -- tests/test_shard_attention.py tests/test_host_launch_gpu.py \
   tests/test_sharded_distributed.py tests/test_merge_kernels.py tests/test_plans.py \
   tests/test_triton_hopper_gpu.py::test_gpu_static_plan_graph_replay
+# one rank's shard step (python -m cpattn.bench decode), GQA and MLA, C = 1 and 8: the attention of
+# 8 layers captured in one CUDA graph (as in an engine's step graph), per layer, as layer calls
+# per millisecond (higher is better, so ab_ratios.py reads it like TF/s)
+ab_layers() {
+  local label=$1 tree=$2
+  rm -f /tmp/d.json
+  PYTHONPATH=$tree timeout -s KILL 150 python3 -m cpattn.bench decode --shapes gqa,mla --cps 1,8 --batches 1,8 \
+    --keys 4k,32k --q-lens 1 --no-crossover --iters 10 --out /tmp/d > /tmp/d.log 2>&1
+  local rc=$?; [ $rc = 0 ] || tail -5 /tmp/d.log
+  echo "$label $tree rc $rc $(python3 -c "
+import json; rows = json.load(open('/tmp/d.json'))
+rows = rows['rows'] if isinstance(rows, dict) else rows
+print(' | '.join(f\"{r['shape']} C={r['cp']} B={r['batch']} L={r['keys'] // 1024}k q{r['q_len']} {1.0 / r['attn_layers_ms']:.3f}\"
+                 for r in rows if r.get('attn_layers_ms')))")" | tee -a $L
+}
 for rep in 1 2; do
   for tree in src /tmp/pdl/src; do
-    AB_LIMIT=120 ab_graph "decode rep $rep" "$tree" --workloads decode --decode-batches 1,8,64 \
+    AB_LIMIT=120 ab_graph "decode rep $rep" "$tree" --workloads decode --decode-batches 1,8 \
       --decode-lens 4096,32768 --decode-qlens 1,4
+    ab_layers "layers rep $rep" "$tree"
   done
 done
 cp "$L" "$OUT/"
