@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Prepared in the sixteenth session: every GPU test of the suite (pytest -m gpu, 8 workers; 175
-# passed in 239 s on 0.3.11, s19c) on the tree of 0.3.13 + the patches given as arguments (s21b's
-# mla_staged_epilogue if it was kept), one hard limit of 420 s; log
-# $OUT/gpu-tests-h200-session21.log, the 25 slowest tests at its end; FA4 stage 1 (carry
-# .gpu/fa4-1) first, for the table call right after it. Run in the seventeenth session with a 240 s
-# test limit (a refused start had left 851 s of device time for this call and the table's): STEM=kernel14-fa4-h200-s21d bash tools/gpu/s20c.sh
-# [the same patches] (carry .gpu/fa4-2, within 30 s).
+# Prepared in the sixteenth session: FA4 stage 1 (carry .gpu/fa4-1) first, then every GPU test of
+# the suite (pytest -m gpu, 8 workers; 175 passed in 239 s on 0.3.11, s19c) on the tree + the
+# patches given as arguments, one hard limit of TEST_LIMIT s (default 420); log
+# $OUT/gpu-tests-h200-session21.log, the 25 slowest tests at its end. The table call follows at
+# once (within 30 s): STEM=kernel14-fa4-h200-sNNx bash tools/gpu/s20c.sh [the same patches] (carry
+# .gpu/fa4-2). Run in the seventeenth session with TEST_LIMIT=240 (a refused start had left 851 s
+# of device time for this call and the table's).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/gpu/_variant.sh
