@@ -127,6 +127,54 @@ if HAVE_GLUON:
         return (x // PERIOD) * INTERLEAVE + part
 
     @gluon.jit
+    def tile_item(w, NumTiles, num_head_groups, heads_per_section, tile_segment, tile_row_offset, seg_seq, seg_row0,
+                  seg_len, seg_pos0, seg_stride, ROWS: gl.constexpr):
+        """Work item ``w`` of a prefill launch -> its tile and head group by L2 sections (as
+        triton_attn._tile_and_head_group: sections of ``heads_per_section`` head groups, all tiles of
+        a section before the next, head groups fastest; not imported from there, which would fix
+        triton_attn's interpreter/GPU mode early) and the tile's segment facts. Returns (live, hg,
+        seq, roff, slen, row0, pos0, pstride, pos_min, pos_max): items past the device tile count
+        (static plans) have ``live`` False and ``slen`` 0 (no key block, nothing stored), so every
+        partition agrees without a branch; ``ROWS`` query rows per tile; positions of its first and
+        last row."""
+        num_tiles = gl.load(NumTiles)
+        live = w < num_tiles * num_head_groups
+        w = gl.where(live, w, 0)
+        per_section = num_tiles * heads_per_section
+        section = w // per_section
+        r = w - section * per_section
+        section_heads = gl.minimum(heads_per_section, num_head_groups - section * heads_per_section)
+        tile = r // section_heads
+        hg = section * heads_per_section + r % section_heads
+        seg = gl.load(tile_segment + tile)
+        roff = gl.load(tile_row_offset + tile)
+        seq = gl.load(seg_seq + seg)
+        row0 = gl.load(seg_row0 + seg)
+        slen = gl.where(live, gl.load(seg_len + seg), 0)
+        pos0 = gl.load(seg_pos0 + seg)
+        pstride = gl.load(seg_stride + seg)
+        last_r = gl.minimum(roff + ROWS, slen) - 1
+        pos_min = pos0 + roff * pstride
+        pos_max = pos0 + last_r * pstride
+        return live, hg, seq, roff, slen, row0, pos0, pstride, pos_min, pos_max
+
+    @gluon.jit
+    def key_range(live, pos_min, pos_max, window, BLOCK_N: gl.constexpr, HAS_WINDOW: gl.constexpr):
+        """A prefill tile's key blocks from its rows' positions ``[pos_min, pos_max]``: (key_end, n_lo,
+        f_lo, f_hi, num_blocks): keys ``[n_lo, key_end)`` in ``num_blocks`` blocks of BLOCK_N (0 when
+        not ``live``); blocks inside ``[f_lo, f_hi)`` are seen whole by every row (no mask)."""
+        key_end = pos_max + 1
+        if HAS_WINDOW:
+            n_lo = (gl.maximum(pos_min - window, 0) // BLOCK_N) * BLOCK_N
+            f_lo = gl.cdiv(gl.maximum(pos_max - window, 0), BLOCK_N) * BLOCK_N
+        else:
+            n_lo = pos_min * 0
+            f_lo = pos_min * 0
+        f_hi = gl.maximum(((pos_min + 1) // BLOCK_N) * BLOCK_N, f_lo)
+        num_blocks = gl.where(live, gl.cdiv(key_end - n_lo, BLOCK_N), 0)
+        return key_end, n_lo, f_lo, f_hi, num_blocks
+
+    @gluon.jit
     def kv_rows(seq, kv_starts, PageTable, stride_pt, PAGE_SIZE: gl.constexpr):
         """(first TMA row of sequence ``seq``'s keys, its page-table row): paged (PAGE_SIZE > 0):
         (0, ``PageTable + seq * stride_pt``); packed: (``kv_starts[seq]`` as int32, TMA coordinates

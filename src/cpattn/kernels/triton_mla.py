@@ -57,7 +57,8 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from ._sm90_common import kv_rows, local_key_count, page_of, page_row, softmax_block, zero_rows_from
+    from ._sm90_common import (key_range, kv_rows, local_key_count, page_of, page_row, softmax_block, tile_item,
+                               zero_rows_from)
 
 #: Latent width (values) and rotary width; D = 576, Dv = 512.
 D_LATENT = 512
@@ -645,39 +646,13 @@ if HAVE_GLUON:
         P_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     ):
         ROWS: gl.constexpr = BLOCK_M // G_PACK
-        # program -> (tile, head group) by L2 sections (as triton_attn._tile_and_head_group); programs
-        # past the device tile count run no key block and store nothing (slen 0)
-        pid = gl.program_id(0)
-        num_tiles = gl.load(NumTiles)
-        live = pid < num_tiles * num_head_groups
-        pid = gl.where(live, pid, 0)
-        per_section = num_tiles * heads_per_section
-        section = pid // per_section
-        r = pid - section * per_section
-        section_heads = gl.minimum(heads_per_section, num_head_groups - section * heads_per_section)
-        tile = r // section_heads
-        hg = section * heads_per_section + r % section_heads
-        seg = gl.load(tile_segment + tile)
-        roff = gl.load(tile_row_offset + tile)
-        seq = gl.load(seg_seq + seg)
-        row0 = gl.load(seg_row0 + seg)
-        slen = gl.where(live, gl.load(seg_len + seg), 0)
-        pos0 = gl.load(seg_pos0 + seg)
-        pstride = gl.load(seg_stride + seg)
-        last_r = gl.minimum(roff + ROWS, slen) - 1
-        pos_min = pos0 + roff * pstride
-        pos_max = pos0 + last_r * pstride
+        # program -> (tile, head group) by L2 sections; programs past the device tile count run no
+        # key block and store nothing (slen 0)
+        live, hg, seq, roff, slen, row0, pos0, pstride, pos_min, pos_max = tile_item(
+            gl.program_id(0), NumTiles, num_head_groups, heads_per_section, tile_segment, tile_row_offset, seg_seq,
+            seg_row0, seg_len, seg_pos0, seg_stride, ROWS)
         kv_row_base, pt_row = kv_rows(seq, cu_kv_lens, PageTable, stride_pt, PAGE_SIZE)
-
-        key_end = pos_max + 1
-        if HAS_WINDOW:
-            n_lo = (gl.maximum(pos_min - window, 0) // BLOCK_N) * BLOCK_N
-            f_lo = gl.cdiv(gl.maximum(pos_max - window, 0), BLOCK_N) * BLOCK_N
-        else:
-            n_lo = pos_min * 0
-            f_lo = pos_min * 0
-        f_hi = gl.maximum(((pos_min + 1) // BLOCK_N) * BLOCK_N, f_lo)
-        num_blocks = gl.where(live, gl.cdiv(key_end - n_lo, BLOCK_N), 0)
+        key_end, n_lo, f_lo, f_hi, num_blocks = key_range(live, pos_min, pos_max, window, BLOCK_N, HAS_WINDOW)
 
         dec = ()  # prefill: no workspace
         _mla_run(Q, k_desc, kr_desc, Out, Lse, Sinks, kv_row_base, pt_row, n_lo, num_blocks, key_end,

@@ -55,7 +55,8 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from ._sm90_common import kv_rows, page_of, page_row, softmax_block as _ws_softmax, zero_rows_from
+    from ._sm90_common import (key_range, kv_rows, page_of, page_row, softmax_block as _ws_softmax, tile_item,
+                               zero_rows_from)
 
 #: (consumer warpgroups) x (rows per consumer): the tile a program covers.
 NUM_CONSUMERS = 2
@@ -295,10 +296,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _ws_item(w, kv, rows, sched, smem, HAS_WINDOW: gl.constexpr, G_PACK: gl.constexpr, PAGE_SIZE: gl.constexpr,
                  COPY_ROWS: gl.constexpr, HEAD_DIM2: gl.constexpr):
-        """(kv, rows) of work item ``w`` (tile x head group by L2 sections, as
-        triton_attn._tile_and_head_group; not imported from there: that import would fix
-        triton_attn's interpreter/GPU mode early). Items past the device tile count run no key
-        block and store nothing (slen 0), so every partition agrees without a branch."""
+        """(kv, rows) of work item ``w`` (:func:`tile_item`, :func:`key_range`)."""
         (tile_segment, tile_row_offset, NumTiles, seg_seq, seg_row0, seg_len, seg_pos0, seg_stride, cu_kv_lens,
          num_head_groups, heads_per_section, group_size, PageTable, stride_pt, stride_kh, stride_vh) = sched
         k_bufs = smem[2]
@@ -309,25 +307,9 @@ if HAVE_GLUON:
         BLOCK_M: gl.constexpr = smem[0].type.shape[1]
         ROWS: gl.constexpr = 2 * BLOCK_M // G_PACK
         window = rows[19]
-        num_tiles = gl.load(NumTiles)
-        live = w < num_tiles * num_head_groups
-        w = gl.where(live, w, 0)
-        per_section = num_tiles * heads_per_section
-        section = w // per_section
-        r = w - section * per_section
-        section_heads = gl.minimum(heads_per_section, num_head_groups - section * heads_per_section)
-        tile = r // section_heads
-        hg = section * heads_per_section + r % section_heads
-        seg = gl.load(tile_segment + tile)
-        roff = gl.load(tile_row_offset + tile)
-        seq = gl.load(seg_seq + seg)
-        row0 = gl.load(seg_row0 + seg)
-        slen = gl.where(live, gl.load(seg_len + seg), 0)
-        pos0 = gl.load(seg_pos0 + seg)
-        pstride = gl.load(seg_stride + seg)
-        last_r = gl.minimum(roff + ROWS, slen) - 1
-        pos_min = pos0 + roff * pstride
-        pos_max = pos0 + last_r * pstride
+        live, hg, seq, roff, slen, row0, pos0, pstride, pos_min, pos_max = tile_item(
+            w, NumTiles, num_head_groups, heads_per_section, tile_segment, tile_row_offset, seg_seq, seg_row0,
+            seg_len, seg_pos0, seg_stride, ROWS)
         kvh = (hg * G_PACK) // group_size
         kv_row_base, pt_row = kv_rows(seq, cu_kv_lens, PageTable, stride_pt, PAGE_SIZE)
         if (PAGE_SIZE > 0) & (COPY_ROWS == 0):  # cp.async gather: element offsets of this KV head
@@ -336,16 +318,7 @@ if HAVE_GLUON:
         else:  # TMA: columns of the [rows, Hkv * D] matrices
             k_col = kvh * (HEAD_DIM + HEAD_DIM2)
             v_col = kvh * HEAD_DIM_V
-
-        key_end = pos_max + 1
-        if HAS_WINDOW:
-            n_lo = (gl.maximum(pos_min - window, 0) // BLOCK_N) * BLOCK_N
-            f_lo = gl.cdiv(gl.maximum(pos_max - window, 0), BLOCK_N) * BLOCK_N
-        else:
-            n_lo = pos_min * 0
-            f_lo = pos_min * 0
-        f_hi = gl.maximum(((pos_min + 1) // BLOCK_N) * BLOCK_N, f_lo)
-        num_blocks = gl.where(live, gl.cdiv(key_end - n_lo, BLOCK_N), 0)
+        key_end, n_lo, f_lo, f_hi, num_blocks = key_range(live, pos_min, pos_max, window, BLOCK_N, HAS_WINDOW)
         kv = (kv[0], kv[1], kv[2], k_col, v_col, kv_row_base, n_lo, num_blocks, key_end, pt_row, kv[10])
         rows = (rows[0], rows[1], rows[2], rows[3], rows[4], rows[5], rows[6], rows[7], rows[8], rows[9],
                 roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, rows[18], rows[19], rows[20])
