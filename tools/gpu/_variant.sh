@@ -26,6 +26,11 @@ variant_hopper_tests() {
   variant_tests "$name" 200 "$@" -- tests/test_triton_hopper_gpu.py
 }
 
+# MLA_TESTS: the MLA / DSA GPU test selection (the Hopper file's and shard attention's MLA tests but
+# the 128k split, and the DSA tests), as pytest arguments: "${MLA_TESTS[@]}" (s18h ... s21b).
+MLA_TESTS=(tests/test_triton_hopper_gpu.py tests/test_dsa_gpu.py tests/test_shard_attention.py
+           -k "mla and not test_gpu_split_kv_at_128k or test_dsa_gpu")
+
 # variant_tests NAME LIMIT PATCH... -- PYTEST-ARGS...: make_variant /tmp/NAME with the patches, then
 # the GPU tests PYTEST-ARGS select on it (run_tests of _tests.sh, LIMIT s, log
 # $OUT/gpu-tests-h200-NAME.log); the summary line is also appended to $L.

@@ -14,8 +14,7 @@ cd "$(dirname "$0")/../.."
 ab_session /tmp/s18h-lines.txt
 make_variant /tmp/mw mla_wait_first
 T=$OUT/gpu-tests-h200-mw.log; : > "$T"
-PYTHONPATH=/tmp/mw/src:tools/gpu run_tests mw 160 tests/test_triton_hopper_gpu.py tests/test_dsa_gpu.py \
-  tests/test_shard_attention.py -k "mla and not test_gpu_split_kv_at_128k or test_dsa_gpu" | tee -a "$L"
+PYTHONPATH=/tmp/mw/src:tools/gpu run_tests mw 160 "${MLA_TESTS[@]}" | tee -a "$L"
 for rep in 1 2; do
   for tree in src /tmp/mw/src; do
     ab "mla rep $rep" $tree --workloads mla,decode --decode-batches 8,64 --decode-lens 4096

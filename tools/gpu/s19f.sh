@@ -13,8 +13,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/gpu/_variant.sh
 ab_session /tmp/s19f-lines.txt
-variant_tests pvf 230 mla_decode_pv_first -- tests/test_triton_hopper_gpu.py tests/test_dsa_gpu.py \
-  tests/test_shard_attention.py -k "mla and not test_gpu_split_kv_at_128k or test_dsa_gpu"
+variant_tests pvf 230 mla_decode_pv_first -- "${MLA_TESTS[@]}"
 for rep in 1 2; do
   for tree in src /tmp/pvf/src; do
     AB_LIMIT=100 ab_graph "decode rep $rep" $tree --workloads decode --decode-batches 8,64 --decode-lens 4096,32768 \

@@ -13,7 +13,6 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/gpu/_variant.sh
 ab_session /tmp/s20b-lines.txt
-variant_tests mcr 230 mla_chunk_ready -- tests/test_triton_hopper_gpu.py tests/test_dsa_gpu.py \
-  tests/test_shard_attention.py -k "mla and not test_gpu_split_kv_at_128k or test_dsa_gpu"
+variant_tests mcr 230 mla_chunk_ready -- "${MLA_TESTS[@]}"
 ab_mla src /tmp/mcr/src  # (as run in the sixteenth session: the same loop, inline)
 bash .gpu/fa4-1/stage.sh

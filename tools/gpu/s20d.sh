@@ -8,8 +8,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/gpu/_variant.sh
 ab_session /tmp/s20d-lines.txt
-variant_tests both 200 -- tests/test_triton_hopper_gpu.py tests/test_dsa_gpu.py \
-  tests/test_shard_attention.py -k "mla and not test_gpu_split_kv_at_128k or test_dsa_gpu"
+variant_tests both 200 -- "${MLA_TESTS[@]}"
 ab "prefill" src --workloads mla --mla-seqs 16384 --mla-cps 1 --mla-pages 16,64,256
 AB_LIMIT=60 ab_graph "decode" src --workloads decode --decode-batches 8,64 --decode-lens 4096 --decode-qlens 1,4
 cp $L $OUT/

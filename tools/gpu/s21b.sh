@@ -14,6 +14,5 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/gpu/_variant.sh
 ab_session /tmp/s21b-lines.txt
-variant_tests mse 230 mla_staged_epilogue -- tests/test_triton_hopper_gpu.py tests/test_dsa_gpu.py \
-  tests/test_shard_attention.py -k "mla and not test_gpu_split_kv_at_128k or test_dsa_gpu"
+variant_tests mse 230 mla_staged_epilogue -- "${MLA_TESTS[@]}"
 ab_mla src /tmp/mse/src
