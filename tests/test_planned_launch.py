@@ -452,3 +452,37 @@ def test_portable_plan_right_after_kv_moves_and_strides_change(interp):
             assert (out[:n].double() - ref[meta.local_token_indices]).abs().max() < 2e-5
             assert (out[n:] == 0).all()
     assert len(state.kv) == len(layers)
+
+
+
+# ----------------------------------------------------------------------------- programmatic dependent launch
+def test_pdl_only_on_cuda_sm90_and_the_combine_waits_on_every_path(interp, monkeypatch):
+    """Programmatic dependent launch (split kernel -> combine) is used only on a CUDA device of
+    compute capability >= 9.0 and only with the plan's ``pdl`` option (default True): a CPU
+    plan's split has ``PDL=False`` and its combine no launch options; with the option off
+    nothing changes; a non-bool is refused. The combine's source waits before its one-split
+    early return (every program waits, so the ordinary launch after the combine cannot overtake
+    the split kernel's stores)."""
+    import inspect
+
+    import cpattn
+    from cpattn.kernels import triton_decode as td
+
+    cpu = torch.device("cpu")
+    assert td.pdl_capable(cpu) is False
+    assert td.pdl_launch(False) == {} and td.pdl_launch(True) == {"PDL": True, "launch_pdl": True}
+    for cap, expected in (((9, 0), True), ((10, 0), True), ((8, 9), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
+        assert td.pdl_capable(torch.device("cuda", 0)) is expected
+    monkeypatch.undo()
+
+    dmeta = cpattn.KVSharding(2).build_decode_metadata([900, 40], [1, 1], rank=0)
+    kw = dict(num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, backend="triton")
+    for options in (None, {"pdl": True}, {"pdl": False}):
+        run = cpattn.plan_shard_attention(dmeta, **kw, backend_options=options)._impl
+        assert run.pdl is False and run.plan_args["PDL"] is False
+        assert "launch_pdl" not in run.combine_args and "PDL" not in run.combine_args
+    with pytest.raises(ValueError, match="backend_options pdl must be a bool, got 1"):
+        cpattn.plan_shard_attention(dmeta, **kw, backend_options={"pdl": 1})
+    body = inspect.getsource(td._shard_attn_combine.fn)
+    assert body.index("gdc_wait()") < body.index("if ns == 1:\n        return")

@@ -668,7 +668,8 @@ def test_pad_row_kernel_writes_only_the_pad_rows(interp):
 
 def test_decode_shaped_dense_plan_takes_split_options(interp):
     """backend_options["decode"] reaches the split-KV family: a forced split target changes the
-    split size (results still equal the oracle); unknown keys raise ValueError naming them."""
+    split size (results still equal the oracle); ``pdl`` is taken and checked; unknown keys raise
+    ValueError naming them."""
     s = cpattn.ContiguousStrategy(1, pad_multiple=8)
     ext, pre = [1, 2], [700, 900]
     q, k, v, _ = _inputs(ext, pre, 4, 2, 16, 16, torch.float32, seed=5)
@@ -683,6 +684,12 @@ def test_decode_shaped_dense_plan_takes_split_options(interp):
         ref, _ = attention_oracle(q, k, v, ext, pre)
         assert (out[: meta.num_local_tokens].double() - ref).abs().max() < 2e-5
     assert len(splits) == 2
+    plan = s.plan_attention(meta, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
+                            backend="triton", backend_options={"decode": {"pdl": False}})
+    assert plan._impl._impl.pdl is False  # the option reaches it (on the CPU it is never on anyway)
+    with pytest.raises(ValueError, match="pdl must be a bool"):
+        s.plan_attention(meta, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, backend="triton",
+                         backend_options={"decode": {"pdl": "off"}})
     with pytest.raises(ValueError, match="decode keys.*bogus"):
         s.plan_attention(meta, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, backend="triton",
                          backend_options={"decode": {"bogus": 1}})

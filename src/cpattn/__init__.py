@@ -67,7 +67,7 @@ from .strategies import (
     get_strategy,
 )
 
-__version__ = "0.3.14"
+__version__ = "0.3.15"
 
 __all__ = [
     "AttentionPlan",

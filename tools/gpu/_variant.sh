@@ -61,6 +61,23 @@ import json; rows = json.load(open('/tmp/g.json'))
 print(' | '.join(f\"{r['workload'].replace(' zigzag', '').replace('d128 ', '')} {r.get('$field', 0):.0f}\" for r in rows))")" | tee -a $L
 }
 
+# ab_layers LABEL TREE: one rank's shard step (python -m cpattn.bench decode), GQA and MLA, C = 1 and 8,
+# B = 1 / 8 over 4k / 32k keys q1 on the source TREE: the attention of 8 layers captured in one CUDA
+# graph (as in an engine's step graph), per layer, as layer calls per millisecond (higher is
+# better, so ab_ratios.py reads it like TF/s); appends one line to $L (s22a, s22d).
+ab_layers() {
+  local label=$1 tree=$2
+  rm -f /tmp/d.json
+  PYTHONPATH=$tree timeout -s KILL 150 python3 -m cpattn.bench decode --shapes gqa,mla --cps 1,8 --batches 1,8 \
+    --keys 4k,32k --q-lens 1 --no-crossover --iters 10 --out /tmp/d > /tmp/d.log 2>&1
+  local rc=$?; [ $rc = 0 ] || tail -5 /tmp/d.log
+  echo "$label $tree rc $rc $(python3 -c "
+import json; rows = json.load(open('/tmp/d.json'))
+rows = rows['rows'] if isinstance(rows, dict) else rows
+print(' | '.join(f\"{r['shape']} C={r['cp']} B={r['batch']} L={r['keys'] // 1024}k q{r['q_len']} {1.0 / r['attn_layers_ms']:.3f}\"
+                 for r in rows if r.get('attn_layers_ms')))")" | tee -a $L
+}
+
 # ab_dense_paged_short NEW: the standard A/B of the tree (src) against the source tree NEW (s16a,
 # s17e): dense d128 / d192 zigzag 16k / 64k C = 1, 2, 4, 8 at the defaults, two interleaved
 # repeats; then per tree paged 64k C = 2 (pages 16, 64) and short batches once (s16a ran short

@@ -65,9 +65,9 @@ def rows() -> list[dict]:
     return out
 
 
-def plot_ab(data: list[dict], path: Path, title: str) -> None:
+def plot_ab(data: list[dict], path: Path, title: str, ylabels: dict[str, str] | None = None) -> None:
     """One bar panel per A/B (``ab``): the best repeat per (workload, variant), graph replay
-    where it was timed."""
+    where it was timed; ``ylabels`` {ab: y label} for panels not in TF/s."""
     abs_ = list(dict.fromkeys(r["ab"] for r in data))
     fig, axes = plt.subplots(1, len(abs_), figsize=(4.6 * len(abs_), 4.5), squeeze=False)
     for ax, ab in zip(axes[0], abs_):
@@ -85,7 +85,7 @@ def plot_ab(data: list[dict], path: Path, title: str) -> None:
         ax.set_xticklabels([w.replace("mla576 decode ", "").replace(" zigzag C=2", "") for w in loads],
                            rotation=45, ha="right", fontsize=7)
         ax.set_title(ab)
-        ax.set_ylabel("TF/s (best of repeats; decode: graph replay)")
+        ax.set_ylabel((ylabels or {}).get(ab, "TF/s (best of repeats; decode: graph replay)"))
         ax.legend(fontsize=7, loc="lower right")
     fig.suptitle(title)
     fig.tight_layout()
@@ -121,7 +121,7 @@ def ab_line_rows(path: Path, ab_name, trees: dict[str, str]) -> list[dict]:
     """Rows of the lines ``_variant.sh``'s ``ab`` saved at ``path`` ("GROUP rep N TREE rc 0
     workload TF/s | ...", d128 workloads named without their head dim, MLA ones ``mla576 ...`` or,
     in older lines, ``decode ...``): ``ab`` = ``ab_name(GROUP)``, ``variant`` = ``trees[TREE]``;
-    d128 rows get their ``d128`` prefix back, MLA rows keep their name."""
+    d128 rows get their ``d128`` prefix back, MLA and GQA (shard step) rows keep their name."""
     from choose_patches import _points
 
     out = []
@@ -129,16 +129,16 @@ def ab_line_rows(path: Path, ab_name, trees: dict[str, str]) -> list[dict]:
         m = re.match(r"(\S+) rep (\d) (\S+) rc 0 (.*)", line)
         if m:
             for w, tf in _points(m.group(4)).items():
-                w = w if w.startswith(("d192", "mla", "decode")) or "x" in w else f"d128 {w}"
+                w = w if w.startswith(("d192", "mla", "decode", "gqa")) or "x" in w else f"d128 {w}"
                 out.append(dict(ab=ab_name(m.group(1)), workload=w, variant=trees[m.group(3)], rep=int(m.group(2)),
                                 tflops=tf))
     return out
 
 
-def write_ab(data: list[dict], stem: Path, title: str) -> None:
+def write_ab(data: list[dict], stem: Path, title: str, ylabels: dict[str, str] | None = None) -> None:
     """``stem``.json (the rows) and ``stem``.png (:func:`plot_ab`)."""
     stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
-    plot_ab(data, stem.with_suffix(".png"), title)
+    plot_ab(data, stem.with_suffix(".png"), title, ylabels)
     print(f"wrote {stem}.json ({len(data)} rows) and {stem}.png")
 
 

@@ -18,21 +18,6 @@ ab_session /tmp/s22a-lines.txt
 variant_tests pdl 200 split_combine_pdl -- tests/test_shard_attention.py tests/test_host_launch_gpu.py \
   tests/test_sharded_distributed.py tests/test_merge_kernels.py tests/test_plans.py \
   tests/test_triton_hopper_gpu.py::test_gpu_static_plan_graph_replay
-# one rank's shard step (python -m cpattn.bench decode), GQA and MLA, C = 1 and 8: the attention of
-# 8 layers captured in one CUDA graph (as in an engine's step graph), per layer, as layer calls
-# per millisecond (higher is better, so ab_ratios.py reads it like TF/s)
-ab_layers() {
-  local label=$1 tree=$2
-  rm -f /tmp/d.json
-  PYTHONPATH=$tree timeout -s KILL 150 python3 -m cpattn.bench decode --shapes gqa,mla --cps 1,8 --batches 1,8 \
-    --keys 4k,32k --q-lens 1 --no-crossover --iters 10 --out /tmp/d > /tmp/d.log 2>&1
-  local rc=$?; [ $rc = 0 ] || tail -5 /tmp/d.log
-  echo "$label $tree rc $rc $(python3 -c "
-import json; rows = json.load(open('/tmp/d.json'))
-rows = rows['rows'] if isinstance(rows, dict) else rows
-print(' | '.join(f\"{r['shape']} C={r['cp']} B={r['batch']} L={r['keys'] // 1024}k q{r['q_len']} {1.0 / r['attn_layers_ms']:.3f}\"
-                 for r in rows if r.get('attn_layers_ms')))")" | tee -a $L
-}
 for rep in 1 2; do
   for tree in src /tmp/pdl/src; do
     AB_LIMIT=120 ab_graph "decode rep $rep" "$tree" --workloads decode --decode-batches 1,8 \

@@ -14,10 +14,12 @@ buffers and the split size is chosen so the item count stays within the grid:
 latent head, no window) on the Hopper MLA kernel's split-KV mode on sm_90, everything else on the
 Triton split kernel; "portable" forces the Triton kernel; "mla" raises ValueError where it cannot
 run), ``pair`` (default True: the MLA kernel merges tiles of two splits itself, see
-:class:`_MlaSplit`; False: the combine kernel always), ``config`` ((BLOCK_N, num_warps,
-num_stages)), ``block_m`` (most query rows x heads per program: 16, 32, 64 or 128; default 64,
-32 for head dims > 256), ``min_split`` (fewest keys per
-split, a multiple of the key alignment), ``programs_per_sm`` (split target; default 12, 1 for the
+:class:`_MlaSplit`; False: the combine kernel always), ``pdl`` (default True: on CUDA devices
+of compute capability >= 9.0 the combine is a programmatic dependent launch, started while the
+split kernel runs and waiting inside for its end; False: ordinary launches), ``config``
+((BLOCK_N, num_warps, num_stages)), ``block_m`` (most query rows x heads per program: 16, 32,
+64 or 128; default 64, 32 for head dims > 256), ``min_split`` (fewest keys per split, a
+multiple of the key alignment), ``programs_per_sm`` (split target; default 12, 1 for the
 MLA kernel), ``num_sms`` (override the device's SM count; e.g. to force splits in tests). The
 split, combine (and MLA) kernels are planned launches: after the first call the compiled kernel
 is called directly (:mod:`._launch`).
@@ -36,7 +38,7 @@ from ..kv_sharding import _local_lengths
 from ._launch import LaunchState
 
 _KERNEL_MODULE = "cpattn.kernels.triton_decode"
-_OPTION_NAMES = {"config", "block_m", "min_split", "programs_per_sm", "num_sms", "family", "pair"}
+_OPTION_NAMES = {"config", "block_m", "min_split", "programs_per_sm", "num_sms", "family", "pair", "pdl"}
 #: Kernel families of shard plans ("auto": the absorbed-MLA Hopper kernel where it applies,
 #: else the portable split-KV kernel).
 FAMILIES = ("auto", "portable", "mla")
@@ -217,6 +219,11 @@ class _TritonShardRun:
         pair = options.get("pair", True)
         if not isinstance(pair, bool):
             raise ValueError(f"backend_options pair must be a bool, got {pair!r}")
+        pdl = options.get("pdl", True)
+        if not isinstance(pdl, bool):
+            raise ValueError(f"backend_options pdl must be a bool, got {pdl!r}")
+        #: programmatic dependent launch between the split kernel and the combine
+        self.pdl = pdl and triton_decode.pdl_capable(dmeta.device)
         mla_reason = mla_unsupported_reason(spec, dmeta, interpreted, options)
         if family == "mla" and mla_reason is not None:
             raise ValueError(f"the mla kernel cannot run this shard plan: {mla_reason}")
@@ -224,7 +231,8 @@ class _TritonShardRun:
         self._mla = None
         if family != "portable" and mla_reason is None:
             self._mla = _MlaSplit(spec, dmeta, host, num_sms=num_sms, min_split=min_split,
-                                  programs_per_sm=options.get("programs_per_sm", MLA_PROGRAMS_PER_SM), pair=pair)
+                                  programs_per_sm=options.get("programs_per_sm", MLA_PROGRAMS_PER_SM), pair=pair,
+                                  pdl=self.pdl)
         num_head_groups = hq // g_pack
         work = plan_work(host, spec, rows=rows, num_head_groups=num_head_groups, align=align, num_sms=num_sms,
                          programs_per_sm=programs_per_sm, min_split=min_split, capacity=dmeta.capacity)
@@ -253,12 +261,13 @@ class _TritonShardRun:
             num_head_groups=num_head_groups, group_size=hq // hkv, HEAD_DIM_V=dv, BLOCK_D1=d1, BLOCK_D2=d2,
             ROWS=rows, G_PACK=g_pack, BLOCK_M=block_m, CP_SIZE=dmeta.cp_size, INTERLEAVE=dmeta.sharding.interleave,
             PAGE_SIZE=spec.page_size or 1, HAS_WINDOW=spec.window_left >= 0, HAS_SINKS=apply_sinks,
-            **triton_attn.dot_settings(spec.dtype),
+            PDL=self.pdl, **triton_attn.dot_settings(spec.dtype),
         )
         self.combine_args = dict(row_ws0=dev["row_ws0"], row_nsplit=dev["row_nsplit"], row_ti=dev["row_ti"],
                                  HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv,
                                  HAS_SINKS=apply_sinks, ONE_PASS=max_splits <= block_s,
-                                 num_warps=triton_decode.merge_warps((block_s, block_h, block_dv), 4))
+                                 num_warps=triton_decode.merge_warps((block_s, block_h, block_dv), 4),
+                                 **triton_decode.pdl_launch(self.pdl))
         self.sinks_used = apply_sinks
         self._split, self._combine = triton_decode.launch_split, triton_decode.launch_combine
         #: planned launches of the split / combine kernels (direct calls after the first)
@@ -340,11 +349,12 @@ class _MlaSplit:
     """The shard plan's work on the absorbed-MLA Hopper kernel (:func:`.triton_mla.launch_decode`):
     64-row tiles of (query row, head), ``G_PACK`` heads each (64 for 128 heads: one query row per
     tile, two head groups reading the same latent blocks back to back), split-KV work items of
-    :func:`plan_work`, and the decode family's combine kernel for multi-split tiles, or (``pair``:
-    no tile has more than two splits, not static) their merge inside the kernel."""
+    :func:`plan_work`, and the decode family's combine kernel for multi-split tiles (``pdl``: a
+    programmatic dependent launch; the caller checked the device), or (``pair``: no tile has more
+    than two splits, not static) their merge inside the kernel."""
 
     def __init__(self, spec: AttentionSpec, dmeta, host, *, num_sms: int, min_split: int, programs_per_sm: int,
-                 pair: bool = True):
+                 pair: bool = True, pdl: bool = False):
         from . import triton_decode, triton_mla
 
         hq = spec.num_q_heads
@@ -384,11 +394,13 @@ class _MlaSplit:
             cu_q_lens=dmeta.cu_q_lens, cu_local_kv=dmeta.cu_local_kv_lens, rank=dmeta.rank,
             num_head_groups=self.num_head_groups, G_PACK=g_pack, CP_SIZE=dmeta.cp_size,
             INTERLEAVE=dmeta.sharding.interleave, PairSem=pair_sem, PairLse=pair_lse, PAIR=self.pair,
+            PDL=pdl and self.run_combine,  # the combine starts while the split kernel runs (waits inside)
         )
         self.combine_args = dict(row_ws0=dev["row_ws0"], row_nsplit=dev["row_nsplit"], row_ti=dev["row_ti"],
                                  HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv,
                                  HAS_SINKS=apply_sinks, ONE_PASS=max_splits <= block_s,
-                                 num_warps=triton_decode.merge_warps((block_s, block_h, block_dv), 4))
+                                 num_warps=triton_decode.merge_warps((block_s, block_h, block_dv), 4),
+                                 **triton_decode.pdl_launch(pdl))
         #: its workspace (set by the owning plan: shared with the portable fallback's)
         self.ws = None
         self._launch = triton_mla.launch_decode

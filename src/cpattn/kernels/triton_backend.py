@@ -19,9 +19,9 @@ num_warps, num_stages) of the portable kernel, bypassing the autotuner), ``sm90`
 :data:`SM90_OPTIONS` overrides for the dense Hopper kernel), ``planned_launch`` (default True:
 after a plan's first call, launch the compiled kernel directly, see :mod:`._launch`; False:
 every call through the JIT), ``decode`` (a dict of :data:`DECODE_OPTIONS` for decode-shaped
-plans run by the split-KV family: ``programs_per_sm``, ``min_split``, ``num_sms``, ``family``
-as in :mod:`.decode_backend`). ``CPATTN_TRITON_SM90=0`` in the environment (read at plan time)
-makes "auto" use the portable kernel.
+plans run by the split-KV family: ``programs_per_sm``, ``min_split``, ``num_sms``, ``family``,
+``pair``, ``pdl`` as in :mod:`.decode_backend`). ``CPATTN_TRITON_SM90=0`` in the environment
+(read at plan time) makes "auto" use the portable kernel.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def use_sections(option, loss: float) -> bool:
 _OPTION_NAMES = {"family", "block_m", "config", "sm90", "planned_launch", "decode"}
 #: ``backend_options["decode"]`` keys passed to the split-KV decode family (see
 #: :mod:`.decode_backend`).
-DECODE_OPTIONS = {"programs_per_sm", "min_split", "num_sms", "family", "pair"}
+DECODE_OPTIONS = {"programs_per_sm", "min_split", "num_sms", "family", "pair", "pdl"}
 #: Kernel families ("auto": decode, then mla, then sm90, then portable, the first that can run
 #: the plan).
 FAMILIES = ("auto", "portable", "sm90", "mla", "decode")

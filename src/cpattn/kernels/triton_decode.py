@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._launch import LRU, LaunchState, PlannedLaunch
 from ._tiles import LOG2E, kv_strides
@@ -179,8 +180,10 @@ def _shard_attn_split(
     ROWS: tl.constexpr, G_PACK: tl.constexpr, BLOCK_M: tl.constexpr,
     CP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, V_FROM_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # the combine (programmatic dependent launch) may start; it waits for this grid's end
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     item = pid // num_head_groups
     hg = pid - item * num_head_groups
@@ -355,17 +358,19 @@ def _shard_attn_combine(
     num_heads, stride_om, stride_oh, stride_lm, stride_lh, stride_sink,
     stride_wi, stride_wr, stride_wh, stride_li, stride_lr,
     HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_SINKS: tl.constexpr, ONE_PASS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Merge the splits of one query row exactly, for BLOCK_H heads x BLOCK_DV columns (grid:
     rows x head blocks x column blocks); rows of one-split tiles were written by the split
-    kernel; pad rows (no split) get 0 / -inf. Splits are read in chunks of BLOCK_S."""
+    kernel; pad rows (no split) get 0 / -inf. Splits are read in chunks of BLOCK_S. PDL: launched
+    with programmatic dependent launch: the plan tables and sinks (written before the split
+    kernel started) are read before ``griddepcontrol.wait``, the partials after it; every program
+    waits, so that the kernel after the combine (an ordinary launch) starts only once the split
+    kernel's stores are complete too."""
     row = tl.program_id(0)
     hb = tl.program_id(1)
     db = tl.program_id(2)
     ns = tl.load(row_nsplit + row)
-    if ns == 1:
-        return
     ws0 = tl.load(row_ws0 + row).to(tl.int64)
     ti = tl.load(row_ti + row).to(tl.int64)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -377,6 +382,10 @@ def _shard_attn_combine(
         sink = tl.where(ns > 1, sink, float("-inf"))
     else:
         sink = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    if PDL:  # every program waits, also those that return: the combine's end implies the split kernel's
+        gdc_wait()
+    if ns == 1:
+        return
     out, lse = _merge_block(WsO + ws0 * stride_wi + ti * stride_wr, WsLse + ws0 * stride_li + ti * stride_lr, ns,
                             stride_wi, stride_li, stride_wh, 1, heads, hmask, offs_dv, dmask, sink, HAS_SINKS,
                             BLOCK_S, BLOCK_H, BLOCK_DV, ONE_PASS)
@@ -430,6 +439,19 @@ def _align_key(*tensors) -> tuple:
     return tuple([(t.dtype, t.data_ptr() & 15) for t in tensors])
 
 
+def pdl_capable(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can use programmatic dependent launch (``griddepcontrol``: a
+    CUDA device of compute capability >= 9.0; never the CPU interpreter)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_launch(enabled: bool) -> dict:
+    """The combine's launch options: with ``enabled`` (:func:`pdl_capable` and the plan's ``pdl``
+    option) it starts while the split kernel before it runs (``launch_pdl``) and waits inside for
+    its end (``PDL``); else none."""
+    return dict(PDL=True, launch_pdl=True) if enabled else {}
+
+
 def _planned(state, name, kernel, make_fixed, names: tuple):
     """The plan's :class:`PlannedLaunch` ``name`` of ``kernel``; ``make_fixed()`` (the fixed
     keyword arguments) runs only when it is created."""
@@ -458,7 +480,7 @@ def launch_split(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sink
                  page_table: Optional[Tensor], ws: Workspace, *, grid: tuple[int], plan_args: dict,
                  softmax_scale: float, v_from_k: bool, config: tuple[int, int, int], state=None) -> None:
     """Launch the split kernel; ``plan_args`` holds the planned keyword arguments (work items,
-    counts, per-sequence arrays, geometry constexprs), ``ws`` the plan's :class:`Workspace`, the
+    counts, per-sequence arrays, geometry constexprs, ``PDL``), ``ws`` the plan's :class:`Workspace`, the
     rest is per layer. ``state``: the plan's :class:`~cpattn.kernels._launch.LaunchState`
     (planned launches: after the first call the compiled kernel is called directly; None: every
     call through the JIT)."""
@@ -474,7 +496,8 @@ def launch_split(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sink
     key = _align_key(q, k, v, out, lse, sk, pt) + ws.key + values[10:]
     block_n, warps, stages = config
     launcher = _planned(state or LaunchState(enabled=False), "split", _shard_attn_split,
-                        lambda: dict(plan_args, BLOCK_N=block_n, num_warps=warps, num_stages=stages), _SPLIT_PER_CALL)
+                        lambda: dict(plan_args, BLOCK_N=block_n, num_warps=warps, num_stages=stages),
+                        _SPLIT_PER_CALL)
     launcher(grid, values, key)
 
 
@@ -525,8 +548,8 @@ def _next_pow2(x: int) -> int:
 def launch_combine(out: Tensor, lse: Tensor, sinks: Optional[Tensor], ws: Workspace, *,
                    grid: tuple[int, int, int], combine_args: dict, state=None) -> None:
     """Launch the combine kernel over ``grid`` = (query rows, head blocks, column blocks), reading
-    the partials of ``ws``; ``combine_args``: the planned keyword arguments (tables, constexprs;
-    ``num_warps``, default 4); ``state`` as in :func:`launch_split`."""
+    the partials of ``ws``; ``combine_args``: the planned keyword arguments (tables, constexprs,
+    :func:`pdl_launch`'s options; ``num_warps``, default 4); ``state`` as in :func:`launch_split`."""
 
     sk = sinks if sinks is not None else out
     os_, ls = out.stride(), lse.stride()

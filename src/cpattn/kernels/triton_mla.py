@@ -672,15 +672,20 @@ if HAVE_GLUON:
         G_PACK: gl.constexpr, HAS_SINKS: gl.constexpr, PAGE_SIZE: gl.constexpr, COPY_ROWS: gl.constexpr,
         CP_SIZE: gl.constexpr, INTERLEAVE: gl.constexpr,
         Q_SMEM: gl.constexpr, QR_SMEM: gl.constexpr, K_SMEM: gl.constexpr, KR_SMEM: gl.constexpr,
-        P_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr, PAIR: gl.constexpr,
+        P_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr, PAIR: gl.constexpr, PDL: gl.constexpr = False,
     ):
         """Split-KV decode over one rank's key shard: a program = one work item (a query tile of
         ``BLOCK_M / G_PACK`` rows of one sequence and a range ``[k0, k1)`` of its local keys, see
         :mod:`.decode_backend`) x one head group. Items past the device count exit. PAIR: every
         multi-split tile has two splits, merged by the second to finish (:func:`_mla_pair_merge`;
         ``PairSem`` int32 [pairs x head groups x 2] zeros, ``PairLse`` fp32 like ``WsLse``) instead
-        of the combine kernel."""
+        of the combine kernel. PDL: let the next kernel of the stream (the combine, launched with
+        programmatic dependent launch) start now: its programs take SMs as this kernel's leave
+        and wait (``griddepcontrol.wait``) for its completion before reading the partials."""
         ROWS: gl.constexpr = BLOCK_M // G_PACK
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
         pid = gl.program_id(0)
         item = pid // num_head_groups
         hg = pid - item * num_head_groups
