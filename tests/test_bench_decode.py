@@ -21,3 +21,17 @@ def test_decode_bench_tiny(tmp_path):
     cross = payload["crossover"]
     assert len(cross["rows"]) == 3 and all(r["bytes_pass_kv"] >= 0 for r in cross["rows"])
     assert any("crossover" in line for line in payload["summary"])
+
+
+def test_decode_bench_shard_options_from_the_command_line():
+    """``--config`` / ``--block-m`` / ``--programs-per-sm`` / ``--no-pdl`` become the shard plans'
+    ``backend_options``; none of them: the defaults (None)."""
+    import argparse
+
+    from cpattn.bench.decode import add_arguments, shard_options
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert shard_options(p.parse_args([])) is None
+    args = p.parse_args(["--config", "64,4,2", "--block-m", "32", "--programs-per-sm", "2", "--no-pdl"])
+    assert shard_options(args) == dict(config=(64, 4, 2), block_m=32, programs_per_sm=2, pdl=False)

@@ -116,6 +116,7 @@ def test_sm90_options_parse():
     assert bench.parse_options("overlap=auto,sections=auto") == dict(overlap="auto", sections="auto")
     assert bench.parse_options("programs_per_sm=1,family=mla", "--decode-options") == dict(
         programs_per_sm=1, family="mla")
+    assert bench.parse_options("pdl=0,pair=1", "--decode-options") == dict(pdl=False, pair=True)
     with pytest.raises(SystemExit, match="--decode-options items are key=value"):
         bench.parse_options("programs_per_sm", "--decode-options")
 

@@ -78,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-m", type=int, default=None, help="split kernel: most query rows x heads per program")
     p.add_argument("--programs-per-sm", type=int, default=None,
                    help="split target of the shard backend, programs per SM (default: the family's)")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="triton shard backend: ordinary launches (backend_options pdl=False), for an A/B of "
+                        "the combine's programmatic dependent launch")
     p.add_argument("--sweep", action="store_true",
                    help="also time a grid of split-kernel configs on a few workloads (tuning aid)")
     p.add_argument("--no-crossover", action="store_true", help="skip the pass-KV / pass-Q crossover")
@@ -237,9 +240,8 @@ def decode_case(pool: Pool, time_fn, *, name: str, shape, c: int, b: int, keys: 
     )
 
 
-def run_decode_grid(args, device, dtype, shapes) -> tuple[list[dict], list[str]]:
-    pool = Pool(device, dtype)
-    time_fn = timer(device)
+def shard_options(args) -> dict | None:
+    """The shard plans' ``backend_options`` the command line asks for (None: the defaults)."""
     options = {}
     if args.config:
         options["config"] = tuple(int(x) for x in args.config.split(","))
@@ -247,7 +249,15 @@ def run_decode_grid(args, device, dtype, shapes) -> tuple[list[dict], list[str]]
         options["block_m"] = args.block_m
     if args.programs_per_sm:
         options["programs_per_sm"] = args.programs_per_sm
-    options = options or None
+    if args.no_pdl:
+        options["pdl"] = False
+    return options or None
+
+
+def run_decode_grid(args, device, dtype, shapes) -> tuple[list[dict], list[str]]:
+    pool = Pool(device, dtype)
+    time_fn = timer(device)
+    options = shard_options(args)
     rows, skipped = [], []
     item = torch.empty((), dtype=dtype).element_size()
     for name in args.shapes.split(","):

@@ -134,7 +134,7 @@ def parse_options(text: str, flag: str = "--sm90-options") -> dict:
         if key == "family" or (key in ("persistent", "sections", "overlap") and value == "auto"):
             out[key] = value
         else:
-            out[key] = bool(int(value)) if key in ("pingpong", "persistent", "pair", "sections") else int(value)
+            out[key] = bool(int(value)) if key in ("pingpong", "persistent", "pair", "sections", "pdl") else int(value)
     return out
 
 
