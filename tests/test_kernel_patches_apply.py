@@ -31,10 +31,12 @@ PATCHES = ROOT / "tools" / "gpu" / "patches"
 #: the two together. mla_staged_epilogue (s21b.sh, measured in the seventeenth session, not kept):
 #: the MLA epilogue's stores through the value buffers, 16 bytes per thread. split_combine_pdl
 #: (s22a.sh, eighteenth session): programmatic dependent launch between the split-KV kernels and the
-#: combine, in the tree since 0.3.15 (record).
+#: combine, in the tree since 0.3.15 (record). pdl_default_off (s23a.sh, prepared): the shard plans'
+#: default pdl=False, the tree's other side of an A/B of that launch.
 PENDING = [("joint_release_overlap0",), ("named_ring_release",), ("persistent_pingpong",), ("softmax_under_pv",),
            ("no_seq_groups",), ("l2_budget_3th",), ("l2_budget_8th",),
-           ("named_ring_per_item",), ("revert_to_0312_mla",), ("mla_staged_epilogue",)]
+           ("named_ring_per_item",), ("revert_to_0312_mla",), ("mla_staged_epilogue",),
+           ("pdl_default_off",)]
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None or not PATCHES.is_dir(),
                                 reason="needs git and the repository's tools/gpu/patches")
