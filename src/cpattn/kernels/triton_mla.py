@@ -683,7 +683,7 @@ if HAVE_GLUON:
         programmatic dependent launch) start now: its programs take SMs as this kernel's leave
         and wait (``griddepcontrol.wait``) for its completion before reading the partials."""
         ROWS: gl.constexpr = BLOCK_M // G_PACK
-        if PDL:
+        if PDL:  # Gluon has no gdc builtin: the PTX of triton's gdc_launch_dependents
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
         pid = gl.program_id(0)
