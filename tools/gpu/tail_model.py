@@ -2,7 +2,9 @@
 programs ((tile, head group), costing ``2 + keys / 128`` key blocks as in
 ``_tiles.section_schedule_loss``) placed heaviest first on ``--sms`` SMs, each on the first to free
 up; prints waves per rank and the efficiency (total work / SMs / makespan), lowest and mean over
-the ranks. Runs without a GPU. Usage: ``PYTHONPATH=src python tools/gpu/tail_model.py --shapes
+the ranks. With ``--persistent`` also the persistent schedule's makespan against that one
+(rank 0): one program per SM taking the items in the kernel's L2-section order round by round in a
+snake (``triton_sm90._ws_work``), a static assignment. Runs without a GPU. Usage: ``PYTHONPATH=src python tools/gpu/tail_model.py --shapes
 d128,d192 --seqs 16384,65536 --cps 1,2,4,8``."""
 
 from __future__ import annotations
@@ -14,6 +16,25 @@ from cpattn.bench.kernel import SHAPES
 from cpattn.kernels import _tiles
 
 
+def section_order(costs: list[float], num_head_groups: int, heads_per_section: int) -> list[float]:
+    """Item costs in the kernel's grid order (``_sm90_common.tile_item``): all tiles (heaviest
+    first) of ``heads_per_section`` head groups, then the next section."""
+    order = []
+    for first in range(0, num_head_groups, heads_per_section):
+        order += [c for c in costs for _ in range(min(heads_per_section, num_head_groups - first))]
+    return order
+
+
+def snake_makespan(items: list[float], sms: int) -> float:
+    """Makespan of persistent programs: program ``p`` takes item ``r * sms + p`` on even rounds
+    ``r`` and ``r * sms + sms - 1 - p`` on odd ones."""
+    load = [0.0] * sms
+    for w, c in enumerate(items):
+        r, i = divmod(w, sms)
+        load[i if r % 2 == 0 else sms - 1 - i] += c
+    return max(load)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="d128,d192")
@@ -21,6 +42,8 @@ def main() -> None:
     p.add_argument("--cps", default="1,2,4,8")
     p.add_argument("--sms", type=int, default=132)
     p.add_argument("--block-m", type=int, default=128)
+    p.add_argument("--persistent", action="store_true",
+                   help="also the persistent snake schedule's makespan over the grid order's (rank 0)")
     a = p.parse_args()
     for shape in a.shapes.split(","):
         hq, hkv, _, _ = SHAPES[shape]
@@ -33,8 +56,20 @@ def main() -> None:
                     keys = _tiles.tile_map(s.build_metadata([seq], [0], rank=rank), rows).tile_keys.tolist()
                     cost = sorted((k / 128 + 2.0 for k in keys for _ in range(hq // g_pack)), reverse=True)
                     effs.append(sum(cost) / a.sms / _tiles._list_makespan(cost, a.sms))
-                print(f"{shape} S={seq // 1024}k C={c}: {len(cost) / a.sms:.2f} waves per rank, efficiency "
-                      f"min {min(effs):.3f} mean {sum(effs) / len(effs):.3f}")
+                line = (f"{shape} S={seq // 1024}k C={c}: {len(cost) / a.sms:.2f} waves per rank, efficiency "
+                        f"min {min(effs):.3f} mean {sum(effs) / len(effs):.3f}")
+                if a.persistent:
+                    meta = s.build_metadata([seq], [0], rank=0)
+                    keys = _tiles.tile_map(meta, rows).tile_keys
+                    _, _, d, dv = SHAPES[shape]
+                    groups = hq // g_pack
+                    # the CPU's L2 budget (32 MiB) plans the H200's sections (2/3 of 50 MiB) at these sizes
+                    section = _tiles.heads_per_l2_section(meta.num_kv_rows, (d + dv) * 2, hq // hkv // g_pack,
+                                                          groups, meta.device)
+                    items = section_order((keys / 128 + 2.0).tolist(), groups, section)
+                    ratio = snake_makespan(items, a.sms) / _tiles._list_makespan(items, a.sms)
+                    line += f"; persistent snake / grid order {ratio:.3f}"
+                print(line)
 
 
 if __name__ == "__main__":
