@@ -36,7 +36,7 @@ PATCHES = ROOT / "tools" / "gpu" / "patches"
 PENDING = [("joint_release_overlap0",), ("named_ring_release",), ("persistent_pingpong",), ("softmax_under_pv",),
            ("no_seq_groups",), ("l2_budget_3th",), ("l2_budget_8th",),
            ("named_ring_per_item",), ("revert_to_0312_mla",), ("mla_staged_epilogue",),
-           ("pdl_default_off",)]
+           ("pdl_default_off",), ("thread_release",)]
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None or not PATCHES.is_dir(),
                                 reason="needs git and the repository's tools/gpu/patches")

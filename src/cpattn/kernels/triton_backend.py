@@ -79,7 +79,8 @@ SECTION_MAX_LOSS = 1.05
 #: ``persistent="auto"`` takes the persistent schedule when a query tile spans at most this many
 #: keys on average (H200, D128, 2026-12-01: persistent +11% at 1024 x 128, +19-24% at 256 x 512,
 #: +14-15% at 128 x 1024, +5-7% at 64 x 2048, +2-6% at 32 x 4096 (mean ~2k keys per tile), -1 to
-#: -6% at 16 x 8192 (mean ~4k); much slower on long causal ranges: 16k C = 8 319 vs 554 TF/s).
+#: -6% at 16 x 8192 (mean ~4k); much slower on long causal ranges: 16k C = 8 319 vs 554 TF/s, the
+#: snake's static assignment of a few rounds of heavy items: docs/kernels.md).
 PERSISTENT_MAX_MEAN_KEYS = 3072
 
 
