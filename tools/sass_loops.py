@@ -43,6 +43,17 @@ def _token(ins: str) -> str | None:
     return None
 
 
+def runs(tokens: list[str]) -> str:
+    """``tokens`` with each run of one kind written once, counted: ``a a b`` -> ``ax2 b``."""
+    seq: list[list] = []
+    for t in tokens:
+        if seq and seq[-1][0] == t:
+            seq[-1][1] += 1
+        else:
+            seq.append([t, 1])
+    return " ".join(f"{t}x{n}" if n > 1 else t for t, n in seq)
+
+
 def loops(sass: str, min_gmma: int = 8) -> list[tuple[int, int, str]]:
     """``(start, end, summary)`` per innermost loop (a branch to a lower address whose span holds
     no other such loop) with at least ``min_gmma`` wgmmas."""
@@ -55,18 +66,9 @@ def loops(sass: str, min_gmma: int = 8) -> list[tuple[int, int, str]]:
         target = int(m.group(1), 16)
         if target >= addr:
             continue
-        seq: list[list] = []
-        for a, b in ins:
-            if target <= a <= addr:
-                t = _token(b)
-                if t is None:
-                    continue
-                if seq and seq[-1][0] == t:
-                    seq[-1][1] += 1
-                else:
-                    seq.append([t, 1])
-        if sum(n for t, n in seq if t == "gmma") >= min_gmma:
-            out.append((target, addr, " ".join(f"{t}x{n}" if n > 1 else t for t, n in seq)))
+        tokens = [t for t in (_token(b) for a, b in ins if target <= a <= addr) if t is not None]
+        if tokens.count("gmma") >= min_gmma:
+            out.append((target, addr, runs(tokens)))
     # innermost loops only: a wait's retry path, placed after the kernel's body, branches back
     # into a loop, so its span holds that loop or starts inside one and ends past it
     def nested_or_crossing(lp, o):

@@ -233,17 +233,12 @@ def wait_order(sass: str) -> str:
     ``WARPGROUP.DEPBAR.LE gsb0`` 1 / 0, ``N``: the sleeping never-taken loop that ends a basic block,
     runs of one kind counted): with ``overlap=2`` the loop reads ``W1 Ex66 Nx2 W0`` when softmax_j's
     EX2s run under ``P_{j-1} V_{j-1}`` and ``W1 W0 Ex66`` when ptxas hoisted the second wait."""
-    seq: list[list] = []
-    for line in sass.splitlines():
-        kind = ("E" if "MUFU.EX2" in line else "W0" if "DEPBAR.LE gsb0, 0x0" in line
-                else "W1" if "DEPBAR.LE gsb0, 0x1" in line else "N" if "NANOSLEEP" in line else None)
-        if kind is None:
-            continue
-        if seq and seq[-1][0] == kind:
-            seq[-1][1] += 1
-        else:
-            seq.append([kind, 1])
-    return " ".join(f"{k}x{n}" if n > 1 else k for k, n in seq)
+    from sass_loops import runs  # tools/, this script's folder
+
+    kinds = [("E" if "MUFU.EX2" in line else "W0" if "DEPBAR.LE gsb0, 0x0" in line
+              else "W1" if "DEPBAR.LE gsb0, 0x1" in line else "N" if "NANOSLEEP" in line else None)
+             for line in sass.splitlines()]
+    return runs([k for k in kinds if k is not None])
 
 
 def main() -> None:
