@@ -454,7 +454,6 @@ def test_portable_plan_right_after_kv_moves_and_strides_change(interp):
     assert len(state.kv) == len(layers)
 
 
-
 # ----------------------------------------------------------------------------- programmatic dependent launch
 def test_pdl_only_on_cuda_sm90_and_the_combine_waits_on_every_path(interp, monkeypatch):
     """Programmatic dependent launch (split kernel -> combine) is used only on a CUDA device of

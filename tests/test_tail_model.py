@@ -1,6 +1,7 @@
 """``tools/gpu/tail_model.py`` (docs/benchmarks.md, nineteenth session): the persistent programs'
-static snake assignment and the grid's L2-section item order, against hand-counted schedules, and
-where a static snake assignment ends later than the hardware's first-free-SM order."""
+static snake assignment and ``_tiles.section_order`` (the grid's L2-section item order) against
+hand-counted schedules, and where a static snake assignment ends later than the hardware's
+first-free-SM order."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ def test_snake_makespan_alternates_direction(tail):
     assert tail.snake_makespan([2.0, 9.0, 1.0], 4) == 9.0
 
 
-def test_section_order_repeats_tiles_per_head_group(tail):
-    assert tail.section_order([3.0, 1.0], 3, 2) == [3.0, 3.0, 1.0, 1.0, 3.0, 1.0]
-    assert tail.section_order([3.0, 1.0], 2, 2) == [3.0, 3.0, 1.0, 1.0]
+def test_section_order_repeats_tiles_per_head_group():
+    assert _tiles.section_order([3.0, 1.0], 3, 2) == [3.0, 3.0, 1.0, 1.0, 3.0, 1.0]
+    assert _tiles.section_order([3.0, 1.0], 2, 2) == [3.0, 3.0, 1.0, 1.0]
 
 
 def test_snake_is_static_where_the_grid_order_is_greedy(tail):

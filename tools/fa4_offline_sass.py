@@ -14,7 +14,8 @@ Set-up on the CPU VM (the FA4 wheels are for Python 3.12):
     cat ../shared/gpu/fa4/part1/cu13.tar.xz.aa ../shared/gpu/fa4/part2/cu13.tar.xz.a[bc] | tar xJ -C /tmp/fa4site
 Run (cuobjdump from any triton wheel, e.g. the sm90_offline_check venv's):
     PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages /tmp/fa4v/bin/python \\
-        tools/fa4_offline_sass.py --out /tmp/fa4dump --cuobjdump /tmp/t36/lib/python3.11/site-packages/triton/backends/nvidia/bin/cuobjdump
+        tools/fa4_offline_sass.py --out /tmp/fa4dump \
+        --cuobjdump /tmp/t36/lib/python3.11/site-packages/triton/backends/nvidia/bin/cuobjdump
 """
 
 from __future__ import annotations

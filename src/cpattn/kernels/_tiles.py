@@ -152,11 +152,19 @@ def section_schedule_loss(tile_keys: Tensor, num_head_groups: int, heads_per_sec
         return 1.0
     cost = (tile_keys / block_n + fixed_blocks).tolist()
     lpt = [c for c in cost for _ in range(num_head_groups)]
-    sections = []
+    sections = section_order(cost, num_head_groups, heads_per_section)
+    return _list_makespan(sections, num_sms) / _list_makespan(lpt, num_sms)
+
+
+def section_order(costs: list[float], num_head_groups: int, heads_per_section: int) -> list[float]:
+    """Per-tile ``costs`` (heaviest first) repeated in the L2-section grid order of the work
+    items: every tile of ``heads_per_section`` head groups (head groups fastest), then the next
+    section (``_sm90_common.tile_item`` on the device)."""
+    order = []
     for first in range(0, num_head_groups, heads_per_section):
         n = min(heads_per_section, num_head_groups - first)
-        sections += [c for c in cost for _ in range(n)]
-    return _list_makespan(sections, num_sms) / _list_makespan(lpt, num_sms)
+        order += [c for c in costs for _ in range(n)]
+    return order
 
 
 def l2_kv_budget(device: torch.device) -> int:
