@@ -35,12 +35,13 @@ PATCHES = ROOT / "tools" / "gpu" / "patches"
 #: default pdl=False, the tree's other side of an A/B of that launch. thread_release (s23d.sh,
 #: not kept): per-thread stage releases. ptx_warp_release (+ ptx_warp_release_top) (s24a.sh): the
 #: dense kernel's stage releases made per warp by a rewrite of its PTX (and without the bar.sync
-#: before each consumer wait).
+#: before each consumer wait). v_wait_after_qk (s24d.sh): the overlapped loop waits for V_{j-1}
+#: after issuing Q K_j^T, as FA4's does.
 PENDING = [("joint_release_overlap0",), ("named_ring_release",), ("persistent_pingpong",), ("softmax_under_pv",),
            ("no_seq_groups",), ("l2_budget_3th",), ("l2_budget_8th",),
            ("named_ring_per_item",), ("revert_to_0312_mla",), ("mla_staged_epilogue",),
            ("pdl_default_off",), ("thread_release",), ("ptx_warp_release",),
-           ("ptx_warp_release", "ptx_warp_release_top")]
+           ("ptx_warp_release", "ptx_warp_release_top"), ("v_wait_after_qk",)]
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None or not PATCHES.is_dir(),
                                 reason="needs git and the repository's tools/gpu/patches")
