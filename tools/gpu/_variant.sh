@@ -97,13 +97,19 @@ ab_dense_paged_short() {
   python3 tools/gpu/ab_ratios.py $L src "$new"
 }
 
+# patch_ab NAME PATCH: the Hopper tests on /tmp/NAME (the tree + PATCH), then
+# ab_dense_paged_short against the tree (s16a, s23d).
+patch_ab() {
+  variant_hopper_tests "$1" "$2"
+  ab_dense_paged_short "/tmp/$1/src"
+}
+
 # patch_ab_call NAME PATCH CHOICE: the standard A/B call of one kernel patch (s17e, s18f): the Hopper
 # tests on /tmp/NAME (the tree + PATCH), ab_dense_paged_short against the tree, ab_ratios.py's
 # verdict ("keep" / "drop") into the file CHOICE, then FA4 stage 1 (carry .gpu/fa4-1).
 patch_ab_call() {
   local name=$1 patch=$2 choice=$3
-  variant_hopper_tests "$name" "$patch"
-  ab_dense_paged_short "/tmp/$name/src" | tee "/tmp/$name-ratios.txt"
+  patch_ab "$name" "$patch" | tee "/tmp/$name-ratios.txt"
   grep -q "verdict: keep" "/tmp/$name-ratios.txt" && echo keep > "$choice" || echo drop > "$choice"
   echo "choice: $(cat "$choice")"
   bash .gpu/fa4-1/stage.sh
@@ -124,4 +130,15 @@ ab_mla() {
   done
   cp "$L" "$OUT/"
   python3 tools/gpu/ab_ratios.py "$L" "$old" "$new"
+}
+
+# every_gpu_test NAME SRC LIMIT [DURATIONS]: every `pytest -m gpu` test of tests/ on the source
+# tree SRC (run_tests of _tests.sh, LIMIT s), log $OUT/gpu-tests-h200-NAME.log ending with the
+# DURATIONS (default 10) slowest tests; prints and appends the summary line to $L, then the log's
+# totals and slowest tests (s19c, s21c, s22d, s24c).
+every_gpu_test() {
+  local name=$1 src=$2 limit=$3 durations=${4:-10}
+  T=$OUT/gpu-tests-h200-$name.log; : > "$T"
+  PYTHONPATH=$src:tools/gpu run_tests all "$limit" tests --durations="$durations" | tee -a "$L"
+  tail -$((durations + 15)) "$T" | grep -E "passed|failed|s call"
 }

@@ -11,6 +11,5 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/gpu/_variant.sh
 ab_session /tmp/s16a-lines.txt
-variant_hopper_tests nb named_barrier_release
-ab_dense_paged_short /tmp/nb/src
+patch_ab nb named_barrier_release
 bash .gpu/fa4-1/stage.sh

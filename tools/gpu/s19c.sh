@@ -6,6 +6,4 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/gpu/_variant.sh
 ab_session /tmp/s19c-lines.txt
-T=$OUT/gpu-tests-h200-session19.log; : > "$T"
-PYTHONPATH=src:tools/gpu run_tests all 540 tests --durations=25 | tee -a "$L"
-tail -40 "$T" | grep -E "passed|failed|s call" | tail -30
+every_gpu_test session19 src 540 25

@@ -10,9 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/gpu/_variant.sh
 ab_session /tmp/s21c-lines.txt
-T=$OUT/gpu-tests-h200-session21.log; : > "$T"
 bash .gpu/fa4-1/stage.sh
 make_variant /tmp/all "$@"
 echo "source: tree${*:+ + $*}"
-PYTHONPATH=/tmp/all/src:tools/gpu run_tests all "${TEST_LIMIT:-420}" tests --durations=25 | tee -a "$L"
-tail -40 "$T" | grep -E "passed|failed|s call" | tail -30
+every_gpu_test session21 /tmp/all/src "${TEST_LIMIT:-420}" 25

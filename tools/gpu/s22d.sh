@@ -10,9 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/gpu/_variant.sh
 ab_session /tmp/s22d-lines.txt
-T=$OUT/gpu-tests-h200-s22d.log; : > "$T"
-PYTHONPATH=src:tools/gpu run_tests all "${TEST_LIMIT:-330}" tests --durations=10 | tee -a "$L"
-tail -20 "$T" | grep -E "passed|failed" | tail -3
+every_gpu_test s22d src "${TEST_LIMIT:-330}"
 AB_LIMIT=120 ab_graph "decode rep 1" src --workloads decode --decode-batches 1,8 --decode-lens 4096,32768 --decode-qlens 1,4
 ab_layers "layers rep 1" src
 cp "$L" "$OUT/"

@@ -11,5 +11,4 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/gpu/_variant.sh
 ab_session /tmp/s23d-lines.txt
-variant_hopper_tests thr thread_release
-ab_dense_paged_short /tmp/thr/src
+patch_ab thr thread_release

@@ -6,6 +6,4 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/gpu/_variant.sh
 ab_session /tmp/s24c-lines.txt
-T=$OUT/gpu-tests-h200-s24c.log; : > "$T"
-PYTHONPATH=src:tools/gpu run_tests all "${TEST_LIMIT:-330}" tests --durations=10 | tee -a "$L"
-tail -20 "$T" | grep -E "passed|failed" | tail -3
+every_gpu_test s24c src "${TEST_LIMIT:-330}"
