@@ -6,15 +6,17 @@ the key at position ``p`` of every request is stored on rank ``(p // I) % C`` on
 cache. Every cpattn call is commented ``# [cpattn]``. The run:
 
 1. prefill a ragged batch under CP: the extend tokens are sharded by the strategy, every rank
-   writes only the keys it owns (``plan_sharded_extend``: pass-KV or pass-Q, see below);
+   writes only the keys it owns (``cpattn.plan_attention`` with this rank's page table: pass-KV
+   or pass-Q, see below; ``plan.run`` once per layer);
 2. prefill a second batch where one request reuses a cached prompt prefix: the prefix is itself
    sharded, so local queries need every rank's prefix keys: **pass-KV** gathers the prefix
    shards, **pass-Q** all-gathers the new queries and merges the ranks' partial results back
    (the plan picks one from a cost model; ``--extend`` forces one);
-3. decode steps for all requests: hidden states are replicated (every rank computes the whole
-   batch), each rank writes the new token's K/V only if it owns the position, attends over its
-   shard (``shard_attention``) and ONE collective merges the partial outputs
-   (``merge_partials``).
+3. decode steps for all requests: the "replicated" strategy places every query on every rank
+   (hidden states replicated), the cache stays sharded (``kv=KVSharding``), so the plan is
+   "shard_merge": ONE ``plan.run`` per layer writes the new token's K/V only on the rank that
+   owns its position, attends over this rank's shard and merges the ranks' partial outputs
+   exactly in ONE collective.
 
 Greedy tokens must equal the replicated engine (``mini_engine.run_engine``); ``main`` checks it.
 
@@ -31,13 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _launch.py, mini_engine.py
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repository root: reference_layers
 import mini_engine  # noqa: E402
 from _launch import launch, under_torchrun  # noqa: E402
 from mini_engine import EngineConfig, PagedKVCache, Request, TinyGQAModel, make_requests, rms_norm  # noqa: E402
 
 import cpattn  # noqa: E402
-from cpattn.layers import apply_rope  # noqa: E402
+from reference_layers import apply_rope  # noqa: E402
 
 
 class ShardedMiniEngine:
@@ -56,6 +59,12 @@ class ShardedMiniEngine:
         # [cpattn] The placement rule of the cache: key p on rank (p // I) % C.
         self.sharding = cpattn.KVSharding(strategy.cp_size, interleave=interleave)
         self.sharding.check_page_size(cfg.page_size)
+        # [cpattn] The layer kind, once (GQA over the paged cache; page_size a multiple of I).
+        self.spec = cpattn.AttentionSpec(num_q_heads=cfg.q_heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                                         dtype=cfg.dtype, page_size=cfg.page_size)
+        # [cpattn] Decode steps place their queries with the "replicated" strategy (every rank
+        # computes every query) over the same C ranks; the keys stay sharded.
+        self.decode_strategy = cpattn.get_strategy("replicated", strategy.cp_size)
         self.extend_algorithm = extend_algorithm
         self.cached_requests: list[Request] = []
         self.extend_algorithms_used: list[str] = []
@@ -123,18 +132,19 @@ class ShardedMiniEngine:
         cfg, m, s = self.cfg, self.model, self.strategy
         extend_lens = [len(t) for t in new]
         prefix_lens = [r.cached for r in reqs]
-        # [cpattn] Plan once per forward with the cache's sharding: the plan also says which
+        # [cpattn] Plan once per forward with the cache's sharding (kv=): the plan also says which
         # extend rows this rank stores and their local cache indices.
-        meta = s.build_metadata(extend_lens, prefix_lens, rank=self.rank, kv_sharding=self.sharding).to(self.device)
+        meta = s.build_metadata(extend_lens, prefix_lens, rank=self.rank, group=self.group,
+                                kv=self.sharding).to(self.device)
         for r, n in zip(reqs, extend_lens):
             self._reserve(r, r.cached + n)
         table = self._page_table(reqs)
-        # [cpattn] Plan the extend over the (sharded) prefix once per forward: validates the
-        # cache writes against this rank's page table, picks pass-KV or pass-Q (every rank the
-        # same), uploads its tables in one copy.
-        plan = cpattn.plan_sharded_extend(
-            meta, page_table=table, page_size=cfg.page_size, num_pages=cfg.num_pages, num_q_heads=cfg.q_heads,
-            num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype, algorithm=self.extend_algorithm)
+        # [cpattn] Plan the extend over the (sharded) prefix once per forward: sharded queries over
+        # a sharded cache, so plan_attention picks pass-KV or pass-Q from its cost model (every
+        # rank the same; algorithm= forces one), plans and validates this rank's cache writes from
+        # its page table (read once here) and uploads its tables in one copy.
+        plan = cpattn.plan_attention(meta, self.spec, page_table=table, num_pages=cfg.num_pages,
+                                     algorithm=self.extend_algorithm)
         self.extend_algorithms_used.append(plan.algorithm)
         ids = torch.tensor([t for toks in new for t in toks], device=self.device)
         positions = torch.cat([torch.arange(r.cached, r.cached + n) for r, n in zip(reqs, extend_lens)]).to(self.device)
@@ -144,7 +154,7 @@ class ShardedMiniEngine:
             q, k, v = self._qkv(h, pos_local, w)
             # [cpattn] One call per layer: its collectives (pass-KV: 1, pass-Q: 2), the write of
             # this rank's share of the new K/V into its cache, attention -> [P, Hq, D].
-            o = plan.run(q, k, v, self.cache.k[layer], self.cache.v[layer], self.group)
+            o = plan.run(q, k, v, (self.cache.k[layer], self.cache.v[layer]), group=self.group)
             h = self._layer_tail(h, o, w)
         h_full = s.gather(h, meta, self.group)  # [cpattn] [P, hidden] -> [T, hidden]
         last = h_full[meta.cu_extend_lens[1:] - 1]
@@ -155,27 +165,33 @@ class ShardedMiniEngine:
     # ------------------------------------------------------------------ decode with CP
     @torch.no_grad()
     def _decode_forward(self, reqs: list[Request], tokens: list[int]) -> Tensor:
-        cfg, m = self.cfg, self.model
-        seq_lens = [r.cached + 1 for r in reqs]
-        # [cpattn] The decode plan of this step (queries replicated on every rank; keys sharded).
-        dmeta = self.sharding.build_decode_metadata(seq_lens, rank=self.rank).to(self.device)
-        for r, n in zip(reqs, seq_lens):
-            self._reserve(r, n)
+        cfg, m, s = self.cfg, self.model, self.decode_strategy
+        q_lens, prefix_lens = [1] * len(reqs), [r.cached for r in reqs]
+        # [cpattn] The plan of this decode step: the "replicated" strategy (the step's queries on
+        # every rank) over the sharded cache (kv=): each rank's keys are 1/C of every request.
+        dmeta = s.build_metadata(q_lens, prefix_lens, rank=self.rank, group=self.group,
+                                 kv=self.sharding).to(self.device)
+        for r in reqs:
+            self._reserve(r, r.cached + 1)
         table = self._page_table(reqs)
         # [cpattn] Which of the new tokens this rank stores, and where (validated once per step).
-        writes = cpattn.plan_shard_writes(dmeta, table, page_size=cfg.page_size, num_pages=cfg.num_pages)
+        writes = cpattn.plan_cache_writes(dmeta, table, page_size=cfg.page_size, num_pages=cfg.num_pages)
+        # [cpattn] Replicated queries over a sharded cache: plan_attention picks "shard_merge".
+        plan = cpattn.plan_attention(dmeta, self.spec)
         table = table.to(self.device)
         ids = torch.tensor(tokens, device=self.device)
-        positions = torch.tensor([r.cached for r in reqs], device=self.device)
-        h = m.embed[ids]  # [B, hidden], the same on every rank
+        positions = torch.tensor(prefix_lens, device=self.device)
+        ids_local, pos_local = s.shard(ids, dmeta), s.shard(positions, dmeta)  # [cpattn] every row, on every rank
+        h = m.embed[ids_local]  # [P, hidden], the same on every rank
         for layer, w in enumerate(m.layers):
-            q, k, v = self._qkv(h, positions, w)
-            kc, vc = self.cache.k[layer], self.cache.v[layer]
-            cpattn.write_sharded_kv(k, v, kc, vc, writes)  # [cpattn] only the owner stores a new key
-            # [cpattn] Attention over this rank's keys, then ONE collective merges the partials.
-            out_p, lse_p = cpattn.shard_attention(q, kc, vc, dmeta, page_table=table)
-            o = cpattn.merge_partials(out_p, lse_p, self.group, meta=dmeta)
+            q, k, v = self._qkv(h, pos_local, w)
+            # [cpattn] ONE call per layer: write the new K/V where this rank owns the position (only
+            # the owner stores a new key), attend over this rank's keys, and merge the ranks'
+            # partial outputs exactly in ONE collective -> [P, Hq, D], the same on every rank.
+            o = plan.run(q, k, v, (self.cache.k[layer], self.cache.v[layer]), writes=writes, group=self.group,
+                         page_table=table)
             h = self._layer_tail(h, o, w)
+        h = s.gather(h, dmeta, self.group)  # [cpattn] replicated rows: [P, hidden] -> [B, hidden], no collective
         for r in reqs:
             r.cached += 1
         return rms_norm(h, m.final_norm) @ m.lm_head

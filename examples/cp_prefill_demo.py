@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import cpattn
-from cpattn.layers import AttentionStack
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repository root: reference_layers
+import cpattn  # noqa: E402
+from reference_layers import AttentionStack  # noqa: E402
 
 EXTEND = [900, 1, 0, 37, 2500, 5]  # new tokens per request: ragged, empty and tiny ones included
 PREFIX = [100, 0, 64, 0, 300, 12]  # tokens already in the KV cache (prefix caching)

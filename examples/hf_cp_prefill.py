@@ -138,8 +138,12 @@ def run_rank(rank: int, world_size: int, device, models, strategy_name: str, len
     diffs = {}
     for name in models:
         model = build_model(name, seed, index_topk=index_topk).to(device)
-        # Reference: the unmodified model, one sequence at a time.
-        ref = torch.cat([model(input_ids=x, use_cache=False).logits for x in input_ids.split(list(lens), 1)], dim=1)
+        # Reference: the unmodified model, one sequence at a time (an empty sequence has no logits:
+        # the model is not run on zero tokens).
+        vocab = model.config.vocab_size
+        ref = torch.cat([torch.zeros(1, 0, vocab, device=device)] + [
+            model(input_ids=x, use_cache=False).logits for x in input_ids.split(list(lens), 1) if x.shape[1]
+        ], dim=1)
 
         cphf.enable(model)  # attn_implementation = "cpattn"
         # Shard at the model boundary: ids and global position ids [1, T] -> [1, P] (pad: id 0, pos 0).
@@ -163,7 +167,12 @@ def main(argv=None) -> int:
     p.add_argument("--atol", type=float, default=1e-4)
     p.add_argument("--cpu", action="store_true", help="use CPU/gloo even if CUDA is available")
     args = p.parse_args(argv)
-    lens = [int(x) for x in args.lens.split(",")]
+    try:
+        lens = [int(x) for x in args.lens.split(",")]
+    except ValueError:
+        p.error(f"--lens must be comma-separated integers, got {args.lens!r}")
+    if any(n < 0 for n in lens) or not sum(lens):
+        p.error(f"--lens must be >= 0 with at least one token in the batch (empty sequences are fine), got {lens}")
     use_cuda = torch.cuda.is_available() and not args.cpu
     results = launch(run_rank, args.cp, args.model, args.strategy, lens, args.seed, args.index_topk, use_cuda=use_cuda)
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.cp

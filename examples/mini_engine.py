@@ -6,8 +6,13 @@ Every cpattn call sits where a real engine (SGLang, vLLM, ...) would make it and
 1. prefill a ragged batch (a long and a very short request) under CP over C ranks;
 2. prefill a second batch: one request reuses the first request's prompt prefix from the paged
    cache (pages shared, ``prefix_len > 0``: only the new tokens are sharded), one is new;
-3. a few greedy decode steps for all four requests WITHOUT CP: every rank holds the whole cache
-   (replicated by the per-layer K/V all-gather), so decode is a plain C = 1 extend of 1 token.
+3. a few greedy decode steps for all four requests with the "replicated" strategy: every rank
+   holds the whole cache (the prefill wrote every new key on every rank), so each rank computes
+   every query of the step itself (algorithm "local": no collective).
+
+Per layer the attention is ONE call, ``plan.run(q, k, v, (k_cache, v_cache), writes=, group=,
+page_table=)``: the plan (``cpattn.plan_attention``, once per forward) does the all-gather of the
+new K/V where the placement needs one, the cache write and the kernel.
 
 The greedy tokens must equal the same engine at C = 1; ``main`` checks that and exits 1 if not.
 
@@ -33,13 +38,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _launch.py, mini_engine.py
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repository root: reference_layers
 from _launch import launch, under_torchrun  # noqa: E402
 
 import cpattn  # noqa: E402
-from cpattn.cache import plan_slots  # noqa: E402
-from cpattn.layers import apply_rope  # noqa: E402
-from cpattn.overlap import start_gather_kv  # noqa: E402
+from reference_layers import apply_rope  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -127,14 +131,20 @@ class Request:
 
 
 class MiniEngine:
-    """Prefill under CP (``strategy`` over ``group``), decode without CP, one paged cache."""
+    """Prefill under CP (``strategy`` over ``group``), decode with replicated queries, one
+    replicated paged cache (every rank holds every key)."""
 
     def __init__(self, cfg: EngineConfig, strategy: cpattn.CPStrategy, rank: int, group, device) -> None:
         self.cfg, self.strategy, self.rank, self.group, self.device = cfg, strategy, rank, group, device
         self.model = TinyGQAModel(cfg, device)
         self.cache = PagedKVCache(cfg, device)
-        # Decode runs without CP: the same kind of strategy at C = 1 (no group, no collective).
-        self.decode_strategy = cpattn.get_strategy(strategy.name, 1)
+        # [cpattn] The layer kind, once: every layer of this model attends alike (GQA over the
+        # paged cache); plan_attention binds it to each forward's placement plan.
+        self.spec = cpattn.AttentionSpec(num_q_heads=cfg.q_heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                                         dtype=cfg.dtype, page_size=cfg.page_size)
+        # [cpattn] Decode steps place their queries with the "replicated" strategy over the same
+        # C ranks: every rank computes every query of the step over its full cache.
+        self.decode_strategy = cpattn.get_strategy("replicated", strategy.cp_size)
         self.cached_requests: list[Request] = []
 
     # ------------------------------------------------------------------ scheduling (host)
@@ -180,15 +190,20 @@ class MiniEngine:
         prefix_lens = [r.cached for r in reqs]
         # [cpattn] Plan once per forward, on the host, from the logical extend and prefix lengths
         # (prefix-cached tokens are never sharded; they only lengthen the key range). Then one
-        # host-to-device copy; nothing on the per-layer path reads it back. With group=, the ranks
-        # check (one tiny all-gather) that they all planned this batch, or all raise.
+        # host-to-device copy; nothing on the per-layer path reads it back. Over the CP group
+        # (None: the default one) the ranks check in one tiny all-gather that they all planned
+        # this batch, or all raise.
         meta = strategy.build_metadata(extend_lens, prefix_lens, rank=rank, group=group).to(self.device)
         for r, n in zip(reqs, extend_lens):
             self._reserve(r, r.cached + n)
         page_table, slots = self._page_table_and_slots(reqs, new)  # slots: [T], logical order, real tokens only
         # [cpattn] Validate the slots ONCE per forward (host: in range, no duplicates, one per token);
         # every layer's cache write then takes the plan and does no host sync.
-        slot_plan = plan_slots(meta, slots, cfg.num_pages * cfg.page_size)
+        writes = cpattn.plan_cache_writes(meta, slots, num_slots=cfg.num_pages * cfg.page_size)
+        # [cpattn] Plan the attention of this forward once (host): the algorithm follows from the
+        # placement: "gather_kv" for sharded queries over this replicated cache (one all-gather of
+        # the new K/V per layer), "local" for replicated queries (decode) or C = 1 (no collective).
+        plan = cpattn.plan_attention(meta, self.spec)
         ids = torch.tensor([t for toks in new for t in toks], device=self.device)
         positions = torch.cat([torch.arange(r.cached, r.cached + n) for r, n in zip(reqs, extend_lens)]).to(self.device)
 
@@ -201,28 +216,26 @@ class MiniEngine:
         n_rows = h.shape[0]
         for layer, w in enumerate(m.layers):
             x = rms_norm(h, w["attn_norm"])
+            q = apply_rope((x @ w["wq"]).view(n_rows, cfg.q_heads, cfg.head_dim), pos_local)
             k = apply_rope((x @ w["wk"]).view(n_rows, cfg.kv_heads, cfg.head_dim), pos_local)
             v = (x @ w["wv"]).view(n_rows, cfg.kv_heads, cfg.head_dim)
-            # [cpattn] Per layer: start the ONE all-gather of this rank's K/V right after the K/V
-            # projection (on CUDA: packed and gathered on a side stream) ...
-            handle = start_gather_kv(strategy, k, v, meta, group)
-            # ... and do the query-side work while it is in flight.
-            q = apply_rope((x @ w["wq"]).view(n_rows, cfg.q_heads, cfg.head_dim), pos_local)
-            k_ext, v_ext = handle.wait()  # logical [T, Hkv, D] of the whole batch, pad dropped
-            # [cpattn] Cache write: every rank writes ALL extend tokens in logical order, so every
-            # rank ends the prefill with the full (replicated) cache that decode needs.
-            # (one index_copy_ per cache through the slot plan; device-only; all or nothing)
-            cpattn.write_kv_cache(k_ext, v_ext, self.cache.k[layer], self.cache.v[layer], slot_plan)
-            # [cpattn] Attention of the local queries against the paged cache (prefix + extend)
-            # through the page table; the causal bound of each query comes from the metadata.
-            o = strategy.attention(q, self.cache.k[layer], self.cache.v[layer], meta, page_table=page_table)
+            # [cpattn] ONE call per layer with this rank's new rows [P, ...]: the all-gather of every
+            # rank's new K/V ("gather_kv"; none for "local"), the write of ALL extend tokens through
+            # the write plan (so every rank keeps the full, replicated cache that decode needs; all
+            # or nothing), and attention of the local queries over prefix + extend through the page
+            # table (the causal bound of each query comes from the metadata) -> [P, Hq, D].
+            # (An engine that overlaps the gather with the query projection calls
+            # cpattn.start_gather_kv, cpattn.write_kv_cache and plan.attend itself.)
+            o = plan.run(q, k, v, (self.cache.k[layer], self.cache.v[layer]), writes=writes, group=group,
+                         page_table=page_table)
             h = h + o.reshape(n_rows, -1) @ w["wo"]
             x = rms_norm(h, w["mlp_norm"])
             h = h + (F.silu(x @ w["w_gate"]) * (x @ w["w_up"])) @ w["w_down"]
 
         # [cpattn] Gather hidden states before the logits: [P, hidden] of every rank -> [T, hidden]
-        # in logical order (one all-gather). An engine that only samples the last token of each
-        # request could gather just those rows; gathering all keeps the example short.
+        # in logical order (one all-gather; none with the "replicated" strategy, whose rows already
+        # are every row). An engine that only samples the last token of each request could gather
+        # just those rows; gathering all keeps the example short.
         h_full = strategy.gather(h, meta, group)
         last = h_full[meta.cu_extend_lens[1:] - 1]  # [B, hidden]
         for r, n in zip(reqs, extend_lens):
@@ -241,11 +254,12 @@ class MiniEngine:
         return self._sample(reqs, logits)
 
     def decode(self, reqs: list[Request]) -> list[int]:
-        """One decode step for every request WITHOUT CP (C = 1, no collective, replicated cache)."""
+        """One decode step for every request: replicated queries over the replicated cache
+        (the "replicated" strategy on every rank, algorithm "local": no collective)."""
         new = [[r.generated[-1]] for r in reqs]
         for r in reqs:
             r.tokens.append(r.generated[-1])
-        logits = self._forward(reqs, new, self.decode_strategy, 0, None)
+        logits = self._forward(reqs, new, self.decode_strategy, self.rank, self.group)
         return self._sample(reqs, logits)
 
     @staticmethod

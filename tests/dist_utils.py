@@ -58,21 +58,21 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, pg_timeo
 
 
 class CountCollectives:
-    """Context manager patching ``cpattn.collectives._all_gather_into`` (the single collective
+    """Context manager patching ``cpattn.collectives.all_gather_into`` (the single collective
     entry point) to count calls; ``calls`` holds each call's packed input shape."""
 
     def __enter__(self) -> "CountCollectives":
         from cpattn import collectives
 
         self.calls: list[tuple[int, ...]] = []
-        self._module, self._orig = collectives, collectives._all_gather_into
+        self._module, self._orig = collectives, collectives.all_gather_into
 
         def counting(output, input, group, async_op):
             self.calls.append(tuple(input.shape))
             return self._orig(output, input, group, async_op)
 
-        collectives._all_gather_into = counting
+        collectives.all_gather_into = counting
         return self
 
     def __exit__(self, *exc) -> None:
-        self._module._all_gather_into = self._orig
+        self._module.all_gather_into = self._orig

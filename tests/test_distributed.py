@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import cpattn
-from cpattn.layers import AttentionStack
+from reference_layers import AttentionStack
 from dist_utils import CountCollectives, run_distributed
 
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ def _worker_checks(rank: int, world: int, subgroups: bool):
         calls = counter.calls
         for name in NAMES:
             s = cpattn.get_strategy(name, cp_size, pad_multiple=4)
-            m = s.build_metadata(EXTEND, PREFIX, rank=cp_rank)
+            m = s.build_metadata(EXTEND, PREFIX, rank=cp_rank, group=group)  # agreed over the CP group
             for dtype in (torch.float32, torch.bfloat16, torch.int64):
                 xt = (x * 100).to(dtype)
                 before = len(calls)
@@ -73,26 +73,26 @@ def _worker_checks(rank: int, world: int, subgroups: bool):
 
         # Only short sequences: some ranks own nothing, still join every collective, no NaN.
         s = cpattn.ZigzagStrategy(cp_size, rotate=False)
-        m = s.build_metadata([1, 0, 1], rank=cp_rank)
+        m = s.build_metadata([1, 0, 1], rank=cp_rank, group=group)
         xs = torch.randn(2, 4, generator=g)
         results["empty_rank_rows"] = m.num_local_tokens
         results["empty_rank_gather"] = torch.equal(s.gather(s.shard(xs, m), m, group), xs)
         q_local = s.shard(torch.randn(2, 2, 8, generator=g), m)
         out = s.attention(q_local, torch.randn(2, 2, 8, generator=g), torch.randn(2, 2, 8, generator=g), m)
         results["empty_rank_attention_finite"] = bool(torch.isfinite(out).all())
-        m0 = s.build_metadata([], rank=cp_rank)
+        m0 = s.build_metadata([], rank=cp_rank, group=group)
         results["empty_batch_gather"] = tuple(s.gather(s.shard(torch.zeros(0, 3), m0), m0, group).shape)
 
     # Misconfigurations raise before any collective (all ranks raise the same way: no hang).
     wrong_size = cpattn.ZigzagStrategy(cp_size + 1)
-    m_bad = wrong_size.build_metadata([8], rank=0)
+    m_bad = wrong_size.build_metadata([8], rank=0, agree=False)  # unchecked: gather's own checks must catch it
     try:
         wrong_size.gather(torch.zeros(m_bad.num_physical_tokens, 2), m_bad, group)
         results["group_size_error"] = None
     except ValueError as exc:
         results["group_size_error"] = str(exc)
     s = cpattn.ZigzagStrategy(cp_size)
-    m_other = s.build_metadata([8], rank=(cp_rank + 1) % cp_size)
+    m_other = s.build_metadata([8], rank=(cp_rank + 1) % cp_size, agree=False)
     try:
         s.gather(torch.zeros(m_other.num_physical_tokens, 2), m_other, group)
         results["rank_error"] = None
@@ -159,12 +159,16 @@ def test_ranks_that_disagree_all_raise(world, case):
         name, message = outcome
         if case == "fail" and rank == world - 1:
             assert name == "ValueError" and "extend_lens must be >= 0" in message  # its own error
+        elif case == "cp_size" and rank == 0:  # its own error, found locally (group size vs cp_size)
+            assert name == "ValueError" and f"group has {world} ranks but cp_size={world + 1}" in message, outcome
         else:
             assert name == "PlanDisagreement" and "CP plan" in message, outcome
-    messages = {r[0][1] for rank, r in enumerate(results) if not (case == "fail" and rank == world - 1)}
+    failing = {"fail": world - 1, "cp_size": 0}.get(case)
+    messages = {r[0][1] for rank, r in enumerate(results) if rank != failing}
     assert len(messages) == 1  # every rank raises the same error
     expected = {"lengths": "extend_lens / prefix_lens differ", "swapped": "two processes claim one rank",
-                "fail": "could not build a plan", "cp_size": "cp_size", "static": "capacity differ"}[case]
+                "fail": f"group rank(s) [{world - 1}] could not build a plan",
+                "cp_size": "group rank(s) [0] could not build a plan", "static": "capacity differ"}[case]
     assert expected in messages.pop()
 
 
@@ -175,7 +179,7 @@ def _worker_agree(rank: int, world: int):
     full = s.gather(s.shard(x, m), m)  # the plan remembers the group it was checked on
     q = torch.zeros(m.num_physical_tokens, 2, 4)
     errors = []
-    other = s.build_metadata([7, 4], [3, 0], rank=(rank + 1) % world)  # another rank's plan...
+    other = s.build_metadata([7, 4], [3, 0], rank=(rank + 1) % world, agree=False)  # another rank's plan...
     other = dataclasses.replace(other, group=dist.group.WORLD)  # ...claiming this group
     try:
         s.attention(q, torch.zeros(14, 1, 4), torch.zeros(14, 1, 4), other)
@@ -214,3 +218,141 @@ def test_process_group_timeout_bounds_a_mid_layer_failure():
     outcome, seconds = results[0]
     assert outcome is not None, "rank 0 returned from a collective its peer never joined"
     assert 2.5 <= seconds < 11, seconds
+
+
+# ----------------------------------------------------------------------------- safe defaults under faults
+def _worker_default_group(rank: int, world: int, case: str):
+    """group=None with an initialized default group: the ranks agree over it (or opt out)."""
+    import time
+
+    s = cpattn.ZigzagStrategy(world)
+    ext = [9, 5, 3] if rank == 0 else [5, 9, 3]  # same T, a different batch on rank 0
+    t0 = time.monotonic()
+    try:
+        if case == "static":
+            planner = cpattn.StaticPlanner(s, max_tokens=64, max_seqs=4, max_kv_tokens=128, device="cpu")
+            planner.plan(ext, rank=rank)
+        elif case == "opt_out":
+            m = s.build_metadata(ext, rank=rank, agree=False)
+            assert m.group is None
+        elif case == "agreed":
+            m = s.build_metadata([5, 9, 3], rank=rank)
+            assert m.group is dist.group.WORLD  # the plan remembers the group it was agreed on
+        else:
+            s.build_metadata(ext, rank=rank)
+        outcome = None
+    except Exception as exc:  # noqa: BLE001
+        outcome = (type(exc).__name__, str(exc))
+    return outcome, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", ["build", "static", "opt_out", "agreed"])
+def test_group_none_agrees_over_the_default_group(world, case):
+    results = run_distributed(_worker_default_group, world, case, timeout=120, pg_timeout=60)
+    for rank, (outcome, seconds) in enumerate(results):
+        assert seconds < 10, (rank, seconds)
+        if case in ("opt_out", "agreed"):
+            assert outcome is None, (rank, outcome)
+        else:
+            assert outcome is not None, f"rank {rank} accepted a plan the others disagree with"
+            assert outcome[0] == "PlanDisagreement" and "extend_lens / prefix_lens differ" in outcome[1], outcome
+    assert len({r[0] for r in results}) == 1
+
+
+def _worker_planner_fault(rank: int, world: int, exc_name: str, use_group: bool):
+    """One rank's planner fails with a non-ValueError (allocator, bug, ...): every rank raises fast."""
+    import time
+
+    s = cpattn.InterleaveStrategy(world)
+    if rank == world - 1:
+        def broken(*args, **kwargs):
+            raise {"RuntimeError": RuntimeError, "MemoryError": MemoryError,
+                   "KeyError": KeyError}[exc_name]("injected planner fault")
+
+        s._build = broken
+    t0 = time.monotonic()
+    try:
+        s.build_metadata([7, 4], [3, 0], rank=rank, group=dist.group.WORLD if use_group else None)
+        outcome = None
+    except Exception as exc:  # noqa: BLE001
+        outcome = (type(exc).__name__, str(exc))
+    return outcome, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("exc_name, use_group", [("RuntimeError", True), ("MemoryError", False), ("KeyError", True)])
+def test_any_planner_failure_reaches_every_rank(world, exc_name, use_group):
+    results = run_distributed(_worker_planner_fault, world, exc_name, use_group, timeout=120, pg_timeout=60)
+    for rank, (outcome, seconds) in enumerate(results):
+        assert outcome is not None, f"rank {rank} returned a plan"
+        assert seconds < 10, (rank, seconds)  # not the process group's timeout
+        if rank == world - 1:
+            assert outcome[0] == exc_name and "injected planner fault" in outcome[1]  # its own error
+        else:
+            assert outcome[0] == "PlanDisagreement", outcome
+            assert f"group rank(s) [{world - 1}] could not build a plan" in outcome[1]
+
+
+def _worker_group_size(rank: int, world: int):
+    """A plan for cp_size world + 1 on a world-rank group: ValueError naming group and both sizes."""
+    s = cpattn.ZigzagStrategy(world + 1)
+    out = []
+    for kwargs in ({"group": dist.group.WORLD}, {}):
+        try:
+            s.build_metadata([8, 3], rank=rank, **kwargs)
+            out.append(None)
+        except Exception as exc:  # noqa: BLE001
+            out.append((type(exc).__name__, str(exc)))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_plan_for_another_group_size_is_rejected_locally(world):
+    for outcomes in run_distributed(_worker_group_size, world, timeout=120, pg_timeout=60):
+        for outcome in outcomes:
+            assert outcome is not None and outcome[0] == "ValueError", outcome
+            assert "group" in outcome[1] and f"{world} ranks" in outcome[1] and f"cp_size={world + 1}" in outcome[1]
+
+
+def _worker_merge_shapes(rank: int, world: int):
+    """merge_partials with partials of different shapes on different ranks: a ValueError on every
+    rank (not a gloo abort); with a plan, the shape check runs once per plan and shape."""
+    out = {}
+    dv = 8 if rank == 0 else 16
+    o, l = torch.randn(3, 4, dv), torch.randn(3, 4)
+    for scatter in (False, True):
+        try:
+            cpattn.merge_partials(o, l, None, scatter_heads=scatter and world == 2)
+            out[f"dv/{scatter}"] = None
+        except ValueError as exc:
+            out[f"dv/{scatter}"] = str(exc)
+    try:
+        cpattn.merge_partials(o[:, :, :8].to(torch.float16 if rank == 0 else torch.bfloat16), l, None)
+        out["dtype"] = None
+    except ValueError as exc:
+        out["dtype"] = str(exc)
+    s = cpattn.get_strategy("replicated", world)
+    meta = s.build_metadata([1, 2], [4, 3], rank=rank, kv=cpattn.KVSharding(world))
+    o, l = torch.randn(meta.num_physical_tokens, 4, 8), torch.randn(meta.num_physical_tokens, 4)
+    counts = []
+    for _ in range(3):
+        with CountCollectives() as counter:
+            merged = cpattn.merge_partials(o, l, None, meta=meta)
+        counts.append(len(counter.calls))
+    out["counts"] = counts
+    out["merged_finite"] = bool(torch.isfinite(merged).all())
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_merge_partials_with_different_shapes_raises_on_every_rank(world):
+    results = run_distributed(_worker_merge_shapes, world, timeout=120, pg_timeout=60)
+    for rank, res in enumerate(results):
+        for key in ("dv/False", "dv/True", "dtype"):
+            assert res[key] is not None and "merge_partials: the ranks passed different partials" in res[key], (
+                rank, key, res[key])
+        assert "Dv" in res["dv/False"] and "dtype" in res["dtype"]
+        assert res["counts"] == [2, 1, 1], res["counts"]  # the shape check once per plan, then ONE collective
+        assert res["merged_finite"]
+    assert len({r["dv/False"] for r in results}) == 1  # the same message on every rank

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import cpattn
 from cpattn import dsa
+from cpattn.plan_cache import _PLANS
 
 NAMES = ["zigzag", "interleave", "contiguous"]
 FP8 = torch.float8_e4m3fn
@@ -473,7 +474,8 @@ def test_static_plans(request, backend):
             out = s.sparse_attention(ql, kc, kc[..., :32], meta, il, backend=backend)
             ref = s.sparse_attention(s.shard(q, fresh), k, k[..., :32], fresh, s.shard(idx, fresh), backend="torch")
             assert torch.allclose(out[:n], ref[:n], atol=1e-5) and not out[n:].any()
-            plan = next(p for key, p in meta.plan_cache.items() if key[0] == "sparse")
+            plan = next(p for key, p in _PLANS[meta].items()
+                        if isinstance(key[0], cpattn.AttentionSpec) and key[0].sparse)
             if backend == "triton":
                 addrs.add(plan._impl.plan_args["row_pos"].data_ptr())
             sel = dsa.index_topk(s.shard(pad_rows(qi, cap.max_tokens), meta), pad_rows(ki, cap.max_kv_tokens),
@@ -497,7 +499,7 @@ def test_bad_inputs():
         (lambda: sa(q, k, v, meta, idx[:, :0]), ValueError, "topk .* must be >= 1"),
         (lambda: sa(q, k, v, meta, [[0]]), TypeError, "idx must be a torch.Tensor"),
         (lambda: sa(q, k[:, :, :40], v, meta, idx), ValueError, "k head dim"),
-        (lambda: sa(q, k[:-1], v[:-1], meta, idx, backend="torch"), ValueError, "packed k/v must be"),
+        (lambda: sa(q, k[:-1], v[:-1], meta, idx, backend="torch"), ValueError, "packed k / v must have 12 rows"),
         (lambda: sa(q.half(), k, v, meta, idx, backend="torch"), TypeError, "dtype"),
         (lambda: sa(q[:, :3], k.expand(12, 2, 48), v.expand(12, 2, 32), meta, idx), ValueError, "multiple of Hkv"),
         (lambda: sa(q, k, v, meta, idx, backend="cudnn"), ValueError, "backend must be one of"),
@@ -569,15 +571,16 @@ def test_sparse_family_dispatch(dsa_interp):
 
     s = cpattn.get_strategy("interleave", 2)
     meta = s.build_metadata([40], [3], rank=1)
-    kw = dict(num_q_heads=16, num_kv_heads=1, head_dim=576, head_dim_v=512, dtype=torch.float32, topk=8)
-    assert s.plan_sparse_attention(meta, **kw, backend="triton").family == "portable"
-    assert s.plan_sparse_attention(meta, **kw, backend="torch").family == "torch"
-    forced = s.plan_sparse_attention(meta, **kw, backend="triton", backend_options={"family": "portable"})
+    spec = cpattn.AttentionSpec(num_q_heads=16, num_kv_heads=1, head_dim=576, head_dim_v=512, dtype=torch.float32,
+                                topk=8)
+    assert cpattn.plan_attention(meta, spec, backend="triton").family == "portable"
+    assert cpattn.plan_attention(meta, spec, backend="torch").family == "torch"
+    forced = cpattn.plan_attention(meta, spec, backend="triton", backend_options={"family": "portable"})
     assert forced.family == "portable"
     with pytest.raises(ValueError, match="mla sparse kernel cannot run this plan: the CPU interpreter"):
-        s.plan_sparse_attention(meta, **kw, backend="triton", backend_options={"family": "mla"})
+        cpattn.plan_attention(meta, spec, backend="triton", backend_options={"family": "mla"})
     with pytest.raises(ValueError, match="family must be one of"):
-        s.plan_sparse_attention(meta, **kw, backend="triton", backend_options={"family": "sm90"})
+        cpattn.plan_attention(meta, spec, backend="triton", backend_options={"family": "sm90"})
     assert "head dims" in triton_mla.sparse_unsupported_reason(192, 128, 1, torch.bfloat16, torch.device("cpu"))
     assert "num_kv_heads" in triton_mla.sparse_unsupported_reason(576, 512, 2, torch.bfloat16, torch.device("cpu"))
     assert "dtype" in triton_mla.sparse_unsupported_reason(576, 512, 1, torch.float32, torch.device("cpu"))
@@ -593,11 +596,11 @@ def test_sparse_family_dispatch(dsa_interp):
 
 
 def test_bench_sparse_smoke(tmp_path):
-    """``python -m cpattn.bench sparse --small --device cpu``: both ops timed, JSON and PNG written."""
+    """``python benchmarks/run.py sparse --small --device cpu``: both ops timed, JSON and PNG written."""
     import argparse
     import json
 
-    from cpattn.bench import sparse as bench_sparse
+    from benchmarks import sparse as bench_sparse
 
     parser = argparse.ArgumentParser()
     bench_sparse.add_arguments(parser)

@@ -17,6 +17,11 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 
+def _spec_plan(meta, *, backend="auto", backend_options=None, **spec):
+    """``cpattn.plan_attention`` for the layer kind of ``spec`` (:class:`cpattn.AttentionSpec`'s keywords)."""
+    return cpattn.plan_attention(meta, cpattn.AttentionSpec(**spec), backend=backend, backend_options=backend_options)
+
+
 def _meta(strategy: str, cp: int, rank: int, ext, pre, pad: int = 64):
     s = cpattn.get_strategy(strategy, cp, pad_multiple=pad)
     return s, s.build_metadata(ext, pre, rank=rank).to(DEV)
@@ -146,12 +151,12 @@ def test_sparse_mla_family_real_size(heads, page, sinks, topk, idx_dtype, length
     kw = dict(num_q_heads=heads, num_kv_heads=1, head_dim=576, head_dim_v=512, dtype=torch.bfloat16, topk=topk,
               page_size=page, has_sinks=sinks, backend="triton")
     run = dict(page_table=table, sinks=sk, softmax_scale=192**-0.5, return_lse=True)
-    plan = s.plan_sparse_attention(meta, **kw)
+    plan = _spec_plan(meta, **kw)
     assert plan.family == "mla"
-    out, lse = plan.run(q, k_in, k_in[..., :512], idx, **run)
-    portable = s.plan_sparse_attention(meta, **kw, backend_options={"family": "portable", "config": (32, 8, 2)})
+    out, lse = plan.attend(q, k_in, k_in[..., :512], idx, **run)
+    portable = _spec_plan(meta, **kw, backend_options={"family": "portable", "config": (32, 8, 2)})
     assert portable.family == "portable"
-    out_p, lse_p = portable.run(q, k_in, k_in[..., :512], idx, **run)
+    out_p, lse_p = portable.attend(q, k_in, k_in[..., :512], idx, **run)
     ref, ref_lse = s.sparse_attention(q, latent, latent[..., :512], meta, idx, backend="torch",
                                       **{k: v for k, v in run.items() if k != "page_table"})
     assert not out[:n].isnan().any() and not lse[:n].isnan().any()
@@ -184,12 +189,12 @@ def test_sparse_mla_family_fallback_per_call(monkeypatch):
     q = torch.randn(p, 128, 576, device=DEV, generator=gen).to(torch.bfloat16)
     latent = torch.randn(meta.num_kv_tokens, 1, 576, device=DEV, generator=gen).to(torch.bfloat16)
     idx = _random_selection(meta, 256, gen)
-    plan = s.plan_sparse_attention(meta, num_q_heads=128, num_kv_heads=1, head_dim=576, head_dim_v=512,
-                                   dtype=torch.bfloat16, topk=256, backend="triton",
-                                   backend_options={"family": "mla"})
+    plan = _spec_plan(meta, num_q_heads=128, num_kv_heads=1, head_dim=576, head_dim_v=512,
+                      dtype=torch.bfloat16, topk=256, backend="triton",
+                      backend_options={"family": "mla"})
     assert plan.family == "mla"
-    a = plan.run(q, latent, latent[..., :512], idx)
-    b = plan.run(q, latent, latent[..., :512].clone(), idx)
+    a = plan.attend(q, latent, latent[..., :512], idx)
+    b = plan.attend(q, latent, latent[..., :512].clone(), idx)
     assert _err(a, b, n) < 2e-2 and (a[n:] == 0).all() and (b[n:] == 0).all()
 
 
@@ -268,14 +273,14 @@ def test_sparse_static_plan_graph_replay():
         latent[:n_kv].normal_(generator=gen)
         idx.copy_(torch.nn.functional.pad(_random_selection(fresh, 256, gen),
                                           (0, 0, 0, cap.max_local_tokens - fresh.num_physical_tokens), value=-1))
-        plan = s.plan_sparse_attention(meta, num_q_heads=64, num_kv_heads=1, head_dim=576, head_dim_v=512,
-                                       dtype=torch.bfloat16, topk=256, backend="triton")
+        plan = _spec_plan(meta, num_q_heads=64, num_kv_heads=1, head_dim=576, head_dim_v=512,
+                          dtype=torch.bfloat16, topk=256, backend="triton")
         if graph is None:
-            plan.run(q, latent, latent[..., :512], idx, out=out)  # autotune outside the capture
+            plan.attend(q, latent, latent[..., :512], idx, out=out)  # autotune outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                plan.run(q, latent, latent[..., :512], idx, out=out)
+                plan.attend(q, latent, latent[..., :512], idx, out=out)
         graph.replay()
         ref = s.sparse_attention(q[: fresh.num_physical_tokens], latent[:n_kv], latent[:n_kv, :, :512], fresh,
                                  idx[: fresh.num_physical_tokens], backend="torch")
@@ -285,7 +290,7 @@ def test_sparse_static_plan_graph_replay():
 def test_dsa_layer_triton_equals_torch():
     """The reference DSA layer at DeepSeek-V3.2 attention sizes (bf16, one GPU, CP = 1, 4k
     tokens, top-k 2048): triton backends == torch backends."""
-    from cpattn.layers.dsa import DSAAttention, DSAConfig
+    from reference_layers.dsa import DSAAttention, DSAConfig
 
     cfg = DSAConfig.deepseek_v32()
     model = DSAAttention(cfg, seed=0, device=DEV, dtype=torch.bfloat16)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import cpattn
-from cpattn.layers.dsa import DSAAttention, DSAConfig, quantize_index_keys
+from reference_layers.dsa import DSAAttention, DSAConfig, quantize_index_keys
 
 from dist_utils import CountCollectives, run_distributed
 

@@ -17,6 +17,11 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.gpu
 
 
+def _spec_plan(meta, *, backend="auto", backend_options=None, **spec):
+    """``cpattn.plan_attention`` for the layer kind of ``spec`` (:class:`cpattn.AttentionSpec`'s keywords)."""
+    return cpattn.plan_attention(meta, cpattn.AttentionSpec(**spec), backend=backend, backend_options=backend_options)
+
+
 def _is_sm90():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
@@ -61,8 +66,8 @@ def _plans(s, meta, family, d, dv, hq, hkv, page):
     kw = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=torch.bfloat16, page_size=page,
               has_sinks=True, backend="triton")
     opts = {"family": family}
-    fast = s.plan_attention(meta, **kw, backend_options=opts)
-    jit = s.plan_attention(meta, **kw, backend_options={**opts, "planned_launch": False})
+    fast = _spec_plan(meta, **kw, backend_options=opts)
+    jit = _spec_plan(meta, **kw, backend_options={**opts, "planned_launch": False})
     assert fast.family == family and jit.family == family
     return fast, jit
 
@@ -97,7 +102,7 @@ def test_gpu_direct_launch_is_bit_identical_to_the_jit(family, d, dv, hq, hkv, p
 
     def both(k, v, return_lse=False):
         kw = dict(page_table=table, sinks=sinks, return_lse=return_lse)
-        return fast.run(q, k, v, **kw), jit.run(q, k, v, **kw)
+        return fast.attend(q, k, v, **kw), jit.attend(q, k, v, **kw)
 
     a, b = both(*layers[0], return_lse=True)
     ref, ref_lse = _reference(s, q, layers[0], meta, lens, page, family, dv, sinks)
@@ -216,7 +221,7 @@ def test_gpu_direct_launch_under_graph_capture(family, d, dv, hq, hkv, page):
 
     def step():
         for (k, v), o in zip(layers, outs):
-            fast.run(q, k, v, page_table=table, sinks=sinks, out=o)
+            fast.attend(q, k, v, page_table=table, sinks=sinks, out=o)
 
     graph = capture_graph(step)
     for _ in range(2):
@@ -228,7 +233,7 @@ def test_gpu_direct_launch_under_graph_capture(family, d, dv, hq, hkv, page):
         graph.replay()
         torch.cuda.synchronize()
         for (k, v), o in zip(layers, outs):
-            assert torch.equal(o, jit.run(q, k, v, page_table=table, sinks=sinks)), "graph replay != JIT"
+            assert torch.equal(o, jit.attend(q, k, v, page_table=table, sinks=sinks)), "graph replay != JIT"
 
 
 @pytest.mark.parametrize("shape", ["gqa", "mla"])
@@ -239,30 +244,33 @@ def test_gpu_decode_step_launches_are_direct_and_bit_identical(shape):
 
     hq, hkv, d, dv, ps = (32, 8, 128, 128, 64) if shape == "gqa" else (128, 1, 576, 512, 64)
     gen = torch.Generator(device="cuda").manual_seed(5)
-    dmeta = cpattn.KVSharding(2).build_decode_metadata([9000, 77, 1], [1, 2, 1], rank=1).to("cuda")
-    local = (dmeta.host or dmeta).local_kv_lens.tolist()
+    # a decode step (q_lens 1, 2, 1 over 9000, 77, 1 keys) over a KV cache sharded on 2 ranks
+    dmeta = cpattn.get_strategy("replicated", 2).build_metadata([1, 2, 1], [8999, 75, 0], rank=1,
+                                                                kv=cpattn.KVSharding(2)).to("cuda")
+    local = dmeta.host.local_kv_lens.tolist()
     pages = [-(-n // ps) for n in local]
     table = torch.zeros(len(local), max(pages), dtype=torch.int32, device="cuda")
     table[:] = torch.arange(table.numel(), dtype=torch.int32, device="cuda").view(table.shape)
     kc = torch.randn(table.numel(), ps, hkv, d, device="cuda", generator=gen).to(torch.bfloat16)
     vc = kc[..., :dv] if shape == "mla" else torch.randn(table.numel(), ps, hkv, dv, device="cuda",
                                                           generator=gen).to(torch.bfloat16)
-    q = torch.randn(dmeta.num_query_token_rows, hq, d, device="cuda", generator=gen).to(torch.bfloat16)
+    q = torch.randn(dmeta.num_physical_tokens, hq, d, device="cuda", generator=gen).to(torch.bfloat16)
     kw = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=torch.bfloat16, page_size=ps,
               backend="triton")
-    planned = cpattn.plan_shard_attention(dmeta, **kw)
+    planned = _spec_plan(dmeta, **kw)
+    assert planned.algorithm == "shard_merge"
     impl = planned._impl
     runner = impl._mla if impl._mla is not None else impl
     assert runner.run_combine  # the 9000-key sequence is split
-    results = [planned.run(q, kc, vc, page_table=table) for _ in range(3)]
+    results = [planned.attend(q, kc, vc, page_table=table) for _ in range(3)]
     for name in ("split", "combine") if impl._mla is None else ("combine",):
         launcher = runner._state.launchers[name]
         assert any(launcher.direct(key) for key in launcher.records), f"{name} not launched directly"
     # the JIT reference: the same plan with planned launches disabled
-    ref_plan = cpattn.plan_shard_attention(dmeta, **kw)
+    ref_plan = _spec_plan(dmeta, **kw)
     ref_runner = ref_plan._impl._mla if ref_plan._impl._mla is not None else ref_plan._impl
     ref_runner._state.enabled = False
-    ref = ref_plan.run(q, kc, vc, page_table=table)
+    ref = ref_plan.attend(q, kc, vc, page_table=table)
     for out, lse in results:
         assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
     # the fused merge of C = 4 parts: direct from its second call, the same bits every call
@@ -288,8 +296,8 @@ def test_gpu_decode_shaped_dense_plan_pad_rows_in_one_direct_launch(shape):
     n_kv = sum(e + p for e, p in zip(ext, pre))
     k, v = _layer_kv(n_kv, hkv, d, dv, "mla" if shape == "mla" else "sm90", gen)
     q = torch.randn(meta.num_physical_tokens, hq, d, device="cuda", generator=gen).to(torch.bfloat16)
-    plan = s.plan_attention(meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=torch.bfloat16,
-                            backend="triton")
+    plan = _spec_plan(meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=torch.bfloat16,
+                      backend="triton")
     assert plan.family == "decode"
     n, p = meta.num_local_tokens, meta.num_physical_tokens
     assert p - n == 56
@@ -297,7 +305,7 @@ def test_gpu_decode_shaped_dense_plan_pad_rows_in_one_direct_launch(shape):
     for _ in range(3):
         out = torch.full((p, hq, dv), float("nan"), device="cuda", dtype=torch.bfloat16)
         lse = torch.full((p, hq), float("nan"), device="cuda")
-        plan.run(q, k, v, out=out, lse=lse)
+        plan.attend(q, k, v, out=out, lse=lse)
         results.append((out, lse))
     launcher = plan._impl._pad_state.launchers["pad"]
     assert any(launcher.direct(key) for key in launcher.records), "the pad-row launch did not go direct"

@@ -82,7 +82,7 @@ def test_merge_dim_dtypes_and_errors():
 def test_merge_partials_single_rank_needs_no_group():
     o, l = torch.randn(3, 4, 8), torch.randn(3, 4)
     assert cpattn.merge_partials(o, l, None) is o
-    dmeta = cpattn.KVSharding(1).build_decode_metadata([4, 5, 6], rank=0)
+    dmeta = cpattn.get_strategy("replicated", 1).build_metadata([1, 1, 1], [3, 4, 5], rank=0, kv=cpattn.KVSharding(1))
     out, lse = cpattn.merge_partials(o, l, None, meta=dmeta, return_lse=True)
     assert out is o and lse is l
     with pytest.raises(ValueError, match="out_part has 2 rows but the plan has 3"):
@@ -92,4 +92,5 @@ def test_merge_partials_single_rank_needs_no_group():
     with pytest.raises(ValueError, match="lse_part must be float32"):
         cpattn.merge_partials(o, l.double(), None)
     with pytest.raises(ValueError, match="cp_size 2"):
-        cpattn.merge_partials(o, l, None, meta=cpattn.KVSharding(2).build_decode_metadata([4, 5, 6], rank=0))
+        cpattn.merge_partials(o, l, None, meta=cpattn.get_strategy("replicated", 2).build_metadata(
+            [1, 1, 1], [3, 4, 5], rank=0, kv=cpattn.KVSharding(2)))

@@ -71,8 +71,8 @@ def received_views(o: torch.Tensor, lse: torch.Tensor):
     """[C, N, H, Dv] / [C, N, H] as merge_partials sees them: typed strided views into one uint8
     buffer of 16-byte aligned (out, lse) rows."""
     c, n = o.shape[:2]
-    buf, layout = merge_mod._pack([o.reshape(c * n, *o.shape[2:]), lse.reshape(c * n, -1)], c * n)
-    outs, lses = merge_mod._unpack(buf.view(c, n, -1), layout, [(o.dtype, tuple(o.shape[2:])),
+    buf, layout = cpattn.collectives.pack_rows([o.reshape(c * n, *o.shape[2:]), lse.reshape(c * n, -1)], c * n)
+    outs, lses = cpattn.collectives.unpack_rows(buf.view(c, n, -1), layout, [(o.dtype, tuple(o.shape[2:])),
                                                                 (torch.float32, tuple(lse.shape[2:]))])
     assert outs.data_ptr() == buf.data_ptr()  # views into the buffer, not copies
     if c * n > 1:  # rows strided by the packed row (out + lse), not by Hq x Dv (a 1-row view is contiguous)
@@ -381,11 +381,12 @@ def test_gpu_split_kv_one_sequence_128k(shape):
         vc = torch.empty(pages, ps, hkv, dv, device=dev, dtype=torch.bfloat16)
         vc[perm] = v.view(pages, ps, hkv, dv)
     table = perm.int()[None]
-    dmeta = cpattn.KVSharding(1).build_decode_metadata([n], [1], rank=0).to(dev)
-    plan = cpattn.plan_shard_attention(dmeta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
-                                       dtype=torch.bfloat16, page_size=ps, has_sinks=True, backend="triton")
-    assert plan._impl.num_items > 32 and plan._impl.run_combine
-    out, lse = plan.run(q, kc, vc, page_table=table, sinks=sinks)
+    dmeta = cpattn.get_strategy("replicated", 1).build_metadata([1], [n - 1], rank=0, kv=cpattn.KVSharding(1)).to(dev)
+    spec = cpattn.AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=torch.bfloat16,
+                                page_size=ps, has_sinks=True)
+    plan = cpattn.plan_attention(dmeta, spec, backend="triton")
+    assert plan.algorithm == "shard_merge" and plan._impl.num_items > 32 and plan._impl.run_combine
+    out, lse = plan.attend(q, kc, vc, page_table=table, sinks=sinks)
     # fp32 reference in chunks of keys: per chunk (out, lse), merged by the fp64 formula
     scale = d**-0.5
     qf = q.float().view(hkv, hq // hkv, d)

@@ -1,4 +1,6 @@
-"""examples/mini_engine.py: CP prefill into a paged cache, prefix reuse, decode without CP.
+"""examples/mini_engine.py: CP prefill into a paged cache, prefix reuse, decode with replicated
+queries (the "replicated" strategy over the replicated cache: no collective), one ``plan.run``
+per layer.
 
 Greedy tokens at C = 2 and C = 3 (every strategy) must equal the C = 1 engine; every rank must end
 with the same (replicated) cache.

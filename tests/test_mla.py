@@ -19,8 +19,7 @@ import pytest
 import torch
 
 import cpattn
-from cpattn.cache import plan_slots
-from cpattn.layers.mla import MLAAttention, MLAConfig
+from reference_layers.mla import MLAAttention, MLAConfig
 
 from dist_utils import CountCollectives, run_distributed
 
@@ -91,7 +90,7 @@ def _check_latent_gathers(rank: int, cp: int) -> int:
                 slots = torch.randperm(num_slots, generator=gen)[: t + 5]  # 5 pad entries past T
                 sentinel = torch.full((num_slots, (r + d_rope) * dt_c.itemsize), 0x5A, dtype=torch.uint8)
                 cache_cp, cache_ref = sentinel.clone().view(dt_c), sentinel.clone().view(dt_c)
-                plan = plan_slots(meta, slots, num_slots)  # keeps slots[:T]
+                plan = cpattn.plan_cache_writes(meta, slots, num_slots=num_slots)  # keeps slots[:T]
                 cpattn.write_mla_cache(got_c, got_pe, cache_cp, plan)
                 cpattn.write_mla_cache(kv_c, k_pe, cache_ref, slots[:t])  # raw: exactly T slots
                 assert torch.equal(_bits(cache_cp), _bits(cache_ref))
@@ -133,11 +132,11 @@ def _check_kv_cache_writes(rank: int, cp: int) -> int:
             )
 
         cp_caches, ref_caches = caches(), caches()
-        plan = plan_slots(meta, slots, pages * page_size)  # once per forward; keeps slots[:T]
-        swa_plan = plan_slots(meta, swa_slots, swa_slots_n, name="swa_slots")  # the SWA pool's own plan
-        cpattn.write_kv_cache(k_ext, v_ext, *cp_caches[:2], plan, swa_slots=swa_plan,
+        plan = cpattn.plan_cache_writes(meta, slots, num_slots=pages * page_size)  # once per forward; keeps slots[:T]
+        swa_plan = cpattn.plan_cache_writes(meta, swa_slots, num_slots=swa_slots_n, name="swa_slots")  # the SWA pool's
+        cpattn.write_kv_cache(k_ext, v_ext, *cp_caches[:2], plan, swa_writes=swa_plan,
                               swa_k_cache=cp_caches[2], swa_v_cache=cp_caches[3])
-        cpattn.write_kv_cache(k, v, *ref_caches[:2], slots[:t], swa_slots=swa_slots[:t],
+        cpattn.write_kv_cache(k, v, *ref_caches[:2], slots[:t], swa_writes=swa_slots[:t],
                               swa_k_cache=ref_caches[2], swa_v_cache=ref_caches[3])
         for a, b in zip(cp_caches, ref_caches):
             assert torch.equal(_bits(a), _bits(b))
@@ -315,7 +314,9 @@ def test_write_mla_cache_trims_and_pages():
     kv_c, k_pe = torch.randn(5, 6, generator=gen), torch.randn(5, 2, generator=gen)
     cache = torch.full((3, 4, 8), -1.0)  # [num_pages, page_size, r + d_rope]
     slots = torch.tensor([9, 0, 4, 5, 11, 1, 2], dtype=torch.int32)  # 2 pad entries
-    assert cpattn.write_mla_cache(kv_c, k_pe, cache, plan_slots(5, slots, 12)) is cache  # plan keeps slots[:5]
+    five = cpattn.ZigzagStrategy(1).build_metadata([5], rank=0)  # a forward of 5 new tokens
+    plan = cpattn.plan_cache_writes(five, slots, num_slots=12)  # keeps slots[:5]
+    assert cpattn.write_mla_cache(kv_c, k_pe, cache, plan) is cache
     flat = cache.view(12, 8)
     assert torch.equal(flat[slots[:5].long()], torch.cat([kv_c, k_pe], 1))
     assert bool((flat[[1, 2, 3, 6, 7, 8, 10]] == -1).all())
@@ -345,7 +346,7 @@ def test_cache_bad_inputs():
     _raises(ValueError, "slots has 3 entries", w, kv_c, k_pe, cache, slots[:3])
     _raises(TypeError, "slots must be int32 or int64", w, kv_c, k_pe, cache, slots.float())
     _raises(ValueError, "slots must be 1-D", w, kv_c, k_pe, cache, slots.view(2, 2))
-    _raises(ValueError, "cache rows hold 9", w, kv_c, k_pe, torch.zeros(10, 9), slots)
+    _raises(ValueError, r"cache rows are \[9\], expected \[8\]", w, kv_c, k_pe, torch.zeros(10, 9), slots)
     _raises(TypeError, "cache dtype", w, kv_c, k_pe, cache.half(), slots)
     _raises(ValueError, "cache must be", w, kv_c, k_pe, torch.zeros(10), slots)
     _raises(TypeError, "cache must be a torch.Tensor", w, kv_c, k_pe, None, slots)
@@ -359,9 +360,9 @@ def test_cache_bad_inputs():
     _raises(ValueError, "differ before the last dim", wk, k, v[:, :1], kc, vc, slots)
     _raises(ValueError, "k_cache rows", wk, k, v, torch.zeros(10, 2, 4), vc, slots)
     _raises(TypeError, "v_cache dtype", wk, k, v, kc, vc.half(), slots)
-    _raises(ValueError, "given together", wk, k, v, kc, vc, slots, swa_slots=slots)
+    _raises(ValueError, "given together", wk, k, v, kc, vc, slots, swa_writes=slots)
     swa_k, swa_v = torch.full((6, 2, 3), 9.0), torch.zeros(6, 2, 5)
-    _raises(ValueError, "swa_slots has 2", wk, k + 1, v, kc, vc, slots, swa_slots=slots[:2], swa_k_cache=swa_k, swa_v_cache=swa_v)
+    _raises(ValueError, "swa_slots has 2", wk, k + 1, v, kc, vc, slots, swa_writes=slots[:2], swa_k_cache=swa_k, swa_v_cache=swa_v)
     assert bool((kc == 0).all()), "a failed call must not write any cache"
 
     _raises(ValueError, "kv_lora_rank must be >= 1", cpattn.mla_bytes_per_token, 0, 64, torch.bfloat16)
@@ -394,21 +395,22 @@ def test_layer_bad_inputs():
     _raises(ValueError, "prefix_slots must have sum", model, x, pos, s, meta, cache=cache, slots=slots, prefix_slots=torch.arange(3))
     _raises(TypeError, "prefix_slots must be int32", model, x, pos, s, meta, cache=cache, slots=slots, prefix_slots=torch.zeros(2))
     _raises(ValueError, "not both", model, x, pos, s, meta, prefix_latent=prefix, cache=cache, slots=slots, prefix_slots=torch.arange(2))
-    # slot plans: checked against the cache before the collective; a rejected call writes nothing
+    # write plans and prefix slots: checked against the cache before the collective; a rejected call writes nothing
     cache = torch.randn(8, CFG.latent_dim)
     before = cache.clone()
     _raises(ValueError, r"slots\[4\] = 8 is out of range", model, x, pos, s, meta, prefix_latent=prefix, cache=cache,
             slots=torch.tensor([0, 1, 2, 3, 8]))
     _raises(ValueError, "slots was planned for num_slots=9 but cache has 8", model, x, pos, s, meta,
-            prefix_latent=prefix, cache=cache, slots=plan_slots(meta, slots, 9))
-    _raises(ValueError, "prefix_slots was planned for num_slots=9", model, x, pos, s, meta, cache=cache, slots=slots,
-            prefix_slots=plan_slots(2, torch.arange(2), 9, name="prefix_slots", allow_duplicates=True))
-    _raises(ValueError, "prefix_slots must plan sum", model, x, pos, s, meta, cache=cache, slots=slots,
-            prefix_slots=plan_slots(3, torch.arange(3), 8, name="prefix_slots"))
+            prefix_latent=prefix, cache=cache, slots=cpattn.plan_cache_writes(meta, slots, num_slots=9))
+    _raises(ValueError, r"prefix_slots\[1\] = 8 is out of range \[0, num_slots=8\)", model, x, pos, s, meta,
+            cache=cache, slots=slots, prefix_slots=torch.tensor([0, 8]))
+    _raises(ValueError, r"prefix_slots\[0\] = -1 is out of range", model, x, pos, s, meta, cache=cache, slots=slots,
+            prefix_slots=torch.tensor([-1, 0]))
     assert torch.equal(cache, before)
     # a plan gives the same result as raw slots
     out_raw, _ = model(x, pos, s, meta, prefix_latent=prefix, cache=cache.clone(), slots=slots)
-    out_plan, _ = model(x, pos, s, meta, prefix_latent=prefix, cache=cache, slots=plan_slots(meta, slots, 8))
+    out_plan, _ = model(x, pos, s, meta, prefix_latent=prefix, cache=cache,
+                        slots=cpattn.plan_cache_writes(meta, slots, num_slots=8))
     assert torch.equal(out_raw, out_plan)
     s2 = cpattn.ZigzagStrategy(2)
     meta2 = s2.build_metadata([3, 2], rank=0)
@@ -416,11 +418,11 @@ def test_layer_bad_inputs():
 
 
 def test_bench_runs_single_process_cpu(tmp_path, monkeypatch):
-    """``python -m cpattn.bench mla --small --device cpu`` without torchrun: bytes + the CP=1 layer."""
+    """``python benchmarks/run.py mla --small --device cpu`` without torchrun: bytes + the CP=1 layer."""
     import argparse
     import json
 
-    from cpattn.bench import mla as bench_mla
+    from benchmarks import mla as bench_mla
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     parser = argparse.ArgumentParser()

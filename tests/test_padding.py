@@ -80,8 +80,8 @@ def test_physical_rows_matches_the_plan(batch, pad, name):
     [
         ([3, -1], 8, ValueError, r"logical_counts_per_rank must be >= 0"),
         ([], 8, ValueError, "at least one"),
-        ([3, 1.5], 8, TypeError, "must hold ints"),
-        ([3, True], 8, TypeError, "must hold ints"),
+        ([3, 1.5], 8, TypeError, "must hold integers"),
+        ([3, True], 8, TypeError, "must hold integers"),
         (torch.tensor([1.0, 2.0]), 8, TypeError, "must hold integers"),
         (torch.zeros(2, 2, dtype=torch.int64), 8, ValueError, "must be 1-D"),
         ("12", 8, TypeError, "logical_counts_per_rank must be a list"),

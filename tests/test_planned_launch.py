@@ -436,7 +436,8 @@ def test_portable_plan_right_after_kv_moves_and_strides_change(interp):
     n_kv = sum(ext) + sum(pre)
     g = torch.Generator().manual_seed(4)
     meta = s.build_metadata(ext, pre, rank=1)
-    plan = s.plan_attention(meta, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, backend="triton")
+    spec = cpattn.AttentionSpec(num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    plan = cpattn.plan_attention(meta, spec, backend="triton")
     assert plan.family == "portable"
     state = plan._impl._portable_state
     q = torch.randn(sum(ext), 4, 16, generator=g)
@@ -447,7 +448,7 @@ def test_portable_plan_right_after_kv_moves_and_strides_change(interp):
     n = meta.num_local_tokens
     for rounds in range(2):
         for k, v in layers:
-            out = plan.run(ql, k, v)
+            out = plan.attend(ql, k, v)
             ref, _ = attention_oracle(q, k, v, ext, pre)
             assert (out[:n].double() - ref[meta.local_token_indices]).abs().max() < 2e-5
             assert (out[n:] == 0).all()
@@ -475,13 +476,16 @@ def test_pdl_only_on_cuda_sm90_and_the_combine_waits_on_every_path(interp, monke
         assert td.pdl_capable(torch.device("cuda", 0)) is expected
     monkeypatch.undo()
 
-    dmeta = cpattn.KVSharding(2).build_decode_metadata([900, 40], [1, 1], rank=0)
-    kw = dict(num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, backend="triton")
+    # a decode step (one query per sequence, 900 and 40 keys) over a KV cache sharded on 2 ranks
+    dmeta = cpattn.get_strategy("replicated", 2).build_metadata([1, 1], [899, 39], rank=0, kv=cpattn.KVSharding(2))
+    spec = cpattn.AttentionSpec(num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
     for options in (None, {"pdl": True}, {"pdl": False}):
-        run = cpattn.plan_shard_attention(dmeta, **kw, backend_options=options)._impl
+        plan = cpattn.plan_attention(dmeta, spec, backend="triton", backend_options=options)
+        assert plan.algorithm == "shard_merge"
+        run = plan._impl
         assert run.pdl is False and run.plan_args["PDL"] is False
         assert "launch_pdl" not in run.combine_args and "PDL" not in run.combine_args
     with pytest.raises(ValueError, match="backend_options pdl must be a bool, got 1"):
-        cpattn.plan_shard_attention(dmeta, **kw, backend_options={"pdl": 1})
+        cpattn.plan_attention(dmeta, spec, backend="triton", backend_options={"pdl": 1})
     body = inspect.getsource(td._shard_attn_combine.fn)
     assert body.index("gdc_wait()") < body.index("if ns == 1:\n        return")

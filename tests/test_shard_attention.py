@@ -27,6 +27,32 @@ def _owned(length, c, i, r):
     return [p for p in range(length) if (p // i) % c == r]
 
 
+def _decode(sh, seq_lens, q_lens=None, *, rank):
+    """A decode step's plan: the "replicated" strategy over the last q_len (default 1) positions
+    of sequences of ``seq_lens`` keys (new tokens included), keys sharded by ``sh``."""
+    ql = [1] * len(seq_lens) if q_lens is None else list(q_lens)
+    pre = [n - q for n, q in zip(seq_lens, ql)]
+    return cpattn.get_strategy("replicated", sh.cp_size).build_metadata(ql, pre, rank=rank, kv=sh)
+
+
+def _static_decode_planner(sh, *, max_seqs, max_q_len, max_kv_tokens, device, max_tokens=None):
+    """A StaticPlanner of decode steps (replicated queries, keys sharded by ``sh``): at most
+    ``max_seqs`` sequences of q_len <= ``max_q_len``, query rows ``max_tokens`` (default
+    max_seqs * max_q_len), ``max_kv_tokens`` >= sum(seq_lens)."""
+    rows = max_seqs * max_q_len if max_tokens is None else max_tokens
+    return cpattn.StaticPlanner(cpattn.get_strategy("replicated", sh.cp_size), max_tokens=rows, max_seqs=max_seqs,
+                                max_kv_tokens=max_kv_tokens, max_q_len=max_q_len, kv=sh, device=device)
+
+
+def _plan(dmeta, *, backend="auto", backend_options=None, **spec):
+    """The "shard_merge" plan of a decode step (replicated queries over a sharded cache):
+    ``cpattn.plan_attention(meta, cpattn.AttentionSpec(**spec))``; ``plan.attend`` is the kernel."""
+    plan = cpattn.plan_attention(dmeta, cpattn.AttentionSpec(**spec), backend=backend,
+                                 backend_options=backend_options)
+    assert plan.algorithm == "shard_merge" and isinstance(plan, cpattn.AttentionPlan)
+    return plan
+
+
 def _inputs(seq_lens, q_lens, hq, hkv, d, dv, dtype, seed, mla=False):
     g = torch.Generator().manual_seed(seed)
     keys = [torch.randn(n, hkv, d, generator=g).to(dtype) for n in seq_lens]
@@ -99,18 +125,18 @@ def _check(c, i, seq_lens, q_lens, *, hq=4, hkv=2, d=16, dv=None, dtype=torch.fl
     sh = cpattn.KVSharding(c, interleave=i)
     outs, lses = [], []
     for r in range(c):
-        dmeta = sh.build_decode_metadata(seq_lens, q_lens, rank=r).to(device)
+        dmeta = _decode(sh, seq_lens, q_lens, rank=r).to(device)
         kc, vc, table = _local_cache(keys, vals, seq_lens, c, i, r, page_size, mla, g, hkv, d, dv, dtype)
         if mla:
             kc = kc.to(device)
             vc = kc[..., :dv]
         else:
             kc, vc = kc.to(device), vc.to(device)
-        plan = cpattn.plan_shard_attention(dmeta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
-                                           dtype=dtype, window_size=(window, 0), page_size=page_size,
-                                           has_sinks=sinks, backend=backend, backend_options=options)
-        out, lse = plan.run(q.to(device), kc, vc, page_table=None if table is None else table.to(device),
-                            sinks=None if sk is None else sk.to(device))
+        plan = _plan(dmeta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
+                     dtype=dtype, window_size=(window, 0), page_size=page_size,
+                     has_sinks=sinks, backend=backend, backend_options=options)
+        out, lse = plan.attend(q.to(device), kc, vc, page_table=None if table is None else table.to(device),
+                               sinks=None if sk is None else sk.to(device))
         out, lse = out.cpu(), lse.cpu()
         ref, ref_lse = _rank_oracle(q, keys, vals, seq_lens, q_lens, c, i, r, window, sk, scale)
         tol = TOLERANCE[dtype]
@@ -200,12 +226,12 @@ def test_triton_plan_splits_long_sequences(interp):
     """One long sequence is cut into many splits (one program per split and head group), a short
     batch keeps one split per sequence (no combine pass)."""
     sh = cpattn.KVSharding(1)
-    long = cpattn.plan_shard_attention(sh.build_decode_metadata([4000], rank=0), num_q_heads=4, num_kv_heads=2,
-                                       head_dim=16, dtype=torch.float32, backend="triton",
-                                       backend_options={"num_sms": 32})
+    long = _plan(_decode(sh, [4000], rank=0), num_q_heads=4, num_kv_heads=2,
+                 head_dim=16, dtype=torch.float32, backend="triton",
+                 backend_options={"num_sms": 32})
     assert long._impl.num_items >= 32 and long._impl.run_combine
-    short = cpattn.plan_shard_attention(sh.build_decode_metadata([20] * 64, rank=0), num_q_heads=4,
-                                        num_kv_heads=2, head_dim=16, dtype=torch.float32, backend="triton")
+    short = _plan(_decode(sh, [20] * 64, rank=0), num_q_heads=4,
+                  num_kv_heads=2, head_dim=16, dtype=torch.float32, backend="triton")
     assert short._impl.num_items == 64 and not short._impl.run_combine
 
 
@@ -213,9 +239,10 @@ def test_rank_with_no_keys_contributes_zero_and_minus_inf():
     """C = 8 and sequences shorter than C: most ranks hold no key of a sequence -> (0, -inf),
     sinks only on rank 0, and the merge is finite."""
     _check(8, 1, [1, 3, 0, 5], [1, 2, 0, 4], sinks=True, page_size=4)
-    dmeta = cpattn.KVSharding(8).build_decode_metadata([3], rank=5)
-    out, lse = cpattn.shard_attention(torch.randn(1, 2, 8), torch.zeros(0, 1, 8), torch.zeros(0, 1, 8), dmeta,
-                                      backend="torch", sinks=torch.randn(2))
+    dmeta = _decode(cpattn.KVSharding(8), [3], rank=5)
+    plan = _plan(dmeta, num_q_heads=2, num_kv_heads=1, head_dim=8, dtype=torch.float32, has_sinks=True,
+                 backend="torch")
+    out, lse = plan.attend(torch.randn(1, 2, 8), torch.zeros(0, 1, 8), torch.zeros(0, 1, 8), sinks=torch.randn(2))
     assert (out == 0).all() and torch.isneginf(lse).all()  # rank 5 holds nothing, and sinks live on rank 0
 
 
@@ -224,7 +251,7 @@ def test_static_decode_plans_same_addresses_same_results(request, backend):
     if backend == "triton":
         request.getfixturevalue("interp")
     sh = cpattn.KVSharding(2, interleave=2)
-    planner = cpattn.StaticDecodePlanner(sh, max_seqs=3, max_q_len=2, device="cpu")
+    planner = _static_decode_planner(sh, max_seqs=3, max_q_len=2, max_kv_tokens=80, device="cpu")
     g = torch.Generator().manual_seed(3)
     hq, hkv, d, ps = 4, 2, 16, 4
     num_pages = 40
@@ -234,14 +261,15 @@ def test_static_decode_plans_same_addresses_same_results(request, backend):
     q = torch.randn(6, hq, d, generator=g)
     ptrs = grid = None
     for seq, ql in (([30, 9], [1, 2]), ([50, 1, 22], [2, 1, 2]), ([3], [1])):
-        dmeta = planner.plan(seq, ql, rank=1)
-        plan = cpattn.plan_shard_attention(dmeta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.float32,
-                                           page_size=ps, backend=backend, backend_options=MANY_SPLITS if
-                                           backend == "triton" else None)
-        out, lse = plan.run(q, kc, vc, page_table=table)
-        fresh = sh.build_decode_metadata(seq, ql, rank=1)
-        nq = fresh.num_query_rows
-        ref, ref_lse = cpattn.shard_attention(q[:nq], kc, vc, fresh, page_table=table[: len(seq)], backend="torch")
+        dmeta = planner.plan(ql, [n - q for n, q in zip(seq, ql)], rank=1)
+        plan = _plan(dmeta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.float32,
+                     page_size=ps, backend=backend, backend_options=MANY_SPLITS if
+                     backend == "triton" else None)
+        out, lse = plan.attend(q, kc, vc, page_table=table)
+        fresh = _decode(sh, seq, ql, rank=1)
+        nq = fresh.num_local_tokens
+        ref, ref_lse = _plan(fresh, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.float32, page_size=ps,
+                             backend="torch").attend(q[:nq], kc, vc, page_table=table[: len(seq)])
         assert torch.allclose(out[:nq], ref, atol=1e-5) and torch.allclose(lse[:nq], ref_lse, atol=1e-5)
         assert (out[nq:] == 0).all() and torch.isneginf(lse[nq:]).all()
         if backend == "triton":
@@ -254,20 +282,20 @@ def test_static_decode_plans_same_addresses_same_results(request, backend):
 
 def test_shard_plan_rejects_bad_inputs():
     sh = cpattn.KVSharding(2, interleave=2)
-    dmeta = sh.build_decode_metadata([9, 4], [2, 1], rank=0)
+    dmeta = _decode(sh, [9, 4], [2, 1], rank=0)
     q = torch.zeros(3, 4, 8)
-    plan = cpattn.plan_shard_attention(dmeta, num_q_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32,
-                                       page_size=4, has_sinks=True, backend="torch")
+    plan = _plan(dmeta, num_q_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                 page_size=4, has_sinks=True, backend="torch")
     kc = torch.zeros(6, 4, 2, 8)
     pt = torch.zeros(2, 2, dtype=torch.int32)
     sinks = torch.zeros(4)
     cases = [
         (dict(q=q[:2]), ValueError, r"q must be \[Nq, Hq, D\]"),
         (dict(page_table=None), ValueError, "pass page_table"),
-        (dict(page_table=pt[:, :1]), ValueError, "does not cover the rank's shard"),
+        (dict(page_table=pt[:, :1]), ValueError, "fewer than this rank's longest shard"),
         (dict(page_table=pt[:1]), ValueError, r"page_table must be \[B=2"),
-        (dict(k_cache=kc[:, :2]), ValueError, "paged k_cache"),
-        (dict(v_cache=kc[:5]), ValueError, "paged k_cache"),  # fewer pages than k_cache
+        (dict(k_cache=kc[:, :2]), ValueError, r"k / v must be \[num_pages, 4, 2, 8\]"),
+        (dict(v_cache=kc[:5]), ValueError, r"k / v must be \[num_pages, 4, 2, 8\]"),  # fewer pages than k_cache
         (dict(sinks=None), ValueError, "has_sinks=True"),
         (dict(q=q.double()), TypeError, "q dtype"),
         (dict(out=torch.zeros(3, 4, 4)), ValueError, "out must be"),
@@ -276,20 +304,32 @@ def test_shard_plan_rejects_bad_inputs():
         args = dict(q=q, k_cache=kc, v_cache=kc, page_table=pt, sinks=sinks)
         args.update(change)
         with pytest.raises(exc, match=match):
-            plan.run(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), **args)
+            plan.attend(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), **args)
     with pytest.raises(ValueError, match="page_size=3 must be a multiple of the KV sharding's interleave=2"):
-        cpattn.plan_shard_attention(dmeta, num_q_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32,
-                                    page_size=3)
-    with pytest.raises(TypeError, match="dmeta must be a cpattn.DecodeMetadata"):
-        cpattn.shard_attention(q, kc, kc, cpattn.ZigzagStrategy(2).build_metadata([3], rank=0))
-    with pytest.raises(ValueError, match="packed k_cache"):
-        cpattn.shard_attention(q, torch.zeros(2, 2, 8), torch.zeros(2, 2, 8), dmeta, backend="torch")
-    packed = cpattn.shard_attention(q, torch.zeros(7, 2, 8), torch.zeros(7, 2, 8), dmeta, backend="torch")
-    assert len(dmeta.plan_cache) == 1 and packed[0].shape == (3, 4, 8)
+        _plan(dmeta, num_q_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32, page_size=3)
+    spec = cpattn.AttentionSpec(num_q_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    with pytest.raises(TypeError, match="meta must be a CPMetadata"):
+        cpattn.plan_attention(object(), spec)
+    not_shard = [cpattn.ZigzagStrategy(2).build_metadata([3], rank=0),  # sharded queries
+                 cpattn.ZigzagStrategy(2).build_metadata([3], rank=0, kv=sh),
+                 cpattn.get_strategy("replicated", 2).build_metadata([2, 1], [7, 3], rank=0)]  # replicated cache
+    for meta in not_shard:  # "shard_merge" needs replicated queries and a sharded KV cache
+        with pytest.raises(ValueError, match="algorithm 'shard_merge' cannot run"):
+            cpattn.plan_attention(meta, spec, algorithm="shard_merge")
+    # packed local keys: at least this rank's local key rows (9 and 4 keys at C=2, I=2 -> 5 + 2)
+    packed_plan = cpattn.plan_attention(dmeta, spec, backend="torch")
+    assert packed_plan.algorithm == "shard_merge"
+    with pytest.raises(ValueError, match="packed k / v must have >= 7 rows"):
+        packed_plan.attend(q, torch.zeros(2, 2, 8), torch.zeros(2, 2, 8))
+    kp, vp = torch.randn(7, 2, 8), torch.randn(7, 2, 8)
+    packed = packed_plan.attend(q, kp, vp)
+    again = packed_plan.attend(q, kp, vp)
+    assert packed[0].shape == (3, 4, 8) and packed[1].shape == (3, 4)
+    assert torch.equal(again[0], packed[0]) and torch.equal(again[1], packed[1])
 
 
 def test_triton_shard_plan_validates_its_options(interp):
-    dmeta = cpattn.KVSharding(2).build_decode_metadata([9, 4], [2, 1], rank=0)
+    dmeta = _decode(cpattn.KVSharding(2), [9, 4], [2, 1], rank=0)
     kw = dict(num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, backend="triton")
     cases = [({"pair": 1}, "backend_options pair must be a bool, got 1"),
              ({"min_split": 3}, "min_split must be a positive multiple of 16"),
@@ -297,8 +337,8 @@ def test_triton_shard_plan_validates_its_options(interp):
              ({"split": 2}, r"unknown triton shard backend_options \['split'\]")]
     for options, match in cases:
         with pytest.raises(ValueError, match=match):
-            cpattn.plan_shard_attention(dmeta, **kw, backend_options=options)
-    assert cpattn.plan_shard_attention(dmeta, **kw, backend_options={"pair": False}).family == "split-kv"
+            _plan(dmeta, **kw, backend_options=options)
+    assert _plan(dmeta, **kw, backend_options={"pair": False}).family == "split-kv"
 
 
 # ----------------------------------------------------------------------------- GPU (H200)
@@ -348,10 +388,10 @@ def test_gpu_mla_kernel_shard_attention(case, options):
     oracle, merge against full attention; packed and paged caches whose unused slots hold NaN."""
     c, i, lens, q_lens, hq, page, sinks = MLA_GPU_CASES[case]
     sh = cpattn.KVSharding(c, interleave=i)
-    dmeta = sh.build_decode_metadata(lens, q_lens, rank=c - 1).to("cuda")
-    plan = cpattn.plan_shard_attention(dmeta, num_q_heads=hq, num_kv_heads=1, head_dim=576, head_dim_v=512,
-                                       dtype=torch.bfloat16, page_size=page, has_sinks=sinks, backend="triton",
-                                       backend_options=options)
+    dmeta = _decode(sh, lens, q_lens, rank=c - 1).to("cuda")
+    plan = _plan(dmeta, num_q_heads=hq, num_kv_heads=1, head_dim=576, head_dim_v=512,
+                 dtype=torch.bfloat16, page_size=page, has_sinks=sinks, backend="triton",
+                 backend_options=options)
     assert plan._impl.family == "mla-split-kv"
     _check(c, i, lens, q_lens, hq=hq, hkv=1, d=576, dv=512, dtype=torch.bfloat16, sinks=sinks, page_size=page,
            backend="triton", options=dict(options, family="mla"), seed=20 + case, mla=True, device="cuda")
@@ -378,10 +418,10 @@ def test_gpu_mla_pair_mode_merges_two_splits_in_the_kernel(case):
     _check(c, i, lens, q_lens, hq=hq, hkv=1, d=576, dv=512, dtype=torch.bfloat16, sinks=sinks, page_size=page,
            backend="triton", options=options, seed=40 + case, mla=True, device="cuda")
     sh = cpattn.KVSharding(c, interleave=i)
-    dmeta = sh.build_decode_metadata(lens, q_lens, rank=c - 1).to("cuda")
-    plan = cpattn.plan_shard_attention(dmeta, num_q_heads=hq, num_kv_heads=1, head_dim=576, head_dim_v=512,
-                                       dtype=torch.bfloat16, page_size=page, has_sinks=sinks, backend="triton",
-                                       backend_options=options)
+    dmeta = _decode(sh, lens, q_lens, rank=c - 1).to("cuda")
+    plan = _plan(dmeta, num_q_heads=hq, num_kv_heads=1, head_dim=576, head_dim_v=512,
+                 dtype=torch.bfloat16, page_size=page, has_sinks=sinks, backend="triton",
+                 backend_options=options)
     mla = plan._impl._mla
     assert mla.pair and not mla.run_combine and mla.num_ws > 0
     torch.manual_seed(case)
@@ -399,19 +439,19 @@ def test_gpu_mla_pair_mode_merges_two_splits_in_the_kernel(case):
             off += npg
     else:
         kc, table = torch.randn(sum(local), 1, 576, device="cuda", dtype=torch.bfloat16), None
-    first = plan.run(q, kc, kc[..., :512], page_table=table, sinks=sk)
+    first = plan.attend(q, kc, kc[..., :512], page_table=table, sinks=sk)
     for _ in range(3):
-        again = plan.run(q, kc, kc[..., :512], page_table=table, sinks=sk)
+        again = plan.attend(q, kc, kc[..., :512], page_table=table, sinks=sk)
         assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
     out, lse = torch.zeros_like(first[0]), torch.zeros_like(first[1])
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        plan.run(q, kc, kc[..., :512], page_table=table, sinks=sk, out=out, lse=lse)
+        plan.attend(q, kc, kc[..., :512], page_table=table, sinks=sk, out=out, lse=lse)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        plan.run(q, kc, kc[..., :512], page_table=table, sinks=sk, out=out, lse=lse)
+        plan.attend(q, kc, kc[..., :512], page_table=table, sinks=sk, out=out, lse=lse)
     for _ in range(3):
         out.zero_()
         graph.replay()
@@ -422,9 +462,9 @@ def test_gpu_mla_pair_mode_merges_two_splits_in_the_kernel(case):
 @pytest.mark.gpu
 def test_gpu_mla_more_than_two_splits_keep_the_combine():
     """A tile of three or more splits: no pair mode, the combine kernel runs."""
-    dmeta = cpattn.KVSharding(1).build_decode_metadata([9000, 5], [1, 1], rank=0).to("cuda")
-    plan = cpattn.plan_shard_attention(dmeta, num_q_heads=128, num_kv_heads=1, head_dim=576, head_dim_v=512,
-                                       dtype=torch.bfloat16, backend="triton", backend_options={"family": "mla"})
+    dmeta = _decode(cpattn.KVSharding(1), [9000, 5], [1, 1], rank=0).to("cuda")
+    plan = _plan(dmeta, num_q_heads=128, num_kv_heads=1, head_dim=576, head_dim_v=512,
+                 dtype=torch.bfloat16, backend="triton", backend_options={"family": "mla"})
     mla = plan._impl._mla
     assert not mla.pair and mla.run_combine and mla.num_ws >= 3
 
@@ -435,7 +475,7 @@ def test_gpu_mla_kernel_equals_portable_split_kv():
     torch.manual_seed(5)
     lens, q_lens = [70000, 3000, 17], [1, 2, 4]
     sh = cpattn.KVSharding(2)
-    dmeta = sh.build_decode_metadata(lens, q_lens, rank=1).to("cuda")
+    dmeta = _decode(sh, lens, q_lens, rank=1).to("cuda")
     local = dmeta.host.local_kv_lens.tolist()
     pages = [-(-n // 64) for n in local]
     kc = torch.randn(sum(pages), 64, 1, 576, device="cuda", dtype=torch.bfloat16)
@@ -447,10 +487,10 @@ def test_gpu_mla_kernel_equals_portable_split_kv():
     q = torch.randn(sum(q_lens), 128, 576, device="cuda", dtype=torch.bfloat16)
     res = {}
     for family in ("mla", "portable"):
-        plan = cpattn.plan_shard_attention(dmeta, num_q_heads=128, num_kv_heads=1, head_dim=576, head_dim_v=512,
-                                           dtype=torch.bfloat16, page_size=64, backend="triton",
-                                           backend_options={"family": family})
-        res[family] = plan.run(q, kc, kc[..., :512], page_table=table)
+        plan = _plan(dmeta, num_q_heads=128, num_kv_heads=1, head_dim=576, head_dim_v=512,
+                     dtype=torch.bfloat16, page_size=64, backend="triton",
+                     backend_options={"family": family})
+        res[family] = plan.attend(q, kc, kc[..., :512], page_table=table)
     assert (res["mla"][0].float() - res["portable"][0].float()).abs().max().item() < 2e-2
     assert (res["mla"][1] - res["portable"][1]).abs().max().item() < 1e-2
 
@@ -500,7 +540,7 @@ def test_gpu_split_kv_at_128k_keys(shape, c):
     sh = cpattn.KVSharding(c)
     outs, lses = [], []
     for r in range(c):
-        dmeta = sh.build_decode_metadata(seq_lens, q_lens, rank=r).to(dev)
+        dmeta = _decode(sh, seq_lens, q_lens, rank=r).to(dev)
         local = dmeta.host.local_kv_lens.tolist()
         pages = [-(-n // ps) for n in local]
         kc = torch.full((sum(pages) + 1, ps, hkv, d), float("nan"), device=dev, dtype=torch.bfloat16)
@@ -517,11 +557,11 @@ def test_gpu_split_kv_at_128k_keys(shape, c):
                 vc[table[b, j // ps].long(), j % ps] = v[off_k + pos]
             off_p += npg
             off_k += n
-        plan = cpattn.plan_shard_attention(dmeta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
-                                           dtype=torch.bfloat16, window_size=(window, 0), page_size=ps,
-                                           has_sinks=sinks is not None, backend="triton")
+        plan = _plan(dmeta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
+                     dtype=torch.bfloat16, window_size=(window, 0), page_size=ps,
+                     has_sinks=sinks is not None, backend="triton")
         assert plan._impl.num_items > len(seq_lens)  # the long sequences are split
-        out, lse = plan.run(q, kc, vc, page_table=table, sinks=sinks)
+        out, lse = plan.attend(q, kc, vc, page_table=table, sinks=sinks)
         outs.append(out)
         lses.append(lse)
     merged, merged_lse = cpattn.merge_states(torch.stack(outs), torch.stack(lses))
@@ -546,7 +586,7 @@ def test_gpu_cuda_graph_replay_of_decode_steps():
     hq, hkv, d, ps = 32, 8, 128, 64
     sh = cpattn.KVSharding(2)
     rank = 1
-    planner = cpattn.StaticDecodePlanner(sh, max_seqs=8, max_q_len=2, device=dev)
+    planner = _static_decode_planner(sh, max_seqs=8, max_q_len=2, max_kv_tokens=65536, device=dev)
     num_pages = 2049  # page 0 holds the pad slot of the static write plan
     kc = torch.randn(num_pages, ps, hkv, d, device=dev, dtype=torch.bfloat16)
     vc = torch.randn(num_pages, ps, hkv, d, device=dev, dtype=torch.bfloat16)
@@ -559,17 +599,17 @@ def test_gpu_cuda_graph_replay_of_decode_steps():
              ([32000], [2]), ([40, 41, 42, 43, 44, 45, 46, 47], [2] * 8)]
 
     def plan_step(seq, ql):
-        dmeta = planner.plan(seq, ql, rank=rank)
-        writes = cpattn.plan_shard_writes(dmeta, table_host, page_size=ps, num_pages=num_pages, pad_slot=0)
-        plan = cpattn.plan_shard_attention(dmeta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-                                           dtype=torch.bfloat16, page_size=ps, backend="triton")
+        dmeta = planner.plan(ql, [n - q for n, q in zip(seq, ql)], rank=rank)
+        writes = cpattn.plan_cache_writes(dmeta, table_host, page_size=ps, num_pages=num_pages, pad_slot=0)
+        plan = _plan(dmeta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                     dtype=torch.bfloat16, page_size=ps, backend="triton")
         return dmeta, writes, plan
 
     dmeta, writes, plan = plan_step(*steps[0])
 
     def step():
-        cpattn.write_sharded_kv(k_new, v_new, kc, vc, writes)
-        return plan.run(q, kc, vc, page_table=table)
+        cpattn.write_kv_cache(k_new, v_new, kc, vc, writes)
+        return plan.attend(q, kc, vc, page_table=table)
 
     step()  # warm-up (compiles) before capture
     torch.cuda.synchronize()
@@ -579,9 +619,10 @@ def test_gpu_cuda_graph_replay_of_decode_steps():
     for seq, ql in steps:
         dmeta, _, _ = plan_step(seq, ql)  # writes the step's tables into the captured buffers
         graph.replay()
-        fresh = sh.build_decode_metadata(seq, ql, rank=rank).to(dev)
-        nq = fresh.num_query_rows
-        ref, ref_lse = cpattn.shard_attention(q[:nq], kc, vc, fresh, page_table=table[: len(seq)], backend="triton")
+        fresh = _decode(sh, seq, ql, rank=rank).to(dev)
+        nq = fresh.num_local_tokens
+        ref, ref_lse = _plan(fresh, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16, page_size=ps,
+                             backend="triton").attend(q[:nq], kc, vc, page_table=table[: len(seq)])
         torch.cuda.synchronize()
         assert torch.allclose(g_out[:nq].float(), ref.float(), atol=2e-2)
         assert torch.allclose(g_lse[:nq], ref_lse, atol=1e-3)
@@ -612,10 +653,10 @@ def test_plan_work_tables_cover_every_key_once(seqs, cp, inter, rank_seed, rows,
     ql = [min(q, n) for n, q in seqs]
     sh = cpattn.KVSharding(cp, inter)
     if static:
-        dmeta = cpattn.StaticDecodePlanner(sh, max_seqs=8, max_q_len=6, max_query_rows=48, device="cpu").plan(
-            sl, ql, rank=rank)
+        dmeta = _static_decode_planner(sh, max_seqs=8, max_q_len=6, max_tokens=48, max_kv_tokens=6 * 3000,
+                                       device="cpu").plan(ql, [n - q for n, q in zip(sl, ql)], rank=rank)
     else:
-        dmeta = sh.build_decode_metadata(sl, ql, rank=rank)
+        dmeta = _decode(sh, sl, ql, rank=rank)
     host = dmeta.host if dmeta.host is not None else dmeta
     spec = SimpleNamespace(window_left=window)
     align = 16
@@ -678,7 +719,7 @@ def test_plan_work_fit_target_keeps_whole_waves():
     from cpattn.kernels.decode_backend import plan_work
 
     lens = [131072] * 8
-    host = cpattn.KVSharding(1).build_decode_metadata(lens, [1] * 8, rank=0)
+    host = _decode(cpattn.KVSharding(1), lens, [1] * 8, rank=0)
     spec = SimpleNamespace(window_left=-1)
     kw = dict(rows=1, num_head_groups=2, align=128, num_sms=132, programs_per_sm=2, min_split=256)
     loose = plan_work(host, spec, **kw)

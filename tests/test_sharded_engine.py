@@ -1,5 +1,6 @@
 """``examples/mini_engine.py --kv sharded``: prefill, a prefix-reusing prefill (pass-KV and
-pass-Q over a sharded prefix) and 16 decode steps with a sharded cache on 1-4 gloo ranks.
+pass-Q over a sharded prefix) and 16 decode steps ("shard_merge": one ``plan.run`` per layer
+writes, attends and merges) with a sharded cache on 1-4 gloo ranks.
 
 Greedy tokens equal the replicated engine; each rank's cache holds exactly its positions (the
 C = 1 sharded engine's keys at the positions ``(p // I) % C == rank``) and about 1/C of the pages.

@@ -25,6 +25,11 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.gpu
 
 
+def _spec_plan(meta, *, backend="auto", backend_options=None, **spec):
+    """``cpattn.plan_attention`` for the layer kind of ``spec`` (:class:`cpattn.AttentionSpec`'s keywords)."""
+    return cpattn.plan_attention(meta, cpattn.AttentionSpec(**spec), backend=backend, backend_options=backend_options)
+
+
 def _is_sm90():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
@@ -113,12 +118,12 @@ def test_gpu_sm90_paged_vs_torch(page, d, dv, hq, hkv, window, sinks, int64):
     kc, vc, table = _nan_paged(k, v, lens, page, int64)
     kw = dict(window_size=(window, 0), sinks=sk, return_lse=True)
     ref, ref_lse = s.attention(q.float(), k.float(), v.float(), meta, backend="torch", **kw)
-    plan = s.plan_attention(meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=q.dtype,
-                            window_size=(window, 0), page_size=page, has_sinks=sinks, backend="triton")
+    plan = _spec_plan(meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=q.dtype,
+                      window_size=(window, 0), page_size=page, has_sinks=sinks, backend="triton")
     assert plan.family == "sm90"  # TMA copy groups for page % 8 == 0, the cp.async gather otherwise
-    out, lse = plan.run(q, kc, vc, page_table=table, sinks=sk, return_lse=True)
+    out, lse = plan.attend(q, kc, vc, page_table=table, sinks=sk, return_lse=True)
     _check(out, lse, ref, ref_lse, meta, f"{plan.family} page {page}")
-    assert torch.equal(plan.run(q, kc, vc, page_table=table, sinks=sk), out), "output differs without LSE"
+    assert torch.equal(plan.attend(q, kc, vc, page_table=table, sinks=sk), out), "output differs without LSE"
 
 
 @needs_sm90
@@ -140,13 +145,13 @@ def test_gpu_sm90_overlap_modes_vs_torch(overlap, pingpong, d, dv, hq, hkv, page
     kc, vc, table = _nan_paged(k, v, lens, page, False) if page else (k, v, None)
     kw = dict(window_size=(window, 0), sinks=sk, return_lse=True)
     ref, ref_lse = s.attention(q.float(), k.float(), v.float(), meta, backend="torch", **kw)
-    plan = s.plan_attention(meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=q.dtype,
-                            window_size=(window, 0), page_size=page, has_sinks=sinks, backend="triton",
-                            backend_options={"sm90": {"overlap": overlap, "pingpong": pingpong}})
+    plan = _spec_plan(meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=q.dtype,
+                      window_size=(window, 0), page_size=page, has_sinks=sinks, backend="triton",
+                      backend_options={"sm90": {"overlap": overlap, "pingpong": pingpong}})
     assert plan.family == "sm90"
     want = overlap if overlap != "auto" else (2 if (d, dv) in ((128, 128), (192, 128)) and window < 0 else 0)
     assert plan._impl.overlap == want
-    out, lse = plan.run(q, kc, vc, page_table=table, sinks=sk, return_lse=True)
+    out, lse = plan.attend(q, kc, vc, page_table=table, sinks=sk, return_lse=True)
     _check(out, lse, ref, ref_lse, meta, f"overlap {overlap} pingpong {pingpong} page {page}")
 
 
@@ -158,10 +163,10 @@ def test_gpu_sm90_paged_matches_packed(page):
     s, meta, q, k, v = _case("zigzag", 2, 0, ext, pre, 32, 8, 128, 128, seed=1)
     kc, vc, table = _nan_paged(k, v, [16384], page)
     packed = s.attention(q, k, v, meta, backend="triton")
-    plan = s.plan_attention(meta, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=q.dtype, page_size=page,
-                            backend="triton")
+    plan = _spec_plan(meta, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=q.dtype, page_size=page,
+                      backend="triton")
     assert plan.family == "sm90"
-    paged = plan.run(q, kc, vc, page_table=table)
+    paged = plan.attend(q, kc, vc, page_table=table)
     n = meta.num_local_tokens
     assert torch.isfinite(paged[:n]).all()
     assert (paged[:n].float() - packed[:n].float()).abs().max().item() < 1e-2
@@ -192,11 +197,11 @@ def test_gpu_sm90_persistent_is_bit_identical(d, dv, hq, hkv, page, window, sink
     kk, vv, table = (k, v, None) if page is None else _nan_paged(k, v, lens, page)
     outs = []
     for persistent in (False, True):
-        plan = s.plan_attention(meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=q.dtype,
-                                window_size=(window, 0), page_size=page, has_sinks=sinks, backend="triton",
-                                backend_options={"sm90": {"persistent": persistent, "overlap": overlap}})
+        plan = _spec_plan(meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=q.dtype,
+                          window_size=(window, 0), page_size=page, has_sinks=sinks, backend="triton",
+                          backend_options={"sm90": {"persistent": persistent, "overlap": overlap}})
         assert plan.family == "sm90" and plan._impl.persistent == persistent and plan._impl.overlap == overlap
-        outs.append(plan.run(q, kk, vv, page_table=table, sinks=sk, return_lse=True))
+        outs.append(plan.attend(q, kk, vv, page_table=table, sinks=sk, return_lse=True))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     ref, ref_lse = s.attention(q.float(), k.float(), v.float(), meta, backend="torch", window_size=(window, 0),
                                sinks=sk, return_lse=True)
@@ -214,11 +219,11 @@ def test_gpu_sm90_grid_without_l2_sections_is_bit_identical(cp_size, rank):
     s, meta, q, k, v = _case("zigzag", cp_size, rank, [16384], [0], 16, 16, 192, 128, seed=11)
     outs, sections = [], []
     for option in (False, True):
-        plan = s.plan_attention(meta, num_q_heads=16, num_kv_heads=16, head_dim=192, head_dim_v=128, dtype=q.dtype,
-                                backend="triton", backend_options={"sm90": {"sections": option}})
+        plan = _spec_plan(meta, num_q_heads=16, num_kv_heads=16, head_dim=192, head_dim_v=128, dtype=q.dtype,
+                          backend="triton", backend_options={"sm90": {"sections": option}})
         assert plan.family == "sm90"
         sections.append(plan._impl.sm90_args["heads_per_section"])
-        outs.append(plan.run(q, k, v, return_lse=True))
+        outs.append(plan.attend(q, k, v, return_lse=True))
     assert sections[0] == 16 and sections[1] < 16
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     ref, ref_lse = s.attention(q.float(), k.float(), v.float(), meta, backend="torch", return_lse=True)
@@ -232,9 +237,9 @@ def _mla_case(strategy, cp_size, rank, ext, pre, hq, seed=0):
 
 
 def _mla_plan(s, meta, hq, page=None, window=-1, sinks=False, **options):
-    return s.plan_attention(meta, num_q_heads=hq, num_kv_heads=1, head_dim=576, head_dim_v=512, dtype=torch.bfloat16,
-                            window_size=(window, 0), page_size=page, has_sinks=sinks, backend="triton",
-                            backend_options=options)
+    return _spec_plan(meta, num_q_heads=hq, num_kv_heads=1, head_dim=576, head_dim_v=512, dtype=torch.bfloat16,
+                      window_size=(window, 0), page_size=page, has_sinks=sinks, backend="triton",
+                      backend_options=options)
 
 
 @needs_sm90
@@ -270,9 +275,9 @@ def test_gpu_mla_prefill_vs_torch(strategy, cp_size, rank, ext, pre, hq, window,
         lens = [e + p for e, p in zip(ext, pre)]
         kk, _, table = _nan_paged(k, None, lens, page)
         vv = kk[..., :512]
-    out, lse = plan.run(q, kk, vv, page_table=table, sinks=sk, return_lse=True)
+    out, lse = plan.attend(q, kk, vv, page_table=table, sinks=sk, return_lse=True)
     _check(out, lse, ref, ref_lse, meta, f"{plan.family} page {page}")
-    assert torch.equal(plan.run(q, kk, vv, page_table=table, sinks=sk), out), "output differs without LSE"
+    assert torch.equal(plan.attend(q, kk, vv, page_table=table, sinks=sk), out), "output differs without LSE"
 
 
 @needs_sm90
@@ -287,10 +292,10 @@ def test_gpu_packed_nan_in_another_sequence_stays_there(family, hq, hkv, d, dv):
     v = k[..., :512] if family == "mla" else v.clone()
     if family != "mla":
         v[100 + 21] = float("nan")
-    plan = s.plan_attention(meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
-                            dtype=torch.bfloat16, backend="triton")
+    plan = _spec_plan(meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
+                      dtype=torch.bfloat16, backend="triton")
     assert plan.family == family
-    out, lse = plan.run(q, k, v, return_lse=True)
+    out, lse = plan.attend(q, k, v, return_lse=True)
     one = cpattn.ContiguousStrategy(1)
     k0, v0 = k[:100].float(), v[:100].float()
     ref0, ref_lse0 = one.attention(q[:100].float(), k0, v0, one.build_metadata([100], rank=0).to("cuda"),
@@ -307,8 +312,8 @@ def test_gpu_mla_separate_v_falls_back_per_call():
     s, meta, q, k, v = _mla_case("zigzag", 2, 0, [2048], [0], 16)
     plan = _mla_plan(s, meta, 16)
     assert plan.family == "mla"
-    out_view = plan.run(q, k, v)
-    out_copy = plan.run(q, k, v.clone())
+    out_view = plan.attend(q, k, v)
+    out_copy = plan.attend(q, k, v.clone())
     ref = s.attention(q.float(), k.float(), v.float(), meta, backend="torch")
     n = meta.num_local_tokens
     for out in (out_view, out_copy):
@@ -320,8 +325,8 @@ def test_gpu_mla_large_matches_portable():
     """128 heads over 16k keys (the benchmark's shape, zigzag C=2 rank 0): the MLA kernel and the
     portable kernel agree."""
     s, meta, q, k, v = _mla_case("zigzag", 2, 0, [16384], [0], 128, seed=3)
-    fast = _mla_plan(s, meta, 128).run(q, k, v)
-    slow = _mla_plan(s, meta, 128, family="portable").run(q, k, v)
+    fast = _mla_plan(s, meta, 128).attend(q, k, v)
+    slow = _mla_plan(s, meta, 128, family="portable").attend(q, k, v)
     n = meta.num_local_tokens
     assert torch.isfinite(fast[:n]).all()
     assert (fast[:n].float() - slow[:n].float()).abs().max().item() < 1e-2
@@ -341,7 +346,7 @@ def test_gpu_mla_large_matches_portable():
     ],
 )
 def test_gpu_static_plan_graph_replay(family, d, dv, hq, hkv, page, options):
-    """A CUDA graph captured over shard + plan.run for one batch of a StaticPlanner replays for
+    """A CUDA graph captured over shard + plan.attend for one batch of a StaticPlanner replays for
     other batches planned into the same buffers (capacity-sized grids, device tile counts)."""
     s = cpattn.get_strategy("zigzag", 2, pad_multiple=64)
     planner = cpattn.StaticPlanner(s, max_tokens=6000, max_seqs=4, max_kv_tokens=9000, device="cuda")
@@ -381,13 +386,13 @@ def test_gpu_static_plan_graph_replay(family, d, dv, hq, hkv, page, options):
             table.fill_(kc.shape[0] - 1)  # entries past a sequence's pages: the last (NaN) page
             table[: tt.shape[0], : tt.shape[1]] = tt
         meta = planner.plan(ext, pre, rank=1)
-        plan = s.plan_attention(meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
-                                dtype=torch.bfloat16, page_size=page, backend="triton", backend_options=options)
+        plan = _spec_plan(meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
+                          dtype=torch.bfloat16, page_size=page, backend="triton", backend_options=options)
         assert plan.family == family
         kv = (k_buf, v_buf) if page is None else (kc, vc)
 
         def step():
-            plan.run(s.shard(x, meta), *kv, page_table=None if page is None else table, out=out, lse=lse)
+            plan.attend(s.shard(x, meta), *kv, page_table=None if page is None else table, out=out, lse=lse)
 
         if graph is None:
             graph = capture_graph(step)

@@ -19,6 +19,16 @@ pytest.importorskip("triton")
 CUDA = torch.cuda.is_available()
 
 
+def _spec_plan(meta, *, backend="auto", backend_options=None, **spec):
+    """``cpattn.plan_attention`` for the layer kind of ``spec`` (:class:`cpattn.AttentionSpec`'s keywords)."""
+    return cpattn.plan_attention(meta, cpattn.AttentionSpec(**spec), backend=backend, backend_options=backend_options)
+
+
+def _backend(s, q, k, v, meta, backend="auto"):
+    """The backend ``s.attention(q, k, v, meta, backend=backend)`` runs (its cached plan's)."""
+    return s._cached_plan(q, k, v, meta, None, (-1, -1), None, backend).backend
+
+
 def _paged(k, v, ext, pre, page, int64=False, gen=None):
     """Scatter packed K/V into shuffled pages; returns caches and the page table."""
     lens = [e + p for e, p in zip(ext, pre)]
@@ -132,8 +142,8 @@ def test_l2_sequence_groups(interp, monkeypatch, strategy, cp_size):
         monkeypatch.setattr(_tiles, "L2_KV_BYTES", budget_keys * row_bytes)
         assert _tiles.l2_group_keys(sum(ext + pre), row_bytes, torch.device("cpu")) == budget_keys
         s = cpattn.get_strategy(strategy, cp_size, pad_multiple=4)
-        plan = s.plan_attention(s.build_metadata(ext, pre, rank=0), num_q_heads=4, num_kv_heads=2, head_dim=d,
-                                dtype=torch.bfloat16, backend="triton")
+        plan = _spec_plan(s.build_metadata(ext, pre, rank=0), num_q_heads=4, num_kv_heads=2, head_dim=d,
+                          dtype=torch.bfloat16, backend="triton")
         assert plan._impl.group_keys == budget_keys  # the plan ran the grouped tile order
         _check(strategy, cp_size, ext, pre, hq=4, hkv=2, d=d, seed=budget_keys)
     monkeypatch.setattr(_tiles, "L2_KV_BYTES", sum(ext + pre) * row_bytes)  # the batch fits: one group
@@ -193,20 +203,20 @@ def test_backend_selection(interp, monkeypatch):
     meta = s.build_metadata([8], rank=0)
     q = torch.zeros(meta.num_physical_tokens, 2, 16, dtype=torch.bfloat16)
     k = v = torch.zeros(8, 1, 16, dtype=torch.bfloat16)
-    assert cpattn.resolve_backend(s, q, k, v, meta, backend="triton") == "triton"
+    assert _backend(s, q, k, v, meta, backend="triton") == "triton"
     with pytest.raises(NotImplementedError, match="dtype"):
-        cpattn.resolve_backend(s, q.double(), k.double(), v.double(), meta, backend="triton")
+        _backend(s, q.double(), k.double(), v.double(), meta, backend="triton")
     with pytest.raises(NotImplementedError, match="fa4"):
-        cpattn.resolve_backend(s, q, k, v, meta, backend="fa4")
+        _backend(s, q, k, v, meta, backend="fa4")
     mi = cpattn.InterleaveStrategy(2).build_metadata([8], rank=0)
-    spec = cpattn.AttentionSpec(2, 1, 16, 16, torch.bfloat16)
+    spec = cpattn.AttentionSpec(num_q_heads=2, num_kv_heads=1, head_dim=16, head_dim_v=16, dtype=torch.bfloat16)
     assert "interleave" in get_backend("fa4").unsupported_reason(spec, mi)
     assert get_backend("fa4").unsupported_reason(spec, meta) == "fa4 needs CUDA tensors"
     monkeypatch.delenv("TRITON_INTERPRET")
     fresh = s.build_metadata([8], rank=0)  # plans are cached per metadata
     with pytest.raises(NotImplementedError, match="TRITON_INTERPRET"):
-        cpattn.resolve_backend(s, q, k, v, fresh, backend="triton")
-    assert cpattn.resolve_backend(s, q, k, v, fresh) == "torch"
+        _backend(s, q, k, v, fresh, backend="triton")
+    assert _backend(s, q, k, v, fresh) == "torch"
     assert cpattn.available_backends() == ["torch"]
 
 
@@ -329,14 +339,14 @@ def test_gpu_sm90_kernel_vs_torch(monkeypatch, strategy, cp_size, rank, ext, pre
     n = meta.num_local_tokens
     for family, l2_bytes in (("sm90", None), ("sm90", 1), ("portable", None), ("portable", 1)):  # 1: a section per KV head
         monkeypatch.setattr(_tiles, "L2_KV_BYTES", l2_bytes)
-        plan = s.plan_attention(meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=dtype,
-                                window_size=(window, 0), has_sinks=sinks, backend="triton",
-                                backend_options={"family": family})
+        plan = _spec_plan(meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=dtype,
+                          window_size=(window, 0), has_sinks=sinks, backend="triton",
+                          backend_options={"family": family})
         assert plan.family == family
-        out, lse = plan.run(q, kv_k, kv_v, sinks=sk, return_lse=True)
+        out, lse = plan.attend(q, kv_k, kv_v, sinks=sk, return_lse=True)
         assert _max_err(out, ref, n) < 2e-2 and _max_err(lse, ref_lse, n) < 1e-2, f"{family} l2={l2_bytes}"
         assert (out[n:] == 0).all() and torch.isneginf(lse[n:]).all()
-        out_only = plan.run(q, kv_k, kv_v, sinks=sk)
+        out_only = plan.attend(q, kv_k, kv_v, sinks=sk)
         assert torch.equal(out_only, out), "output differs without LSE"
 
 
@@ -347,10 +357,10 @@ def test_gpu_sm90_forced_on_unsupported_call_raises():
     the paged path gained a gathered loader) raises, naming the reason."""
     s, meta, q, k, v, _, table, caches = _gpu_case("zigzag", 2, 0, [2048], [0], 8, 2, 256, 256, page=4)
     with pytest.raises(ValueError, match="head dims"):
-        s.plan_attention(meta, num_q_heads=8, num_kv_heads=2, head_dim=256, dtype=torch.bfloat16, page_size=4,
-                         backend="triton", backend_options={"family": "sm90"})
-    plan = s.plan_attention(meta, num_q_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, page_size=4,
-                            backend="triton", backend_options={"family": "sm90"})
+        _spec_plan(meta, num_q_heads=8, num_kv_heads=2, head_dim=256, dtype=torch.bfloat16, page_size=4,
+                   backend="triton", backend_options={"family": "sm90"})
+    plan = _spec_plan(meta, num_q_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, page_size=4,
+                      backend="triton", backend_options={"family": "sm90"})
     assert plan.family == "sm90"
 
 

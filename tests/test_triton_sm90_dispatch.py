@@ -22,6 +22,13 @@ def _qkv(d=128, dv=None, dtype=torch.bfloat16, hq=8, hkv=2, rows=256):
 CPU = torch.device("cpu")
 
 
+def _spec_plan(meta, *, backend="auto", backend_options=None, **spec):
+    """``cpattn.plan_attention`` for the layer kind of ``spec`` (:class:`cpattn.AttentionSpec`'s keywords)."""
+    import cpattn
+
+    return cpattn.plan_attention(meta, cpattn.AttentionSpec(**spec), backend=backend, backend_options=backend_options)
+
+
 @pytest.mark.parametrize(
     "d,dv,dtype,page,expect",
     [
@@ -41,7 +48,7 @@ def test_every_page_size_is_taken(page):
     """TMA copy groups where gcd(page, 128) >= 8, the cp.async gather otherwise: only the device
     is refused here."""
     reason = sm90.unsupported_reason(128, 128, torch.bfloat16, page, CPU)
-    assert reason == "not an sm_90 GPU" or reason.startswith(("Gluon unavailable", "Gluon API"))
+    assert reason == "not an sm_90 GPU"
 
 
 def test_paged_copy_rows():
@@ -86,7 +93,7 @@ def test_kv_layout_must_be_tma_compatible():
 @pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (192, 128)])
 def test_supported_shape_on_cpu_is_refused_for_the_device(d, dv):
     reason = sm90.unsupported_reason(d, dv, torch.bfloat16, False, CPU)
-    assert reason == "not an sm_90 GPU" or reason.startswith(("Gluon unavailable", "Gluon API"))
+    assert reason == "not an sm_90 GPU"
 
 
 def test_qk_split_and_stage_budget():
@@ -97,18 +104,95 @@ def test_qk_split_and_stage_budget():
     assert sm90.max_stages(192, 128, 64) == 4  # 48 KiB Q + 4 x 40 KiB K/V (the ring's cap)
 
 
-def test_gluon_api_other_than_the_kernels_is_reported_not_launched():
-    """The Hopper kernels are written against triton 3.5 / 3.6's Gluon; a Gluon without its calls
-    (triton 3.9: no ``gl.thread_barrier``) is a reason the families cannot run (the portable
-    kernel then does), not a compile error at the first launch; this triton's answer agrees."""
+def _fake_gluon(version: str, drop=()):
+    """The modules :func:`_sm90_common.resolve_gluon_api` reads, as triton ``version`` ("3.5",
+    "3.6", "3.9") spells the calls, without the ``owner.name`` calls in ``drop``."""
     from types import SimpleNamespace
 
-    assert common.gluon_api_reason(SimpleNamespace(thread_barrier=None), "3.6.0") is None
-    reason = common.gluon_api_reason(SimpleNamespace(barrier=None), "3.9.0")
-    assert reason.startswith("Gluon API of triton 3.9.0") and "thread_barrier" in reason
-    if common.GLUON_API_REASON is not None:  # this triton's Gluon is not the kernels'
+    def call(a=None, b=None, c=None, d=None, _semantic=None):  # a builtin with named parameters
+        return None
+
+    def stub(*args, _semantic=None, **kwargs):  # a removed name that raises
+        raise RuntimeError("removed")
+
+    def ws_35(default_args, default_partition, worker_args, worker_partitions, worker_num_warps, worker_num_regs,
+              _semantic=None, _generator=None):
+        return ("3.5", default_args, default_partition, worker_args, worker_partitions, worker_num_warps,
+                worker_num_regs)
+
+    def ws_36(functions_and_args, worker_num_warps, worker_num_regs=None, _semantic=None, _generator=None):
+        return None
+
+    mods = {owner: SimpleNamespace(**{n: call for n in names}) for owner, names in common.UNCHANGED_CALLS.items()}
+    mods["tma"], mods["smem"] = SimpleNamespace(), SimpleNamespace()
+    new = version == "3.9"
+    mods["gl"].__dict__.update({"barrier" if new else "thread_barrier": call,
+                                "warp_specialize": ws_35 if version == "3.5" else ws_36})
+    if version != "3.5":
+        mods["gl"].num_warps = call
+    mods["tma"].async_copy_global_to_shared = stub if new else call
+    mods["async_copy"].async_copy_global_to_shared = stub if new else call
+    if new:
+        mods["tma"].async_load = mods["async_copy"].async_load = call
+    setattr(mods["smem"], "reinterpret" if new else "_reinterpret", call)
+    for owner_name in drop:
+        owner, name = owner_name.split(".")
+        delattr(mods[owner], name)
+    return mods
+
+
+@pytest.mark.parametrize("version", ["3.5", "3.6", "3.9"])
+def test_gluon_calls_resolve_to_each_tritons_spelling(version):
+    """One kernel source for every triton: each renamed call binds to the spelling this triton has
+    (never to a removal stub), triton 3.5 gets adapters for ``num_warps`` and ``warp_specialize``."""
+    mods = _fake_gluon(version)
+    api, reason = common.resolve_gluon_api(mods, version)
+    assert reason is None
+    new = version == "3.9"
+    assert api.cta_barrier is getattr(mods["gl"], "barrier" if new else "thread_barrier")
+    assert api.tma_load is getattr(mods["tma"], "async_load" if new else "async_copy_global_to_shared")
+    assert api.cp_async_load is getattr(mods["async_copy"], "async_load" if new else "async_copy_global_to_shared")
+    assert api.smem_reinterpret is getattr(mods["smem"], "reinterpret" if new else "_reinterpret")
+    if version == "3.5":
+        assert api.warp_specialize is not mods["gl"].warp_specialize and api.num_warps is not None
+    else:
+        assert api.warp_specialize is mods["gl"].warp_specialize and api.num_warps is mods["gl"].num_warps
+
+
+def test_triton_35_warp_specialize_adapter():
+    """triton 3.5 passes one argument tuple to every worker: the adapter passes the first worker's
+    and refuses workers whose tuples differ (a different constexpr included)."""
+    from triton.language import core as gl
+
+    mods = _fake_gluon("3.5")
+    ws = common.resolve_gluon_api(mods, "3.5")[0].warp_specialize
+    smem, flag = object(), gl.constexpr(True)
+    args = (smem, gl.constexpr(True), 4)
+    got = ws([("default", (smem,)), ("w0", args), ("w1", (smem, flag, 4))], [4, 1], [240, 24], _semantic=object(),
+             _generator=None)
+    assert got == ("3.5", (smem,), "default", args, ["w0", "w1"], [4, 1], [240, 24])
+    with pytest.raises(ValueError, match="same arguments"):
+        ws([("default", ()), ("w0", (smem, gl.constexpr(0))), ("w1", (smem, gl.constexpr(1)))], [4, 4], [240, 240],
+           _semantic=object(), _generator=None)
+
+
+def test_gluon_without_a_call_is_reported_not_launched():
+    """A Gluon without a call the kernels make (a later triton, or a removal stub with no new
+    spelling) is a reason the families cannot run, naming each missing call (the portable kernel
+    then runs), not a compile error at the first launch; this triton's answer agrees."""
+    mods = _fake_gluon("3.9", drop=("tma.async_load", "mbarrier.expect"))
+    api, reason = common.resolve_gluon_api(mods, "4.0.0")
+    assert api is None and reason.startswith("Gluon API of triton 4.0.0")
+    assert "tma.async_load / tma.async_copy_global_to_shared" in reason and "mbarrier.expect" in reason
+    assert "gl.barrier" not in reason
+    mods = _fake_gluon("3.6")
+    mods["gl"].warp_specialize = lambda fns, _semantic=None: None  # neither 3.5's nor 3.6's signature
+    assert "gl.warp_specialize" in common.resolve_gluon_api(mods, "4.0.0")[1]
+    if common.GLUON_API_REASON is not None:  # this triton's Gluon cannot build the kernels
         assert not common.HAVE_GLUON
-        assert common.hopper_reason(torch.bfloat16, torch.device("cpu")) == common.GLUON_API_REASON
+    elif common.HAVE_GLUON:  # bound to real calls, none of them a stub (not in interpreter mode)
+        for name in ("cta_barrier", "tma_load", "cp_async_load", "smem_reinterpret"):
+            assert not common._is_stub(getattr(common, name)), name
 
 
 def test_gather_loader_on_two_stages_runs_without_overlap():
@@ -145,7 +229,7 @@ def test_mla_unsupported_plans_name_the_reason(d, dv, hkv, dtype, page, expect):
 @pytest.mark.parametrize("page", [None, 8, 16, 64, 256])
 def test_mla_supported_shape_on_cpu_is_refused_for_the_device(page):
     reason = mla.unsupported_reason(576, 512, 1, torch.bfloat16, page, CPU)
-    assert reason == "not an sm_90 GPU" or reason.startswith(("Gluon unavailable", "Gluon API"))
+    assert reason == "not an sm_90 GPU"
 
 
 def test_mla_layout_needs_v_to_view_k():
@@ -167,12 +251,12 @@ def test_backend_family_choice(interp):
     meta = s.build_metadata([40], rank=0)
     for d, dv, hkv in ((128, 128, 2), (576, 512, 1)):
         kw = dict(num_q_heads=8, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=torch.bfloat16, backend="triton")
-        assert s.plan_attention(meta, **kw).family == "portable"
+        assert _spec_plan(meta, **kw).family == "portable"
         for family in ("sm90", "mla"):
             with pytest.raises(ValueError, match=f"the {family} kernel cannot run this plan: the CPU interpreter"):
-                s.plan_attention(meta, **kw, backend_options={"family": family})
+                _spec_plan(meta, **kw, backend_options={"family": family})
         with pytest.raises(ValueError, match="family must be one of"):
-            s.plan_attention(meta, **kw, backend_options={"family": "fast"})
+            _spec_plan(meta, **kw, backend_options={"family": "fast"})
 
 
 def test_sm90_options_are_validated_at_plan_time(interp):
@@ -182,19 +266,19 @@ def test_sm90_options_are_validated_at_plan_time(interp):
     meta = s.build_metadata([40], rank=0)
     kw = dict(num_q_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, backend="triton")
     with pytest.raises(ValueError, match="unknown backend_options sm90 keys \\['block_m'\\]"):
-        s.plan_attention(meta, **kw, backend_options={"sm90": {"block_m": 64}})
+        _spec_plan(meta, **kw, backend_options={"sm90": {"block_m": 64}})
     with pytest.raises(ValueError, match="persistent runs without pingpong"):
-        s.plan_attention(meta, **kw, backend_options={"sm90": {"persistent": True, "overlap": 2, "pingpong": True}})
-    assert s.plan_attention(meta, **kw, backend_options={"sm90": {"persistent": True, "overlap": 2}})
-    assert s.plan_attention(meta, **kw, backend_options={"sm90": {"persistent": True}}).family == "portable"
+        _spec_plan(meta, **kw, backend_options={"sm90": {"persistent": True, "overlap": 2, "pingpong": True}})
+    assert _spec_plan(meta, **kw, backend_options={"sm90": {"persistent": True, "overlap": 2}})
+    assert _spec_plan(meta, **kw, backend_options={"sm90": {"persistent": True}}).family == "portable"
     with pytest.raises(ValueError, match="persistent must be True, False or 'auto', got 'yes'"):
-        s.plan_attention(meta, **kw, backend_options={"sm90": {"persistent": "yes"}})
+        _spec_plan(meta, **kw, backend_options={"sm90": {"persistent": "yes"}})
     # "auto" with pingpong is allowed (it then stays off); only an explicit True conflicts
-    assert s.plan_attention(meta, **kw, backend_options={"sm90": {"persistent": "auto", "pingpong": True,
-                                                                  "overlap": 2}})
+    assert _spec_plan(meta, **kw, backend_options={"sm90": {"persistent": "auto", "pingpong": True,
+                                                            "overlap": 2}})
     for bad in (3, -1, True, "2", 2.0):
         with pytest.raises(ValueError, match="sm90 overlap must be 0, 1, 2 or 'auto'"):
-            s.plan_attention(meta, **kw, backend_options={"sm90": {"overlap": bad}})
+            _spec_plan(meta, **kw, backend_options={"sm90": {"overlap": bad}})
 
 
 def test_sections_option_and_schedule_loss(interp):
@@ -208,7 +292,7 @@ def test_sections_option_and_schedule_loss(interp):
     meta = s.build_metadata([40], rank=0)
     kw = dict(num_q_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, backend="triton")
     with pytest.raises(ValueError, match="sections must be True, False or 'auto', got 2"):
-        s.plan_attention(meta, **kw, backend_options={"sm90": {"sections": 2}})
+        _spec_plan(meta, **kw, backend_options={"sm90": {"sections": 2}})
     z8 = cpattn.get_strategy("zigzag", 8, pad_multiple=64).build_metadata([16384], rank=0)
     keys = tile_map(z8, 128).tile_keys
     loss = section_schedule_loss(keys, 16, 3, 132)
@@ -259,7 +343,7 @@ def test_pingpong_auto_rule(interp):
     meta = s.build_metadata([40], rank=0)
     kw = dict(num_q_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, backend="triton")
     with pytest.raises(ValueError, match="pingpong must be True, False or 'auto', got 1"):
-        s.plan_attention(meta, **kw, backend_options={"sm90": {"pingpong": 1}})
+        _spec_plan(meta, **kw, backend_options={"sm90": {"pingpong": 1}})
 
 
 def test_overlap_auto_rule():

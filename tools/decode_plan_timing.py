@@ -2,9 +2,12 @@
 
 Prints best-of-5 µs per call of
 
-* ``KVSharding.build_decode_metadata`` (B = 8 sequences of 100k keys, rank 0 of C = 8);
-* metadata + ``plan_shard_attention`` (backend triton, GQA 32/8 D128, page 64);
-* the static path: ``StaticDecodePlanner.plan`` (capacity 64) + the shard plan, and the planner alone.
+* the decode step's placement plan: ``get_strategy("replicated", C).build_metadata(q_lens,
+  seq_lens - q_lens, rank=0, kv=KVSharding(C))`` (B = 8 sequences of 100k keys, rank 0 of C = 8);
+* metadata + ``cpattn.plan_attention`` (algorithm "shard_merge", backend triton, GQA 32/8 D128,
+  page 64);
+* the static path: ``StaticPlanner.plan`` (capacity 64 sequences) + the shard plan, and the
+  planner alone.
 
 The triton backend plans under the interpreter (``TRITON_INTERPRET=1``, set here): the same host
 code as on a GPU, without the device upload. Compare two checkouts by running it with
@@ -39,15 +42,23 @@ def best_us(fn, calls: int = 100, rounds: int = 5) -> float:
 
 
 def main() -> None:
-    sh = cpattn.KVSharding(8)
+    c = 8
+    sh = cpattn.KVSharding(c)
+    s = cpattn.get_strategy("replicated", c)
     seqs = [100000] * 8
-    kw = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.float32, page_size=64, backend="triton")
-    planner = cpattn.StaticDecodePlanner(sh, max_seqs=64, device="cpu")
-    meta = best_us(lambda: sh.build_decode_metadata(seqs, [1] * 8, rank=0), 300)
-    step = best_us(lambda: cpattn.plan_shard_attention(sh.build_decode_metadata(seqs, [1] * 8, rank=0), **kw))
-    static = best_us(lambda: cpattn.plan_shard_attention(planner.plan(seqs, rank=0), **kw))
-    plan = best_us(lambda: planner.plan(seqs, rank=0), 300)
-    print(f"B=8: build_decode_metadata {meta:.0f} us; + shard plan {step:.0f} us; "
+    q_lens = [1] * len(seqs)
+    prefix = [n - q for n, q in zip(seqs, q_lens)]
+    spec = cpattn.AttentionSpec(num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.float32, page_size=64)
+    planner = cpattn.StaticPlanner(s, max_tokens=64, max_seqs=64, max_kv_tokens=64 * 131072, max_q_len=1, kv=sh,
+                                   device="cpu")
+    algorithm = cpattn.plan_attention(s.build_metadata(q_lens, prefix, rank=0, kv=sh), spec, backend="triton").algorithm
+    assert algorithm == "shard_merge", algorithm
+    meta = best_us(lambda: s.build_metadata(q_lens, prefix, rank=0, kv=sh), 300)
+    step = best_us(lambda: cpattn.plan_attention(s.build_metadata(q_lens, prefix, rank=0, kv=sh), spec,
+                                                 backend="triton"))
+    static = best_us(lambda: cpattn.plan_attention(planner.plan(q_lens, prefix, rank=0), spec, backend="triton"))
+    plan = best_us(lambda: planner.plan(q_lens, prefix, rank=0), 300)
+    print(f"B=8: build_metadata {meta:.0f} us; + shard plan {step:.0f} us; "
           f"static (planner + shard plan) {static:.0f} us; planner.plan {plan:.0f} us")
 
 

@@ -21,7 +21,16 @@ from triton.compiler import ASTSource
 import cpattn.kernels.triton_index as ti
 import cpattn.kernels.triton_sparse as ts
 
-_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+def ptxas_path() -> str:
+    """The ptxas triton runs for sm_90 (as tools/sm90_offline_check.py: triton 3.9 assembles its
+    PTX 9.4 with the CUDA 13 ``ptxas-blackwell``, up to 3.6 the bundled ``ptxas``)."""
+    from triton.backends.nvidia import compiler
+
+    try:
+        return compiler.get_ptxas(90).path
+    except TypeError:  # triton 3.5: get_ptxas() takes no architecture
+        return compiler.get_ptxas().path
 
 
 def _signature(fn, pointers: dict, floats=(), consts: dict = ()) -> dict:
@@ -77,7 +86,7 @@ def ptxas_report(ptx: str) -> str:
         src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(src, "w") as f:
             f.write(ptx)
-        r = subprocess.run([os.path.join(_BIN, "ptxas"), "-arch=sm_90a", "-v", src, "-o", cubin],
+        r = subprocess.run([ptxas_path(), "-arch=sm_90a", "-v", src, "-o", cubin],
                            capture_output=True, text=True, check=True)
     keep = ("spill", "registers")
     return "; ".join(line.split(":", 1)[-1].strip() for line in (r.stdout + r.stderr).splitlines()

@@ -4,12 +4,15 @@ For kernel work on a machine with no GPU: each variant is compiled for sm_90a wi
 triton (>= 3.5; Gluon), then ptxas reports registers and spills; ``--sass DIR`` also writes the
 SASS of each variant (via the cuobjdump bundled with triton) for reading instruction order.
 
-Set-up (CPU only; the triton wheel carries ptxas and cuobjdump):
+Set-up (CPU only; the triton wheel carries ptxas and cuobjdump; the kernels build with triton
+3.5 through 3.9, 3.6 being the GPU machine's):
     python -m venv /tmp/t36 && /tmp/t36/bin/pip install torch==2.13.0 triton==3.6.0 numpy
 Run from the repository root:
     PYTHONPATH=src /tmp/t36/bin/python tools/sm90_offline_check.py [--sass /tmp/sass] [--wait-order]
 ptxas's "Used N registers" is the launch count (168); ``setmaxnreg`` then gives the consumer
-warpgroups 240 and the loader 24, and the spill figures cover the whole kernel.
+warpgroups 240 and the loader 24, and the spill figures cover the whole kernel. ptxas is the one
+triton itself runs for sm_90 (:func:`ptxas_path`; ``--ptxas PATH`` another, e.g. to assemble
+triton 3.6's PTX with triton 3.9's CUDA 13 ptxas and tell the two apart).
 """
 
 from __future__ import annotations
@@ -29,6 +32,22 @@ import cpattn.kernels.triton_mla as mla
 import cpattn.kernels.triton_sm90 as ws
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def ptxas_path() -> str:
+    """The ptxas triton runs for sm_90: the bundled ``ptxas`` up to triton 3.6 (CUDA 12.8); triton
+    3.9 emits PTX 9.4 for sm_90, which its bundled ``ptxas`` (CUDA 12.9, PTX <= 8.8) rejects, and
+    assembles it with its CUDA 13 ``ptxas-blackwell``."""
+    from triton.backends.nvidia import compiler
+
+    try:
+        return compiler.get_ptxas(90).path
+    except TypeError:  # triton 3.5: get_ptxas() takes no architecture
+        return compiler.get_ptxas().path
+
+
+#: ptxas used by :func:`ptxas_report` (None: :func:`ptxas_path`).
+PTXAS = None
 
 #: (D, Dv, G_PACK, stages, overlap, pingpong, window, sinks, lse, page_size): the dense variants
 #: compiled by default (page_size None: packed K/V).
@@ -216,7 +235,7 @@ def ptxas_report(ptx: str, sass_path: str | None = None) -> str:
         src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(src, "w") as f:
             f.write(ptx)
-        r = subprocess.run([os.path.join(_BIN, "ptxas"), "-arch=sm_90a", "-v", src, "-o", cubin],
+        r = subprocess.run([PTXAS or ptxas_path(), "-arch=sm_90a", "-v", src, "-o", cubin],
                            capture_output=True, text=True, check=True)
         if sass_path:
             sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", cubin], capture_output=True,
@@ -246,7 +265,11 @@ def main() -> None:
     p.add_argument("--sass", default=None, help="folder to write each variant's SASS into")
     p.add_argument("--only", default=None, help="compile only variants whose name contains this")
     p.add_argument("--wait-order", action="store_true", help="also print each variant's EX2 / wgmma-wait order")
+    p.add_argument("--ptxas", default=None, help="assemble with this ptxas instead of triton's own for sm_90")
     args = p.parse_args()
+    global PTXAS
+    PTXAS = args.ptxas
+    print(f"triton {triton.__version__}, ptxas {PTXAS or ptxas_path()}", flush=True)
     if args.sass:
         os.makedirs(args.sass, exist_ok=True)
     jobs = []

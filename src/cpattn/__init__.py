@@ -1,83 +1,64 @@
-"""cpattn: context-parallel attention for LLM inference prefill.
+"""cpattn: context-parallel attention for LLM inference (prefill, extend and decode).
 
-Plan a batch's placement over C ranks once per forward (``build_metadata``), shard at the model's
-input boundary, all-gather K/V in each attention layer, run attention for the local queries, and
-gather hidden states back before the logits::
+Every forward is two choices: where the queries are computed (the strategy: "zigzag",
+"interleave", "contiguous" shard the new tokens over the C ranks; "replicated" gives every rank
+all of them) and where the KV cache lives (replicated, or sharded by ``KVSharding``)::
 
-    s = cpattn.ZigzagStrategy(cp_size)
+    s = cpattn.get_strategy("zigzag", C)
     meta = s.build_metadata(extend_lens, prefix_lens, rank=rank, group=group).to(device)
-    plan = s.plan_attention(meta, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
-    h = s.shard(hidden, meta)                                 # [P, hidden]
-    k_ext, v_ext = s.gather_kv(k_local, v_local, meta, group)  # per layer, one collective
-    o = plan.run(q_local, k, v)                                # [P, Hq, Dv]
+    spec = cpattn.AttentionSpec(num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                                page_size=64)
+    plan = cpattn.plan_attention(meta, spec)                   # plan.algorithm == "gather_kv"
+    writes = cpattn.plan_cache_writes(meta, out_cache_loc, num_slots=num_pages * 64)
+    h = s.shard(hidden, meta)                                  # [P, hidden]
+    o = plan.run(q, k, v, (k_cache, v_cache), writes=writes, group=group, page_table=pt)  # per layer
     h_full = s.gather(h, meta, group)                          # [T, hidden]
 
-A sharded KV cache (each rank stores 1/C of the keys: ``KVSharding``) adds decode context
-parallelism (``shard_attention`` + ``merge_partials``, one collective) and extends over a sharded
-prefix (``plan_sharded_extend``: pass-KV or pass-Q); see docs/sharded-kv.md.
+A decode step over a sharded cache is the same code with
+``get_strategy("replicated", C).build_metadata(q_lens, seq_lens - q_lens, rank=, kv=KVSharding(C))``
+(``plan.algorithm == "shard_merge"``); see docs/design.md.
 """
 
 from . import dsa, padding
 from .cache import (
-    SlotPlan,
+    CacheWritePlan,
     kv_bytes_per_token,
     mla_bytes_per_token,
-    plan_slots,
+    plan_cache_writes,
     read_mla_cache,
     write_kv_cache,
     write_mla_cache,
 )
 from .collectives import PendingGather, PlanDisagreement, gathered_bytes_per_token
-from .kernels import AttentionSpec, available_backends
+from .kernels import available_backends
 from .kv import pack_kv
-from .kv_sharding import (
-    DecodeCapacity,
-    DecodeMetadata,
-    ExtendCostModel,
-    KVSharding,
-    ShardWritePlan,
-    StaticDecodePlanner,
-    choose_extend_algorithm,
-    plan_shard_writes,
-    write_sharded_cache,
-    write_sharded_kv,
-)
+from .kv_sharding import ExtendCostModel, KVSharding, choose_extend_algorithm
 from .merge import merge_partials, merge_states
 from .metadata import Capacity, CPMetadata
 from .overlap import GatherHandle, start_gather_kv, start_gather_mla_latent
-from .plans import (
-    AttentionPlan,
-    IndexTopkPlan,
-    ShardAttentionPlan,
-    SparseAttentionPlan,
-    StaticPlanner,
-    plan_attention,
-    plan_index_topk,
-    plan_shard_attention,
-    plan_sparse_attention,
-    shard_attention,
-)
-from .plans.sharded_extend import ShardedExtendPlan, plan_sharded_extend
+from .plans import ALGORITHMS, AttentionPlan, IndexTopkPlan, StaticPlanner, plan_attention, plan_index_topk
+from .spec import AttentionSpec
 from .strategies import (
     STRATEGIES,
     ContiguousStrategy,
     CPStrategy,
     InterleaveStrategy,
+    ReplicatedStrategy,
     ZigzagStrategy,
     get_strategy,
 )
 
-__version__ = "0.3.15"
+__version__ = "0.4.0"
 
 __all__ = [
+    "ALGORITHMS",
     "AttentionPlan",
     "AttentionSpec",
     "CPMetadata",
     "CPStrategy",
+    "CacheWritePlan",
     "Capacity",
     "ContiguousStrategy",
-    "DecodeCapacity",
-    "DecodeMetadata",
     "ExtendCostModel",
     "GatherHandle",
     "IndexTopkPlan",
@@ -85,20 +66,12 @@ __all__ = [
     "KVSharding",
     "PendingGather",
     "PlanDisagreement",
+    "ReplicatedStrategy",
     "STRATEGIES",
-    "SlotPlan",
-    "ShardAttentionPlan",
-    "ShardWritePlan",
-    "ShardedExtendPlan",
-    "StaticDecodePlanner",
     "StaticPlanner",
     "ZigzagStrategy",
     "available_backends",
     "choose_extend_algorithm",
-    "SparseAttentionPlan",
-    "StaticPlanner",
-    "ZigzagStrategy",
-    "available_backends",
     "dsa",
     "gathered_bytes_per_token",
     "get_strategy",
@@ -109,41 +82,11 @@ __all__ = [
     "pack_kv",
     "padding",
     "plan_attention",
+    "plan_cache_writes",
     "plan_index_topk",
-    "plan_slots",
-    "plan_shard_attention",
-    "plan_shard_writes",
-    "plan_sharded_extend",
-    "plan_sparse_attention",
     "read_mla_cache",
-    "resolve_backend",
-    "shard_attention",
     "start_gather_kv",
     "start_gather_mla_latent",
     "write_kv_cache",
     "write_mla_cache",
-    "write_sharded_cache",
-    "write_sharded_kv",
 ]
-
-
-def resolve_backend(
-    strategy: CPStrategy,
-    q_local,
-    k,
-    v,
-    meta: CPMetadata,
-    *,
-    page_table=None,
-    softmax_scale=None,
-    window_size=(-1, -1),
-    sinks=None,
-    backend: str = "auto",
-    return_lse: bool = False,
-) -> str:
-    """Name of the backend ``strategy.attention(q_local, k, v, meta, ...)`` runs for the same
-    arguments (the first argument is the strategy). Plans (and caches the plan on ``meta``)
-    exactly like ``attention``; NotImplementedError when a named backend cannot run the call.
-    ``backend="auto"`` prefers fa4, then triton, then torch. (``softmax_scale`` and
-    ``return_lse`` do not change the choice; they are accepted so the call mirrors ``attention``.)"""
-    return strategy._cached_plan(q_local, k, v, meta, page_table, window_size, sinks, backend).backend

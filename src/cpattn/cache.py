@@ -1,35 +1,25 @@
-"""Write gathered extend tokens into paged KV caches, and the bytes a token costs to move.
+"""Cache writes: ONE write-plan type for every placement and KV layout, validated once.
 
-After ``gather_mla_latent`` / ``gather_kv`` every rank holds the logical ``[T, ...]`` rows of the
-batch's extend tokens, pad rows already dropped. These helpers put row ``t`` at cache slot
-``slots[t]`` (``slot = page * page_size + offset``), as a paged-attention engine does before
-attention reads the cache through its page table. Engines often pass slot arrays longer than ``T``
-(padded to a CUDA-graph size): :func:`plan_slots` keeps ``slots[:T]``, nothing is written for pad
-entries.
+A forward's new K/V rows go into this rank's cache at slots (``slot = page * page_size +
+offset``). :func:`plan_cache_writes` decides and validates them on the host once per forward
+(in range, no two rows on one slot, the page table covering every key), for a replicated cache
+(every extend token, in logical order: the rows ``strategy.gather_kv`` returns) or a sharded one
+(only the rows this rank stores, ``meta.store_rows``), and returns a :class:`CacheWritePlan`.
+The per-layer writers (:func:`write_kv_cache`, :func:`write_mla_cache`) are device-only: host-int
+checks, then one indexed copy per cache; graph-safe with a static plan.
 
-Cache layouts (either form; the paged one is a view of the flat one):
+Cache layouts: flat ``[num_slots, *row]`` or paged ``[num_pages, page_size, *row]``, any strides
+(e.g. FlashInfer's ``[pages, 2, page, H, D]`` split into ``buf[:, 0]`` / ``buf[:, 1]``):
 
-* MLA latent cache: ``[num_slots, r + d_rope]`` or ``[num_pages, page_size, r + d_rope]``, one row
-  per token: ``kv_c`` (RMS-normed latent, ``r = kv_lora_rank``) then ``k_pe`` (rotary key after
-  RoPE, shared by all heads). This is the DeepSeek-V3 cache row (576 values) of SGLang / vLLM.
-  A ``uint8`` cache stores raw bytes, ``row_bytes = r * kv_c.itemsize + d_rope * k_pe.itemsize``
-  (e.g. an fp8 latent next to a bf16 rope key).
-* K/V caches: ``[num_slots, Hkv, D]`` / ``[num_slots, Hkv, Dv]`` or
-  ``[num_pages, page_size, Hkv, D]`` / ``[.., Dv]`` (what ``strategy.attention`` reads with a
-  ``page_table``).
+* K/V caches: rows ``[Hkv, D]`` / ``[Hkv, Dv]``, the dtype of K / V (fp8 included).
+* MLA latent cache: rows ``[r + d_rope]``: ``kv_c`` (the RMS-normed latent, ``r =
+  kv_lora_rank``) then ``k_pe`` (the rotary key after RoPE) of DeepSeek-V3's cache (576 values);
+  or ``uint8`` rows of ``r * kv_c.itemsize + d_rope * k_pe.itemsize`` raw bytes (e.g. an fp8
+  latent beside a bf16 rope key).
 
-Every write is all-or-nothing: all arguments (row count, slot range, duplicates, dtypes,
-devices, every pool) are validated before the first byte is written, and a rejected call raises
-ValueError / TypeError leaving every cache bit-identical. Slots are validated once per forward:
-
-* :func:`plan_slots` (host, once per forward; may sync once) checks ``slots[:T]`` (in range, no
-  duplicates) and returns a :class:`SlotPlan`. Passing the plan to the writers is the per-layer
-  path: device-only, no ``.item()``, no host sync (only host-int checks: rows == ``plan.num_tokens``,
-  cache slots == ``plan.num_slots``). A separate SWA pool gets its own plan.
-* A raw slot tensor is the convenience path: it must have exactly one entry per row and is
-  validated on the spot, which syncs (once per call).
-
-Everything is copied as raw bytes (fp8 included, bit for bit) with one ``index_copy_`` per cache.
+Every write is all-or-nothing: every argument (rows, dtypes, devices, layouts, every pool) is
+checked before the first byte is written; a rejected call raises ValueError / TypeError naming
+the argument and leaves every cache bit-identical.
 """
 
 from __future__ import annotations
@@ -37,75 +27,79 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from . import _buffers
 from ._validation import check_int, check_tensor
 from .collectives import PART_ALIGN_BYTES
-from . import _buffers
 from .metadata import CPMetadata
 
 __all__ = [
-    "SlotPlan",
+    "CacheWritePlan",
+    "check_kv_writes",
     "kv_bytes_per_token",
     "mla_bytes_per_token",
-    "plan_slots",
+    "plan_cache_writes",
     "read_mla_cache",
     "write_kv_cache",
     "write_mla_cache",
 ]
 
+_INDEX_DTYPES = (torch.int32, torch.int64)
 
-# ---------------------------------------------------------------------------------------- helpers
+
 def _check_dtype(dtype, name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"{name} must be a torch.dtype, got {type(dtype).__name__}")
     return dtype
 
 
-@dataclass(frozen=True)
-class SlotPlan:
-    """Validated cache slots of ``num_tokens`` rows (build it with :func:`plan_slots`).
+# ---------------------------------------------------------------------------------------- the plan
+@dataclass(frozen=True, eq=False)
+class CacheWritePlan:
+    """Where this forward's new rows go in this rank's cache (build it with
+    :func:`plan_cache_writes`; validated there).
 
     Attributes:
-        index: int64 [num_tokens] slot of each row, on the cache's device; every value in
-            ``[0, num_slots)`` and, when ``unique``, no value twice.
-        num_tokens: rows it covers (host int). num_slots: slots of the cache it was planned for.
-        name: the argument name used in error messages ("slots", "swa_slots", ...).
-        unique: no duplicate slots (required for writes; reads of shared prefix pages may repeat).
+        slots: [N] int64 cache slots on the cache's device (static plans: fixed address).
+        rows: [N] int64 rows of the per-layer source tensor written to ``slots``, or None: row
+            i goes to ``slots[i]``.
+        num_writes: real writes (N minus a static plan's padding entries).
+        num_source_rows: rows the per-layer source (K / V / latent) must have: T logical rows
+            (``gather_kv``'s output) for sharded queries, the P local rows for replicated ones.
+        num_slots: slots of the cache it was validated for.
+        pad_slot: where a static plan's padding entries write, or None.
+        name: the argument name used in messages.
     """
 
-    index: Tensor
-    num_tokens: int
+    slots: Tensor
+    rows: Optional[Tensor]
+    num_writes: int
+    num_source_rows: int
     num_slots: int
+    pad_slot: Optional[int] = None
     name: str = "slots"
-    unique: bool = True
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.index, Tensor) or self.index.dtype != torch.int64 or self.index.dim() != 1:
-            index = self.index
-            got = f"{index.dtype} {tuple(index.shape)}" if isinstance(index, Tensor) else type(index).__name__
-            raise TypeError(f"SlotPlan.index must be an int64 1-D tensor, got {got} (build it with plan_slots)")
-        check_int(self.num_tokens, "num_tokens", 0)
-        check_int(self.num_slots, "num_slots", 0)
-        if self.index.shape[0] != self.num_tokens:
-            raise ValueError(f"SlotPlan.index has {self.index.shape[0]} entries but num_tokens={self.num_tokens}")
+    def __repr__(self) -> str:
+        return (f"CacheWritePlan(num_writes={self.num_writes}, num_source_rows={self.num_source_rows}, "
+                f"num_slots={self.num_slots})")
 
     @property
     def device(self) -> torch.device:
-        return self.index.device
-
-
-SlotsLike = Union[SlotPlan, Tensor]
+        return self.slots.device
 
 
 def _check_slot_tensor(slots, name: str) -> Tensor:
     if not isinstance(slots, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or a SlotPlan, got {type(slots).__name__}")
-    if slots.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be a torch.Tensor or a CacheWritePlan, got {type(slots).__name__}")
+    if slots.dtype not in _INDEX_DTYPES:
         raise TypeError(f"{name} must be int32 or int64, got {slots.dtype}")
     if slots.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(slots.shape)}")
+    if slots.device.type == "meta":
+        raise ValueError(f"{name} is on meta: cache slots need their values (a real device)")
     return slots
 
 
@@ -135,128 +129,297 @@ def _validate_index(index: Tensor, num_slots: int, name: str, unique: bool) -> N
         )
 
 
-def plan_slots(
-    meta: Union[CPMetadata, int],
-    slots: Tensor,
-    num_slots: int,
+def _new_rows(meta: CPMetadata) -> tuple[Optional[Tensor], Tensor, Tensor, int, Tensor]:
+    """(source rows or None, sequence, cache key index, source row count, keys per sequence) of
+    the rows this rank writes (host): every extend token for a replicated cache (index =
+    position), the stored rows for a sharded one (index = local key index)."""
+    h = meta.host if meta.host is not None else meta
+    if meta.kv is None:
+        seq = torch.repeat_interleave(torch.arange(h.num_seqs), h.extend_lens, output_size=h.num_tokens)
+        pos = h.prefix_lens[seq] + torch.arange(h.num_tokens) - h.cu_extend_lens[seq]
+        return None, seq, pos, meta.num_token_rows, h.kv_lens
+    source_rows = meta.num_physical_tokens if meta.replicated else meta.num_token_rows
+    return h.store_rows, meta.store_seq, h.store_index, source_rows, h.local_kv_lens
+
+
+def _pad_to(x: Tensor, size: int, fill: int) -> Tensor:
+    out = np.full(size, fill, dtype=np.int64)
+    out[: x.numel()] = x.numpy()
+    return torch.from_numpy(out)
+
+
+def plan_cache_writes(
+    meta: CPMetadata,
+    slots_or_page_table: Tensor,
     *,
+    num_slots: Optional[int] = None,
+    page_size: Optional[int] = None,
+    num_pages: Optional[int] = None,
+    pad_slot: Optional[int] = None,
     name: str = "slots",
-    allow_duplicates: bool = False,
-) -> SlotPlan:
-    """Validate a forward's cache slots once (host) for every layer's cache write.
+) -> CacheWritePlan:
+    """Plan and validate this rank's cache writes for one forward (host, once; may sync once).
 
     Args:
-        meta: the forward's plan; its ``num_tokens`` T rows are covered (``slots[:T]``). Or an int
-            row count (e.g. ``sum(prefix_lens)`` for prefix slots read back).
-        slots: [>= T] int32/int64 slot of each row in logical order (``page * page_size +
-            offset``), on the cache's device; entries past T (an engine's CUDA-graph padding) are
-            ignored.
-        num_slots: slots of the cache it will be used with (``num_pages * page_size``).
-        name: argument name for error messages (e.g. "swa_slots" for a sliding-window pool).
-        allow_duplicates: for READ plans only (shared prefix pages); writes reject such a plan.
+        meta: the forward's placement plan (any strategy; ``meta.kv`` says whether the cache is
+            replicated or sharded), on the cache's device.
+        slots_or_page_table: either
+            * ``slots`` 1-D int32/int64: the cache slot of each row this rank writes, in order:
+              every extend token in logical order for a replicated cache ([>= T]; entries past
+              T, an engine's CUDA-graph padding, are ignored), the rows it stores for a sharded
+              one ([>= meta.num_stored_tokens], in ``meta.store_rows`` order); pass
+              ``num_slots``; or
+            * a page table [B, max_pages] int32/int64 of THIS rank's cache (CPU or device; read
+              once here): key j of sequence b (j = position for a replicated cache, the local
+              key index for a sharded one) lives at ``page_table[b, j // page_size] *
+              page_size + j % page_size``; pass ``page_size`` and ``num_pages``.
+        num_slots: slots of the cache (``num_pages * page_size``), with 1-D slots.
+        page_size, num_pages: of the paged cache, with a page table (page_size a multiple of a
+            sharding's interleave).
+        pad_slot: a slot reserved for padded writes (SGLang's slot 0, vLLM's pad slot): a static
+            plan's padding entries write there, so the per-layer write has a fixed size
+            (required for static plans of a sharded cache; a replicated cache's static plan
+            repeats its last real write instead when it is None).
+        name: the argument name in messages (e.g. "swa_slots" for a sliding-window pool).
 
     Returns:
-        a frozen :class:`SlotPlan` (int64 index [T] on ``slots.device``; for a static plan of a
-        :class:`cpattn.StaticPlanner`: [capacity T] at a fixed address, rows past T repeating the
-        last real slot, so a captured graph's writes replay). Host work, once per
-        forward: syncs once. Raises ValueError / TypeError naming ``name`` for an out-of-range or
-        duplicate slot, too few entries, or a wrong dtype.
+        a :class:`CacheWritePlan` (device tensors; fixed addresses for a static plan). Raises
+        ValueError / TypeError naming the argument for a slot out of range, two rows on one slot,
+        a table that does not cover a written key, or too few entries; nothing is written.
 
     Example::
 
-        plan = cpattn.plan_slots(meta, out_cache_loc, k_cache.shape[0] * k_cache.shape[1])
-        for layer in layers:                       # device-only from here on
-            cpattn.write_kv_cache(k_ext, v_ext, k_cache[layer], v_cache[layer], plan)
+        writes = cpattn.plan_cache_writes(meta, out_cache_loc, num_slots=num_pages * page_size)
+        for layer in layers:                              # device-only from here on
+            cpattn.write_kv_cache(k_ext, v_ext, k_cache[layer], v_cache[layer], writes)
     """
-    if isinstance(meta, CPMetadata):
-        rows = meta.num_tokens
-    elif isinstance(meta, int) and not isinstance(meta, bool):
-        if meta < 0:
-            raise ValueError(f"meta (row count) must be >= 0, got {meta}")
-        rows = meta
-    else:
-        raise TypeError(f"meta must be a CPMetadata or an int row count, got {type(meta).__name__}")
-    num_slots = check_int(num_slots, "num_slots", 0)
+    if not isinstance(meta, CPMetadata):
+        raise TypeError(f"meta must be a CPMetadata, got {type(meta).__name__}")
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
-    if not isinstance(allow_duplicates, bool):
-        raise TypeError(f"allow_duplicates must be a bool, got {type(allow_duplicates).__name__}")
-    slots = _check_slot_tensor(slots, name)
-    if slots.shape[0] < rows:
-        raise ValueError(f"{name} has {slots.shape[0]} entries, fewer than the {rows} rows to cover")
-    if slots.device.type == "meta":
-        raise ValueError(f"{name} is on meta: plan_slots needs the slot values (a real device)")
-    index = slots[:rows].to(torch.int64).contiguous()
-    _validate_index(index, num_slots, name, unique=not allow_duplicates)
-    if isinstance(meta, CPMetadata) and meta.is_static:
-        index = _static_index(meta, index, name)
-        rows = meta.num_token_rows
-    return SlotPlan(index=index, num_tokens=rows, num_slots=num_slots, name=name, unique=not allow_duplicates)
+    rows, seq, index, source_rows, keys = _new_rows(meta)
+    n = index.numel()
+    table = slots_or_page_table
+    if not isinstance(table, Tensor):
+        raise TypeError(f"slots_or_page_table must be a 1-D slot tensor or a 2-D page table, got "
+                        f"{type(table).__name__}")
+    if table.dim() == 2:
+        if page_size is None or num_pages is None:
+            raise ValueError("a page table needs page_size= and num_pages=")
+        if num_slots is not None:
+            raise ValueError("num_slots= is for 1-D slots; a page table gives num_pages * page_size")
+        ps = meta.kv.check_page_size(page_size) if meta.kv is not None else check_int(page_size, "page_size", 1)
+        pages = check_int(num_pages, "num_pages", 1)
+        slots, total = _slots_of_table(meta, table, seq, index, keys, ps, pages), pages * ps
+    else:
+        if page_size is not None or num_pages is not None:
+            raise ValueError("page_size= / num_pages= are for a page table; 1-D slots take num_slots=")
+        if num_slots is None:
+            raise ValueError("1-D slots need num_slots= (the cache's num_pages * page_size)")
+        total = check_int(num_slots, "num_slots", 0)
+        flat = _check_slot_tensor(table, name)
+        if flat.shape[0] < n:
+            what = "extend tokens" if meta.kv is None else "rows this rank stores"
+            raise ValueError(f"{name} has {flat.shape[0]} entries, fewer than the {n} {what}")
+        slots = flat[:n].to(torch.int64)
+        _validate_index(slots, total, name, unique=True)
+        slots = slots.cpu()
+    if pad_slot is not None:
+        check_int(pad_slot, "pad_slot", 0)
+        if pad_slot >= total:
+            raise ValueError(f"pad_slot must be in [0, num_slots={total}), got {pad_slot}")
+        if n and bool((slots == pad_slot).any()):
+            raise ValueError(f"pad_slot={pad_slot} is also the slot of a written row")
+    if meta.is_static:
+        size = source_rows
+        if pad_slot is None:
+            if meta.kv is not None:
+                raise ValueError("static plans write a fixed number of rows: pass pad_slot (a reserved cache slot)")
+            if n == 0:
+                raise ValueError(f"{name}: a static plan's cache writes need at least one token in the batch "
+                                 "(or pad_slot=)")
+        fill = pad_slot if pad_slot is not None else int(slots[-1])
+        host = {"slots": _pad_to(slots, size, fill)}
+        if rows is not None:
+            host["rows"] = _pad_to(rows, size, 0)
+        dev = _buffers.upload(meta, ("writes", name, size), host)
+    else:
+        host = {"slots": slots.contiguous()}
+        if rows is not None:
+            host["rows"] = rows.clone()
+        dev = _buffers.upload(meta, None, host)
+    return CacheWritePlan(dev["slots"], dev.get("rows"), n, source_rows, total, pad_slot, name)
 
 
-def _static_index(meta: CPMetadata, index: Tensor, name: str) -> Tensor:
-    """A static plan's slot index: capacity rows at a fixed address (so a captured graph's cache
-    writes replay). Rows past T repeat the last real slot: the gathered rows there repeat the
-    last real token's row (``gather_index``), so those writes store the same bytes again."""
-    if index.numel() == 0:
-        raise ValueError(f"{name}: a static plan's cache writes need at least one token in the batch")
-    padded = torch.empty(meta.num_token_rows, dtype=torch.int64)
-    padded[: index.numel()] = index.cpu()
-    padded[index.numel() :] = index[-1].item()
-    return _buffers.upload(meta, ("slots", name), {"index": padded})["index"]
+def _slots_of_table(meta: CPMetadata, page_table: Tensor, seq: Tensor, index: Tensor, keys: Tensor, ps: int,
+                    pages: int) -> Tensor:
+    """Host slots of the written rows through a page table, with its checks."""
+    check_tensor(page_table, "page_table")
+    if page_table.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"page_table must be int32 or int64, got {page_table.dtype}")
+    b = meta.num_seq_rows
+    if page_table.shape[0] != b:
+        raise ValueError(f"page_table must be [B={b}, max_pages], got {list(page_table.shape)}")
+    table = page_table.detach().to("cpu", torch.int64)
+    need = (keys + ps - 1) // ps  # pages each sequence needs after this forward
+    if need.numel() and int(need.max()) > table.shape[1]:
+        s = int(torch.argmax(need))
+        raise ValueError(f"page_table does not cover sequence {s}: it holds {int(keys[s])} keys on this rank "
+                         f"({int(need[s])} pages of {ps}), the table has {table.shape[1]} pages per sequence")
+    page = table[seq, index // ps] if index.numel() else torch.zeros(0, dtype=torch.int64)
+    if page.numel() and (int(page.min()) < 0 or int(page.max()) >= pages):
+        bad = int(torch.nonzero((page < 0) | (page >= pages))[0])
+        raise ValueError(f"page_table[{int(seq[bad])}, {int(index[bad]) // ps}] = {int(page[bad])} is outside "
+                         f"[0, num_pages={pages}) (key {int(index[bad])} of sequence {int(seq[bad])})")
+    slots = page * ps + index % ps
+    if slots.numel() > 1 and torch.unique(slots).numel() != slots.numel():
+        raise ValueError("page_table maps two written rows to the same cache slot (pages shared between "
+                         "sequences must hold only positions both already cached)")
+    return slots
 
 
-def _resolve_slots(
-    slots: SlotsLike, name: str, rows: int, rows_of: str, num_slots: int, cache_name: str,
-    device: torch.device, write: bool,
-) -> Tensor:
-    """Check ``slots`` (a SlotPlan: host ints only; a raw tensor: validated here, syncs) against a
-    write/read of ``rows`` rows into a cache of ``num_slots`` slots -> int64 index on ``device``."""
-    if isinstance(slots, SlotPlan):
-        if slots.num_tokens != rows:
-            raise ValueError(f"{slots.name} plans {slots.num_tokens} rows but {rows_of} has {rows} rows")
-        if slots.num_slots != num_slots:
-            raise ValueError(
-                f"{slots.name} was planned for num_slots={slots.num_slots} but {cache_name} has {num_slots} slots"
-            )
-        if slots.device != device:
-            raise ValueError(f"{slots.name} is on {slots.device} but the cache is on {device}")
-        if write and not slots.unique:
-            raise ValueError(
-                f"{slots.name} allows duplicate slots: a write needs a plan_slots(..., allow_duplicates=False) plan"
-            )
-        return slots.index
-    slots = _check_slot_tensor(slots, name)
+# ---------------------------------------------------------------------------------------- writes
+def _cache_layout(cache: Tensor, name: str, row_shape: tuple, dtype: torch.dtype, device: torch.device) -> tuple:
+    """(page_size or None, num_slots) of a flat ``[num_slots, *row]`` or paged ``[num_pages,
+    page_size, *row]`` cache of any strides, after its checks."""
+    check_tensor(cache, name)
+    k = len(row_shape)
+    if cache.dim() == k + 1:
+        ps, num_slots = None, cache.shape[0]
+    elif cache.dim() == k + 2:
+        ps, num_slots = cache.shape[1], cache.shape[0] * cache.shape[1]
+    else:
+        raise ValueError(f"{name} must be [num_slots, {', '.join(map(str, row_shape))}] or [num_pages, page_size, "
+                         f"...], got {list(cache.shape)}")
+    if tuple(cache.shape[-k:] if k else ()) != tuple(row_shape):
+        raise ValueError(f"{name} rows are {list(cache.shape[-k:])}, expected {list(row_shape)}")
+    if cache.dtype != dtype:
+        raise TypeError(f"{name} dtype {cache.dtype} != the rows' dtype {dtype}")
+    if cache.device != device:
+        raise ValueError(f"{name} is on {cache.device} but the rows are on {device}")
+    if _may_overlap(cache):  # e.g. an expanded view: distinct slots share memory, no write can be exact
+        raise ValueError(f"{name} has overlapping memory (shape {list(cache.shape)}, strides {list(cache.stride())}): "
+                         "its slots alias each other, so it cannot hold distinct rows; nothing was written")
+    return ps, num_slots
+
+
+def _may_overlap(t: Tensor) -> bool:
+    """Might two elements of ``t`` share memory? False for every non-overlapping layout whose dims,
+    ordered by stride, each step over the previous ones (contiguous tensors, slices, views of
+    interleaved buffers); True for expanded (stride 0) and other self-overlapping views."""
+    span = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s > 1):
+        if stride < span:
+            return True
+        span = stride * size
+    return False
+
+
+def _resolve(writes, name: str, rows: int, rows_of: str, num_slots: int, cache_name: str,
+             device: torch.device) -> CacheWritePlan:
+    """A plan checked against a write of ``rows`` source rows into ``num_slots`` slots (host ints
+    only); a raw slot tensor becomes a plan here (validated: one host sync)."""
+    if isinstance(writes, CacheWritePlan):
+        if writes.num_source_rows != rows:
+            raise ValueError(f"{writes.name} plans {writes.num_source_rows} source rows but {rows_of} has {rows} rows")
+        if writes.num_slots != num_slots:
+            raise ValueError(f"{writes.name} was planned for num_slots={writes.num_slots} but {cache_name} has "
+                             f"{num_slots} slots")
+        if writes.device != device:
+            raise ValueError(f"{writes.name} is on {writes.device} but the cache is on {device}")
+        return writes
+    slots = _check_slot_tensor(writes, name)
     if slots.shape[0] != rows:
-        raise ValueError(
-            f"{name} has {slots.shape[0]} entries but {rows_of} has {rows} rows: a raw slot tensor needs exactly "
-            "one slot per row (pass the gathered [T, ...] rows; trim a padded slot array with plan_slots)"
-        )
+        raise ValueError(f"{name} has {slots.shape[0]} entries but {rows_of} has {rows} rows: a raw slot tensor needs "
+                         "exactly one slot per row (plan a padded slot array with plan_cache_writes)")
     if slots.device != device:
         raise ValueError(f"{name} is on {slots.device} but the cache is on {device}")
     index = slots.to(torch.int64)
-    _validate_index(index, num_slots, name, unique=write)
-    return index
+    _validate_index(index, num_slots, name, unique=True)
+    return CacheWritePlan(index, None, rows, rows, num_slots, None, name)
 
 
-def _flat_slots(cache: Tensor, name: str, trailing: int) -> Tensor:
-    """View a flat ``[num_slots, *row]`` or paged ``[num_pages, page_size, *row]`` cache as
-    ``[num_slots, *row]`` (``trailing`` = dims of one row). Must be a view: writes land in ``cache``."""
-    if cache.dim() == trailing + 1:
-        return cache
-    if cache.dim() == trailing + 2:
-        try:
-            return cache.view(-1, *cache.shape[2:])
-        except RuntimeError:
-            raise ValueError(f"{name} paged layout must be viewable as [num_slots, ...] (contiguous pages)") from None
-    raise ValueError(
-        f"{name} must be [num_slots, ...] or [num_pages, page_size, ...] with {trailing} row dim(s), "
-        f"got shape {tuple(cache.shape)}"
-    )
+def _scatter(cache: Tensor, page_size: Optional[int], plan: CacheWritePlan, src: Tensor) -> None:
+    """Rows ``plan.rows`` of ``src`` into ``cache`` at ``plan.slots`` (device-only, any strides)."""
+    if plan.rows is not None:
+        src = src.index_select(0, plan.rows)
+    if cache.element_size() == 1 and cache.dtype != torch.uint8:  # fp8: copied as bytes, bit for bit
+        cache, src = cache.view(torch.uint8), src.view(torch.uint8)
+    if page_size is None:
+        cache.index_copy_(0, plan.slots, src)
+    else:
+        cache.index_put_((plan.slots // page_size, plan.slots % page_size), src)
+
+
+def _kv_pools(k, v, pools) -> list:
+    """Check every (k_cache, v_cache, writes) pool of a K/V write -> the writes to run."""
+    for name, t in (("k", k), ("v", v)):
+        check_tensor(t, name)
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be [rows, Hkv, dim], got shape {tuple(t.shape)}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k shape {tuple(k.shape)} and v shape {tuple(v.shape)} differ before the last dim")
+    todo = []
+    for prefix, kc, vc, plan in pools:
+        ps_k, n_k = _cache_layout(kc, f"{prefix}k_cache", tuple(k.shape[1:]), k.dtype, k.device)
+        ps_v, n_v = _cache_layout(vc, f"{prefix}v_cache", tuple(v.shape[1:]), v.dtype, v.device)
+        if (ps_k, n_k) != (ps_v, n_v):
+            raise ValueError(f"{prefix}v_cache {list(vc.shape)} and {prefix}k_cache {list(kc.shape)} differ in "
+                             "pages / slots")
+        plan = _resolve(plan, f"{prefix}slots", k.shape[0], "k", n_k, f"{prefix}k_cache", kc.device)
+        todo += [(kc, ps_k, plan, k), (vc, ps_v, plan, v)]
+    return todo
+
+
+def check_kv_writes(writes, k_cache: Tensor, v_cache: Tensor, rows: int, k: Tensor, v: Tensor) -> None:
+    """The checks of :func:`write_kv_cache` for ``rows`` source rows shaped like ``k`` / ``v``
+    (plans call it before their collective, so a bad cache raises on every rank first)."""
+    like_k = k.new_empty((rows, *k.shape[1:])) if k.shape[0] != rows else k
+    like_v = v.new_empty((rows, *v.shape[1:])) if v.shape[0] != rows else v
+    _kv_pools(like_k, like_v, [("", k_cache, v_cache, writes)])
+
+
+def write_kv_cache(
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    writes: Union[CacheWritePlan, Tensor],
+    *,
+    swa_writes: Optional[Union[CacheWritePlan, Tensor]] = None,
+    swa_k_cache: Optional[Tensor] = None,
+    swa_v_cache: Optional[Tensor] = None,
+) -> None:
+    """Write this forward's new K/V into this rank's K/V caches (in place, all or nothing).
+
+    Args:
+        k, v: the source rows [writes.num_source_rows, Hkv, D] / [.., Dv]: the logical [T, ...]
+            rows of ``strategy.gather_kv`` (sharded queries), or the local [P, ...] rows
+            (replicated queries). A sharded cache's plan picks the rows this rank stores.
+        k_cache, v_cache: [num_slots, Hkv, D] / [.., Dv] or paged [num_pages, page_size, Hkv, D]
+            / [.., Dv], any strides, the dtypes of k / v.
+        writes: the :class:`CacheWritePlan` of this forward (:func:`plan_cache_writes`), or a
+            raw int32/int64 slot tensor with exactly one slot per row (validated here: one sync).
+        swa_writes, swa_k_cache, swa_v_cache: a separate sliding-window pool (all three or none),
+            with its own plan; the same rows are written there too.
+
+    Device-only with a plan (graph-safe with a static one). On a ValueError / TypeError no cache
+    changes.
+    """
+    swa = (swa_writes, swa_k_cache, swa_v_cache)
+    if any(x is not None for x in swa) and not all(x is not None for x in swa):
+        raise ValueError("swa_writes, swa_k_cache and swa_v_cache must be given together")
+    pools = [("", k_cache, v_cache, writes)]
+    if swa_writes is not None:
+        pools.append(("swa_", swa_k_cache, swa_v_cache, swa_writes))
+    todo = _kv_pools(k, v, pools)  # every pool checked before any is written
+    for cache, ps, plan, src in todo:
+        if plan.slots.numel():
+            _scatter(cache, ps, plan, src)
 
 
 def _as_bytes(x: Tensor) -> Tensor:
-    """``[N, ...]`` -> ``[N, row_bytes]`` uint8 (the last dim must be contiguous)."""
+    """``[N, ...]`` -> ``[N, row_bytes]`` uint8 (a contiguous copy where needed)."""
     x = x.reshape(x.shape[0], -1)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -297,177 +460,72 @@ def kv_bytes_per_token(num_kv_heads: int, head_dim: int, v_head_dim: int, dtype:
     return hkv * (d + dv) * _check_dtype(dtype, "dtype").itemsize
 
 
-def _check_mla_write(
-    cache: Tensor,
-    slots: SlotsLike,
-    num_tokens: int,
-    r: int,
-    d_rope: int,
-    kv_c_dtype: torch.dtype,
-    k_pe_dtype: torch.dtype,
-    device: torch.device,
-) -> tuple[Tensor, Tensor]:
-    """Validate an MLA cache write of ``num_tokens`` rows -> (flat cache view, int64 slot index).
-
-    With a :class:`SlotPlan` only host ints are checked (no sync); callers run it before a
-    collective so a bad cache raises on every rank instead of after the gather.
-    """
-    check_tensor(cache, "cache")
-    if cache.device != device:
-        raise ValueError(f"cache is on {cache.device} but the latent rows are on {device}")
-    if cache.dtype == torch.uint8 and not (kv_c_dtype == k_pe_dtype == torch.uint8):
-        row = r * kv_c_dtype.itemsize + d_rope * k_pe_dtype.itemsize
-        what = "bytes (raw uint8 cache)"
-    elif kv_c_dtype == k_pe_dtype == cache.dtype:
-        row = r + d_rope
-        what = "values"
-    else:
-        raise TypeError(
-            f"cache dtype {cache.dtype} must equal kv_c dtype {kv_c_dtype} and k_pe dtype {k_pe_dtype} "
-            "(or be uint8 for a raw-byte cache)"
-        )
-    flat = _flat_slots(cache, "cache", 1)
-    if flat.shape[1] != row:
-        raise ValueError(f"cache rows hold {flat.shape[1]} {what}, expected r + d_rope = {r} + {d_rope} -> {row}")
-    index = _resolve_slots(slots, "slots", num_tokens, "kv_c", flat.shape[0], "cache", device, write=True)
-    return flat, index
-
-
 # ---------------------------------------------------------------------------------------- MLA
-def write_mla_cache(kv_c: Tensor, k_pe: Tensor, cache: Tensor, slots: SlotsLike) -> Tensor:
-    """Write the gathered latent of ``T`` extend tokens into a paged MLA cache (in place, all or nothing).
+def _mla_row(cache: Tensor, r: int, d_rope: int, kv_c_dtype: torch.dtype, k_pe_dtype: torch.dtype) -> tuple:
+    """(row width, raw bytes?) of an MLA cache for a latent of ``r`` and a rope key of ``d_rope``."""
+    if cache.dtype == torch.uint8 and not (kv_c_dtype == k_pe_dtype == torch.uint8):
+        return r * kv_c_dtype.itemsize + d_rope * k_pe_dtype.itemsize, True
+    if kv_c_dtype == k_pe_dtype == cache.dtype:
+        return r + d_rope, False
+    raise TypeError(f"cache dtype {cache.dtype} must equal kv_c dtype {kv_c_dtype} and k_pe dtype {k_pe_dtype} "
+                    "(or be uint8 for a raw-byte cache)")
+
+
+def write_mla_cache(kv_c: Tensor, k_pe: Tensor, cache: Tensor, writes: Union[CacheWritePlan, Tensor]) -> Tensor:
+    """Write this forward's new MLA latent rows into an MLA cache (in place, all or nothing).
 
     Args:
-        kv_c: [T, r] latent in logical order (e.g. from ``strategy.gather_mla_latent``).
-        k_pe: [T, d_rope] rotary key after RoPE, same rows.
-        cache: [num_slots, r + d_rope] or [num_pages, page_size, r + d_rope] in kv_c's dtype
-            (which must equal k_pe's), or uint8 with rows of ``r * kv_c.itemsize + d_rope *
-            k_pe.itemsize`` bytes (raw, for mixed dtypes).
-        slots: a :class:`SlotPlan` of T rows for this cache (:func:`plan_slots`, once per
-            forward), or a raw int32/int64 [T] tensor, exactly one slot per row (validated here:
-            one host sync).
+        kv_c: [rows, r] latent (``strategy.gather_mla_latent``'s logical rows, or the local rows
+            of replicated queries). k_pe: [rows, d_rope] rotary key after RoPE, same rows.
+        cache: [num_slots, r + d_rope] or [num_pages, page_size, r + d_rope] (any strides) in
+            kv_c's dtype (which must equal k_pe's), or uint8 rows of ``r * kv_c.itemsize +
+            d_rope * k_pe.itemsize`` raw bytes (mixed dtypes).
+        writes: a :class:`CacheWritePlan` (:func:`plan_cache_writes`) or a raw int32/int64 slot
+            tensor, exactly one slot per row (validated here: one host sync).
 
     Returns:
-        ``cache`` (written in place). With a SlotPlan: device-only, no host sync. On a ValueError
-        / TypeError nothing is written.
-
-    Example::
-
-        plan = cpattn.plan_slots(meta, out_cache_loc, num_slots)               # once per forward
-        kv_c, k_pe = s.gather_mla_latent(kv_c_local, k_pe_local, meta, group)  # per layer
-        cpattn.write_mla_cache(kv_c, k_pe, mla_cache, plan)
+        ``cache``. Device-only with a plan; on a ValueError / TypeError nothing is written.
     """
     for name, t in (("kv_c", kv_c), ("k_pe", k_pe)):
         check_tensor(t, name)
         if t.dim() != 2:
-            raise ValueError(f"{name} must be 2-D [T, dim], got shape {tuple(t.shape)}")
+            raise ValueError(f"{name} must be 2-D [rows, dim], got shape {tuple(t.shape)}")
     if kv_c.shape[0] != k_pe.shape[0]:
         raise ValueError(f"kv_c has {kv_c.shape[0]} rows but k_pe has {k_pe.shape[0]}")
     if kv_c.device != k_pe.device:
         raise ValueError(f"kv_c is on {kv_c.device} but k_pe on {k_pe.device}")
-    flat, index = _check_mla_write(
-        cache, slots, kv_c.shape[0], kv_c.shape[1], k_pe.shape[1], kv_c.dtype, k_pe.dtype, kv_c.device
-    )
-    if kv_c.shape[0] == 0:
-        return cache
-    rows = torch.cat([_as_bytes(kv_c), _as_bytes(k_pe)], dim=1)
-    _as_bytes_view(flat).index_copy_(0, index, rows)
+    check_tensor(cache, "cache")
+    width, raw = _mla_row(cache, kv_c.shape[1], k_pe.shape[1], kv_c.dtype, k_pe.dtype)
+    ps, num_slots = _cache_layout(cache, "cache", (width,), cache.dtype, kv_c.device)
+    plan = _resolve(writes, "slots", kv_c.shape[0], "kv_c", num_slots, "cache", kv_c.device)
+    if plan.slots.numel():
+        rows = torch.cat([_as_bytes(kv_c), _as_bytes(k_pe)], dim=1) if raw else torch.cat([kv_c, k_pe], dim=1)
+        _scatter(cache, ps, plan, rows)
     return cache
 
 
-def read_mla_cache(cache: Tensor, slots: SlotsLike, kv_lora_rank: int) -> tuple[Tensor, Tensor]:
-    """Rows of an MLA cache at ``slots`` -> (kv_c [N, r], k_pe [N, d_rope]), in the cache dtype.
+def read_mla_cache(cache: Tensor, slots: Tensor, kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    """Rows of an MLA cache at ``slots`` -> (kv_c [N, r], k_pe [N, d_rope]) in the cache dtype.
 
-    ``cache``: a layout of :func:`write_mla_cache` (typed, not uint8); ``slots``: a
-    :class:`SlotPlan` of N rows (device-only; ``allow_duplicates=True`` plans are fine for reads),
-    or a raw int32/int64 [N] tensor (range-checked here: one host sync; repeats allowed). The two
+    ``cache``: a typed (not uint8) layout of :func:`write_mla_cache`; ``slots``: int32/int64
+    [N], range-checked here (one host sync; repeats allowed: shared prefix pages). The two
     results are views of one gathered [N, r + d_rope] tensor.
     """
     check_tensor(cache, "cache")
     r = check_int(kv_lora_rank, "kv_lora_rank", 1)
-    flat = _flat_slots(cache, "cache", 1)
     if cache.dtype == torch.uint8:
         raise TypeError("read_mla_cache needs a typed cache; a uint8 (raw-byte) cache has no element type")
-    if r > flat.shape[1]:
-        raise ValueError(f"kv_lora_rank={r} exceeds the cache row width {flat.shape[1]}")
-    rows = slots.num_tokens if isinstance(slots, SlotPlan) else _check_slot_tensor(slots, "slots").shape[0]
-    index = _resolve_slots(slots, "slots", rows, "the read", flat.shape[0], "cache", cache.device, write=False)
-    out = flat.index_select(0, index)
+    if cache.dim() not in (2, 3):
+        raise ValueError(f"cache must be [num_slots, row] or [num_pages, page_size, row], got {list(cache.shape)}")
+    if r > cache.shape[-1]:
+        raise ValueError(f"kv_lora_rank={r} exceeds the cache row width {cache.shape[-1]}")
+    index = _check_slot_tensor(slots, "slots").to(torch.int64)
+    num_slots = cache.shape[0] if cache.dim() == 2 else cache.shape[0] * cache.shape[1]
+    if slots.device != cache.device:
+        raise ValueError(f"slots is on {slots.device} but the cache is on {cache.device}")
+    _validate_index(index, num_slots, "slots", unique=False)
+    if cache.dim() == 2:
+        out = cache.index_select(0, index)
+    else:
+        out = cache[index // cache.shape[1], index % cache.shape[1]]
     return out[:, :r], out[:, r:]
-
-
-# ---------------------------------------------------------------------------------------- K/V
-def write_kv_cache(
-    k: Tensor,
-    v: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    slots: SlotsLike,
-    *,
-    swa_slots: Optional[SlotsLike] = None,
-    swa_k_cache: Optional[Tensor] = None,
-    swa_v_cache: Optional[Tensor] = None,
-) -> None:
-    """Write the gathered K/V of ``T`` extend tokens into paged K/V caches (in place, all or nothing).
-
-    Args:
-        k, v: [T, Hkv, D] / [T, Hkv, Dv] in logical order (e.g. from ``strategy.gather_kv``; NOT
-            the rank-local [P, ...] rows).
-        k_cache, v_cache: [num_slots, Hkv, D] / [num_slots, Hkv, Dv], or paged
-            [num_pages, page_size, Hkv, D] / [.., Dv]; same dtypes as k / v (fp8 fine).
-        slots: a :class:`SlotPlan` of T rows for these caches (:func:`plan_slots`, once per
-            forward), or a raw int32/int64 [T] tensor, exactly one slot per row (validated here:
-            one host sync).
-        swa_slots, swa_k_cache, swa_v_cache: a separate sliding-window pool (all three or none);
-            its own slot plan (planned against the SWA pool's size) or raw tensor; the same rows are
-            written there too. (A layer that lives only in an SWA pool passes that pool as
-            k_cache / v_cache.)
-
-    Every pool is validated before any is written; on a ValueError / TypeError no cache changes.
-    With SlotPlans: device-only, no host sync.
-    """
-    for name, t in (("k", k), ("v", v)):
-        check_tensor(t, name)
-        if t.dim() != 3:
-            raise ValueError(f"{name} must be [T, Hkv, dim], got shape {tuple(t.shape)}")
-    if k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"k shape {tuple(k.shape)} and v shape {tuple(v.shape)} differ before the last dim")
-    swa = (swa_slots, swa_k_cache, swa_v_cache)
-    if any(x is not None for x in swa) and not all(x is not None for x in swa):
-        raise ValueError("swa_slots, swa_k_cache and swa_v_cache must be given together")
-    pools = [("", k_cache, v_cache, slots)]
-    if swa_slots is not None:
-        pools.append(("swa_", swa_k_cache, swa_v_cache, swa_slots))
-    writes = []
-    for prefix, kc, vc, sl in pools:  # validate every pool before writing any
-        flats = []
-        for name, cache, src in ((f"{prefix}k_cache", kc, k), (f"{prefix}v_cache", vc, v)):
-            check_tensor(cache, name)
-            flat = _flat_slots(cache, name, 2)
-            if tuple(flat.shape[1:]) != tuple(src.shape[1:]):
-                raise ValueError(
-                    f"{name} rows are {tuple(flat.shape[1:])}, expected [Hkv, dim] = {tuple(src.shape[1:])}"
-                )
-            if cache.dtype != src.dtype:
-                raise TypeError(f"{name} dtype {cache.dtype} != {'k' if src is k else 'v'} dtype {src.dtype}")
-            if cache.device != src.device:
-                raise ValueError(f"{name} is on {cache.device} but the rows are on {src.device}")
-            flats.append(flat)
-        if flats[1].shape[0] != flats[0].shape[0]:
-            raise ValueError(
-                f"{prefix}v_cache has {flats[1].shape[0]} slots but {prefix}k_cache has {flats[0].shape[0]}"
-            )
-        index = _resolve_slots(
-            sl, f"{prefix}slots", k.shape[0], "k", flats[0].shape[0], f"{prefix}k_cache", kc.device, write=True
-        )
-        writes += [(flats[0], k, index), (flats[1], v, index)]
-    if k.shape[0] == 0:
-        return
-    for flat, src, index in writes:
-        _as_bytes_view(flat).index_copy_(0, index, _as_bytes(src))
-
-
-def _as_bytes_view(flat: Tensor) -> Tensor:
-    """A ``[num_slots, ...]`` cache as a writable ``[num_slots, row_bytes]`` uint8 view."""
-    view = flat.view(flat.shape[0], -1)
-    return view.view(torch.uint8) if view.dtype != torch.uint8 else view

@@ -17,24 +17,71 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ._validation import check_process_group
 from .metadata import CPMetadata
 
 __all__ = [
     "PendingGather",
     "PlanDisagreement",
     "agree_on_plan",
+    "all_gather_into",
     "all_gather_rows",
+    "all_to_all_into",
     "check_group",
     "gathered_bytes_per_token",
+    "pack_rows",
+    "row_layout",
+    "unpack_rows",
 ]
 
 PART_ALIGN_BYTES = 16  # byte alignment of each part inside a packed row (any dtype views back cleanly)
 
 
-def _all_gather_into(output: Tensor, input: Tensor, group, async_op: bool):
-    """The single collective call (tests count calls through this function)."""
+def all_gather_into(output: Tensor, input: Tensor, group, async_op: bool = False):
+    """The all-gather every cpattn all-gather goes through (``output`` [C * rows, ...] from each
+    rank's ``input`` [rows, ...]); tests count collectives by patching it."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(output, input, group=group, async_op=async_op)
+
+
+def all_to_all_into(output: Tensor, input: Tensor, group) -> None:
+    """The all-to-all every cpattn all-to-all goes through (equal splits along dim 0); tests
+    count collectives by patching it."""
+    dist.all_to_all_single(output, input, group=group)
+
+
+# ---------------------------------------------------------------------------- row packing
+def row_layout(widths: Sequence[int]) -> tuple[list[int], int]:
+    """Byte offset of each part of a packed row (parts 16-byte aligned) and the row's bytes."""
+    offsets, off = [], 0
+    for w in widths:
+        offsets.append(off)
+        off += -(-w // PART_ALIGN_BYTES) * PART_ALIGN_BYTES
+    return offsets, max(off, PART_ALIGN_BYTES)
+
+
+def pack_rows(parts: Sequence[Tensor], rows: int) -> tuple[Tensor, list[tuple[int, int]]]:
+    """``[rows, ...]`` tensors of any dtypes -> one ``[rows, row_bytes]`` uint8 buffer (16-byte
+    aligned parts) and the (offset, bytes) of each part."""
+    widths = [p.element_size() * _row_numel(p) for p in parts]
+    offsets, row_bytes = row_layout(widths)
+    buf = torch.empty((rows, row_bytes), dtype=torch.uint8, device=parts[0].device)
+    for p, off, w in zip(parts, offsets, widths):
+        buf[:, off : off + w] = p.reshape(rows, w // p.element_size()).contiguous().view(torch.uint8)
+    return buf, list(zip(offsets, widths))
+
+
+def unpack_rows(buf: Tensor, layout, like: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> list[Tensor]:
+    """Views of a packed ``[..., row_bytes]`` buffer as tensors ``[..., *trailing]`` of each
+    (dtype, trailing shape) in ``like`` (rows strided, last dim contiguous: no copy)."""
+    lead = buf.shape[:-1]
+    out = []
+    for (off, w), (dtype, trailing) in zip(layout, like):
+        view = buf[..., off : off + w]
+        if dtype != torch.uint8:
+            view = view.view(dtype)
+        out.append(view.view(*lead, *trailing))
+    return out
 
 
 class PlanDisagreement(ValueError):
@@ -52,7 +99,7 @@ def _group_device(group) -> torch.device:
 #: Fingerprint entries: names used in the error message (the last one is the claimed rank).
 _FINGERPRINT_FIELDS = (
     "strategy", "cp_size", "pad_multiple", "num_seqs", "num_tokens", "num_kv_tokens", "lengths",
-    "lengths", "capacity", "capacity", "capacity", "capacity", "capacity", "rank",
+    "lengths", "capacity", "capacity", "capacity", "capacity", "capacity", "capacity", "rank",
 )
 
 
@@ -70,17 +117,22 @@ def agree_on_plan(fingerprint: Optional[tuple[int, ...]], group, cp_size: int) -
         )
     width = len(_FINGERPRINT_FIELDS) + 2  # + ok flag + this process's rank in the group
     mine = torch.zeros(width, dtype=torch.int64)
+    own_error = None
+    if fingerprint is not None and len(fingerprint) != len(_FINGERPRINT_FIELDS):
+        # raised after the exchange (joined as "failed"), so the other ranks do not hang
+        own_error = ValueError(f"fingerprint must have {len(_FINGERPRINT_FIELDS)} entries, got {len(fingerprint)}")
+        fingerprint = None
     if fingerprint is not None:
-        if len(fingerprint) != len(_FINGERPRINT_FIELDS):
-            raise ValueError(f"fingerprint must have {len(_FINGERPRINT_FIELDS)} entries, got {len(fingerprint)}")
         mine[0] = 1
         mine[1 : 1 + len(fingerprint)] = torch.tensor(fingerprint, dtype=torch.int64)
     mine[-1] = dist.get_rank(group)
     size = dist.get_world_size(group)
     device = _group_device(group)
     table = torch.empty(size * width, dtype=torch.int64, device=device)
-    _all_gather_into(table, mine.to(device), group, False)
+    all_gather_into(table, mine.to(device), group, False)
     rows = table.view(size, width).cpu().tolist()
+    if own_error is not None:
+        raise own_error
     failed = [r[-1] for r in rows if r[0] == 0]
     if failed:
         raise PlanDisagreement(f"CP plan: group rank(s) {failed} could not build a plan for this batch "
@@ -111,7 +163,8 @@ def check_group(meta: CPMetadata, group) -> None:
     Local checks only: safe to call before a collective, so a misconfigured rank raises instead of
     hanging the others.
     """
-    if meta.cp_size == 1 and group is None:
+    check_process_group(group)
+    if (meta.cp_size == 1 or meta.replicated) and group is None:
         return
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(
@@ -120,7 +173,7 @@ def check_group(meta: CPMetadata, group) -> None:
         )
     size = dist.get_world_size(group)
     if size != meta.cp_size:
-        raise ValueError(f"group size {size} != cp_size {meta.cp_size}")
+        raise ValueError(f"group size {size} != cp_size {meta.cp_size}: group must have the plan's cp_size ranks")
     rank = dist.get_rank(group)
     if rank != meta.rank:
         raise ValueError(f"metadata was built for rank {meta.rank} but this process is rank {rank} of the group")
@@ -195,11 +248,11 @@ def all_gather_rows(
     for part, off, width in zip(parts, offsets, widths):
         packed[:, off : off + width] = part.reshape(phys, _row_numel(part)).contiguous().view(torch.uint8)
     work = None
-    if meta.cp_size == 1 or phys == 0:
-        gathered = packed if meta.cp_size == 1 else packed.new_empty((0, row_bytes))
+    if meta.cp_size == 1 or meta.replicated or phys == 0:  # replicated: every rank has every row
+        gathered = packed if (meta.cp_size == 1 or meta.replicated) else packed.new_empty((0, row_bytes))
     else:
         gathered = torch.empty((meta.cp_size * phys, row_bytes), dtype=torch.uint8, device=device)
-        work = _all_gather_into(gathered, packed, group, async_op)
+        work = all_gather_into(gathered, packed, group, async_op)
         if not async_op:
             work = None
     layout = tuple((p.dtype, tuple(p.shape[1:]), o, w) for p, o, w in zip(parts, offsets, widths))

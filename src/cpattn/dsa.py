@@ -22,8 +22,9 @@ from typing import Mapping, Optional
 import torch
 from torch import Tensor
 
-from ._validation import check_int, check_tensor
+from ._validation import check_int, check_softmax_scale, check_tensor
 from .metadata import CPMetadata
+from .plan_cache import cached_plan
 from .plans.sparse import IndexTopkPlan, plan_index_topk
 
 __all__ = ["index_topk", "key_ranges"]
@@ -102,6 +103,7 @@ def index_topk(
         kv_c, k_pe, k_idx = s.gather_packed([kv_c, k_pe, k_idx], meta, group)
         idx = cpattn.dsa.index_topk(q_idx, k_idx_packed, weights, meta, 2048)
     """
+    softmax_scale = check_softmax_scale(softmax_scale)  # before planning (ValueError / TypeError naming it)
     plan = _cached_index_plan(q_idx, k_idx_all, weights, meta, topk, page_table, k_scale, backend, backend_options)
     return plan.run(q_idx, k_idx_all, weights, k_scale=k_scale, page_table=page_table, softmax_scale=softmax_scale,
                     out=out)
@@ -129,10 +131,7 @@ def _cached_index_plan(q_idx, k_idx_all, weights, meta, topk, page_table, k_scal
     page_size = k_idx_all.shape[1] if paged else None
     key = ("index", q_idx.shape[1], q_idx.shape[2], q_idx.dtype, k_idx_all.dtype, topk, page_size,
            k_scale is not None, backend, repr(sorted((backend_options or {}).items())))
-    plan = meta.plan_cache.get(key)
-    if plan is None:
-        plan = plan_index_topk(meta, num_heads=q_idx.shape[1], head_dim=q_idx.shape[2], q_dtype=q_idx.dtype,
-                               k_dtype=k_idx_all.dtype, topk=topk, page_size=page_size,
-                               has_k_scale=k_scale is not None, backend=backend, backend_options=backend_options)
-        meta.plan_cache[key] = plan
-    return plan
+    return cached_plan(meta, key, lambda: plan_index_topk(
+        meta, num_heads=q_idx.shape[1], head_dim=q_idx.shape[2], q_dtype=q_idx.dtype, k_dtype=k_idx_all.dtype,
+        topk=topk, page_size=page_size, has_k_scale=k_scale is not None, backend=backend,
+        backend_options=backend_options))

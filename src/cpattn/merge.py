@@ -18,16 +18,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._validation import check_tensor
+from ._validation import check_process_group, check_tensor
 from . import collectives as _collectives
-from .collectives import PART_ALIGN_BYTES
+from .metadata import CPMetadata
 
 __all__ = ["merge_partials", "merge_states", "merge_path"]
-
-
-def _all_to_all_into(output: Tensor, input: Tensor, group) -> None:
-    """The single all-to-all call of ``merge_partials(scatter_heads=True)`` (tests count it)."""
-    dist.all_to_all_single(output, input, group=group)
 
 
 def merge_states(out_parts: Tensor, lse_parts: Tensor, *, dim: int = 0) -> tuple[Tensor, Tensor]:
@@ -63,6 +58,8 @@ def merge_states(out_parts: Tensor, lse_parts: Tensor, *, dim: int = 0) -> tuple
                          f"lse_parts {list(lse_parts.shape)}")
     if out_parts.device != lse_parts.device:
         raise ValueError(f"out_parts is on {out_parts.device} but lse_parts on {lse_parts.device}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
     if not -lse_parts.dim() <= dim < lse_parts.dim():
         raise ValueError(f"dim {dim} out of range for lse_parts of shape {list(lse_parts.shape)}")
     dim %= lse_parts.dim()
@@ -145,46 +142,54 @@ def _merge_states_torch(out_parts: Tensor, lse_parts: Tensor, dim: int) -> tuple
     return out.to(out_parts.dtype), lse_out
 
 
-def _row_layout(widths: list[int]) -> tuple[list[int], int]:
-    offsets, off = [], 0
-    for w in widths:
-        offsets.append(off)
-        off += -(-w // PART_ALIGN_BYTES) * PART_ALIGN_BYTES
-    return offsets, max(off, PART_ALIGN_BYTES)
-
-
-def _pack(parts: list[Tensor], rows: int) -> tuple[Tensor, list[tuple[int, int]]]:
-    """``[rows, ...]`` tensors -> one ``[rows, row_bytes]`` uint8 buffer (16-byte aligned parts)."""
-    widths = [p.element_size() * _prod(p.shape[1:]) for p in parts]
-    offsets, row_bytes = _row_layout(widths)
-    buf = torch.empty((rows, row_bytes), dtype=torch.uint8, device=parts[0].device)
-    for p, off, w in zip(parts, offsets, widths):
-        buf[:, off : off + w] = p.reshape(rows, w // p.element_size()).contiguous().view(torch.uint8)
-    return buf, list(zip(offsets, widths))
-
-
-def _prod(shape) -> int:
-    n = 1
-    for x in shape:
-        n *= x
-    return n
-
-
-def _unpack(buf: Tensor, layout, like: list[tuple[torch.dtype, tuple[int, ...]]]) -> list[Tensor]:
-    lead = buf.shape[:-1]
-    out = []
-    for (off, w), (dtype, trailing) in zip(layout, like):
-        view = buf[..., off : off + w]  # rows strided, last dim contiguous: views, no copy
-        if dtype != torch.uint8:
-            view = view.view(dtype)
-        out.append(view.view(*lead, *trailing))
-    return out
-
-
 def _group_size_and_rank(group) -> tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("merge_partials over a group needs an initialized torch.distributed process group")
     return dist.get_world_size(group), dist.get_rank(group)
+
+
+#: dtype codes of the partials' header (another dtype: 100 * itemsize + 99)
+_HEADER_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn,
+                  torch.float8_e5m2)
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return _HEADER_DTYPES.index(dtype) + 1 if dtype in _HEADER_DTYPES else 100 * dtype.itemsize + 99
+
+
+def _describe(header: list[int]) -> str:
+    n, hq, dv, code, scatter = header
+    dtype = str(_HEADER_DTYPES[code - 1]).split(".")[-1] if 1 <= code <= len(_HEADER_DTYPES) else f"code {code}"
+    return f"out_part [N={n}, Hq={hq}, Dv={dv}] {dtype} scatter_heads={bool(scatter)}"
+
+
+def _check_same_partials(header: tuple[int, ...], group, size: int, meta) -> None:
+    """Every rank of the group passes partials of one shape / dtype and one ``scatter_heads``:
+    else the same ValueError on every rank. The data collective's size depends on these, and
+    collectives of different sizes abort (gloo) or hang (NCCL) before anything can be checked,
+    so a tiny fixed-size all-gather of ``header`` runs first, once per (plan, header) with a plan
+    (the plan's later merges of that shape run the data collective alone), every call without
+    one. Skipped while a CUDA graph is being captured (the check reads its result on the host)."""
+    if meta is not None and header in _checked_headers(meta):
+        return
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return
+    device = _collectives._group_device(group)
+    table = torch.empty(size * len(header), dtype=torch.int64, device=device)
+    _collectives.all_gather_into(table, torch.tensor(header, dtype=torch.int64).to(device), group, False)
+    rows = table.view(size, len(header)).tolist()
+    if any(row != rows[0] for row in rows):
+        per_rank = "; ".join(f"rank {r}: {_describe(row)}" for r, row in enumerate(rows))
+        raise ValueError("merge_partials: the ranks passed different partials (out_part shape, dtype or "
+                         f"scatter_heads differ; nothing was merged): {per_rank}")
+    if meta is not None:
+        _checked_headers(meta).add(header)
+
+
+def _checked_headers(meta) -> set:
+    from .plan_cache import cached_plan
+
+    return cached_plan(meta, ("merge_partials", "checked headers"), set)
 
 
 def merge_partials(
@@ -195,7 +200,7 @@ def merge_partials(
 
     Args:
         out_part: [N, Hq, Dv] this rank's normalized partial output (e.g. from
-            :func:`cpattn.shard_attention`), any float dtype; the same shape on every rank.
+            :meth:`AttentionPlan.attend` of a "shard_merge" plan), any float dtype; the same shape on every rank.
         lse_part: [N, Hq] its natural-log LSE (float32; -inf where the rank holds no visible key).
         group: the CP process group (None: the default group). One rank and no group: no
             collective.
@@ -203,18 +208,23 @@ def merge_partials(
             all heads [N, Hq, Dv]. True: ONE all-to-all, rank r returns heads
             ``[r Hq / C, (r + 1) Hq / C)`` only, [N, Hq / C, Dv] (for an o_proj sharded by heads);
             Hq must be a multiple of C.
-        meta: the plan the partials came from (a :class:`cpattn.DecodeMetadata`): given, the
+        meta: the plan the partials came from (replicated queries over a sharded ``kv``): given, the
             group must have ``meta.cp_size`` ranks with this process at ``meta.rank``, and N must
-            be ``meta.num_query_token_rows`` (so every rank of an agreed plan passes one shape).
+            be ``meta.num_physical_tokens`` (so every rank of an agreed plan passes one shape).
         return_lse: also return the merged lse (float32) [N, Hq] (or [N, Hq / C]).
 
-    All checks run before the collective (ValueError naming the argument). Bytes moved per
+    All checks run before the collective (ValueError / TypeError naming the argument). Ranks
+    whose partials differ in shape, dtype or ``scatter_heads`` all raise the same ValueError
+    (instead of a collective of mismatched sizes, which aborts or hangs): a tiny header
+    all-gather (5 int64 per rank) checks it before the data collective, once per plan and
+    shape when ``meta`` is given (later merges of the plan: the ONE data collective alone), on
+    every call without ``meta``. Bytes moved per
     rank: (C - 1) N Hq (Dv itemsize + 4) received, or 1/C of that with scatter_heads.
 
     Example::
 
-        out_p, lse_p = cpattn.shard_attention(q, k_cache, v_cache, dmeta, page_table=pt)
-        out = cpattn.merge_partials(out_p, lse_p, group, meta=dmeta)   # [N, Hq, Dv]
+        out_p, lse_p = plan.attend(q, k_cache, v_cache, page_table=pt)   # plan.algorithm == "shard_merge"
+        out = cpattn.merge_partials(out_p, lse_p, group, meta=meta)   # [N, Hq, Dv]
     """
     check_tensor(out_part, "out_part")
     check_tensor(lse_part, "lse_part")
@@ -227,11 +237,11 @@ def merge_partials(
         raise ValueError(f"out_part is on {out_part.device} but lse_part on {lse_part.device}")
     if not isinstance(scatter_heads, bool):
         raise TypeError(f"scatter_heads must be a bool, got {type(scatter_heads).__name__}")
+    if meta is not None and not isinstance(meta, CPMetadata):
+        raise TypeError(f"meta must be None or a CPMetadata (the plan the partials came from), got "
+                        f"{type(meta).__name__} {meta!r}")
+    check_process_group(group)
     n, hq, dv = out_part.shape
-    if meta is not None:
-        rows = getattr(meta, "num_query_token_rows", None)
-        if rows is not None and n != rows:
-            raise ValueError(f"out_part has {n} rows but the plan has {rows} query rows")
     if meta is not None and meta.cp_size == 1 and group is None:
         size, rank = 1, 0
     elif group is None and not (dist.is_available() and dist.is_initialized()):
@@ -243,6 +253,10 @@ def merge_partials(
             raise ValueError(f"merge group size {size} != cp_size {meta.cp_size} of the plan")
         if rank != meta.rank:
             raise ValueError(f"the plan was built for rank {meta.rank} but this process is rank {rank} of the group")
+    if size > 1:  # the checks below depend on this rank's shapes: first make sure every rank has the same
+        _check_same_partials((n, hq, dv, _dtype_code(out_part.dtype), int(scatter_heads)), group, size, meta)
+    if meta is not None and n != meta.num_physical_tokens:
+        raise ValueError(f"out_part has {n} rows but the plan has {meta.num_physical_tokens} query rows")
     if scatter_heads and hq % size:
         raise ValueError(f"scatter_heads needs Hq={hq} to be a multiple of the group size {size}")
     if size == 1:
@@ -253,13 +267,13 @@ def merge_partials(
     if scatter_heads:
         o = out_part.reshape(n, size, hc, dv).transpose(0, 1).reshape(size * n, hc, dv)
         l = lse_part.reshape(n, size, hc).transpose(0, 1).reshape(size * n, hc)
-        packed, layout = _pack([o, l], size * n)
+        packed, layout = _collectives.pack_rows([o, l], size * n)
         received = torch.empty_like(packed)
-        _all_to_all_into(received, packed, group)
+        _collectives.all_to_all_into(received, packed, group)
     else:
-        packed, layout = _pack([out_part, lse_part], n)
+        packed, layout = _collectives.pack_rows([out_part, lse_part], n)
         received = torch.empty((size * n, packed.shape[1]), dtype=torch.uint8, device=packed.device)
-        _collectives._all_gather_into(received, packed, group, False)  # the one collective (counted in tests)
-    outs, lses = _unpack(received.view(size, n, -1), layout, like)
+        _collectives.all_gather_into(received, packed, group, False)  # the one collective (counted in tests)
+    outs, lses = _collectives.unpack_rows(received.view(size, n, -1), layout, like)
     out, lse = merge_states(outs, lses)
     return (out, lse.float()) if return_lse else out

@@ -28,7 +28,6 @@ tensors a caller passes (``num_token_rows`` etc.), which equal the batch counts 
 from __future__ import annotations
 
 import dataclasses
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -37,6 +36,7 @@ import torch
 from torch import Tensor
 
 from . import padding
+from ._validation import as_lengths
 from ._buffers import move_packed
 
 __all__ = ["CPMetadata", "Capacity", "LengthsLike", "as_lengths", "build_metadata", "plan_fingerprint"]
@@ -52,7 +52,8 @@ class Capacity:
 
     max_tokens: T rows of logical tensors. max_seqs: B rows of per-sequence tensors (and of a
     page table). max_kv_tokens: rows of packed K/V. max_local_tokens: P, the physical rows of
-    every rank. max_segments: S, query segments per rank.
+    every rank. max_segments: S, query segments per rank. max_q_len: the longest
+    extend of one sequence the kernels are sized for (0: max_tokens; 1 for plain decode steps).
     """
 
     max_tokens: int
@@ -60,6 +61,12 @@ class Capacity:
     max_kv_tokens: int
     max_local_tokens: int
     max_segments: int
+    max_q_len: int = 0
+
+    @property
+    def query_tile(self) -> int:
+        """The longest q_len kernels are sized for: ``max_q_len``, or ``max_tokens`` when 0."""
+        return self.max_q_len or self.max_tokens
 
 
 #: Tensor fields of CPMetadata, in the order they are packed for the one host-to-device copy.
@@ -68,8 +75,8 @@ DEVICE_FIELDS = (
     "local_token_indices", "local_positions", "local_seq_ids", "shard_index", "row_valid",
     "gather_index", "kv_extend_index",
     "seg_seq", "seg_row0", "seg_len", "seg_pos0", "seg_stride", "counts",
-    # sharded KV cache (``build_metadata(kv_sharding=)``; empty without it)
-    "store_rows", "store_index", "local_prefix_lens", "local_kv_lens",
+    # sharded KV cache (``build_metadata(kv=)``; empty without it)
+    "store_rows", "store_index", "local_prefix_lens", "local_kv_lens", "cu_local_kv_lens",
 )
 
 
@@ -107,13 +114,20 @@ class CPMetadata:
         capacity: None, or the :class:`Capacity` of a static plan.
         host: the CPU copy this one was moved from (itself when on the CPU); planners read it.
 
-    Sharded KV cache (``strategy.build_metadata(..., kv_sharding=)``; the tensors are empty and
-    the host values 0 / () without it, when every rank stores every extend token):
-        kv_sharding: the :class:`cpattn.KVSharding`, or None.
+    Queries: ``strategy`` "replicated" gives every rank every extend token (``num_local_tokens``
+    = T, local row t = logical row t, no collective in ``gather`` / ``gather_kv``): a decode
+    step, or CP switched off for one batch. ``max_q_len``: the longest extend of one sequence.
+
+    KV layout (``strategy.build_metadata(..., kv=)``; the tensors are empty and the host values
+    0 / () without it, when every rank stores every extend token):
+        kv: the :class:`cpattn.KVSharding` of a sharded cache, or None (replicated cache).
         store_rows: [n_store] logical extend rows whose K/V this rank stores (increasing);
             store_index: [n_store] their local cache index. num_stored_tokens: n_store.
         local_prefix_lens, local_kv_lens: [B] prefix keys / prefix + extend keys this rank
-            holds. num_local_prefix_tokens_per_rank: sum(local prefix keys) of every rank
+            holds. cu_local_kv_lens: [B + 1] offsets of ``local_kv_lens`` (a packed local
+            cache holds local key j of sequence b at row ``cu_local_kv_lens[b] + j``).
+            num_local_kv_tokens, max_local_kv_len: sum and max of ``local_kv_lens`` (host ints).
+            num_local_prefix_tokens_per_rank: sum(local prefix keys) of every rank
             (C host ints: what a pass-KV gather of the prefix shards moves).
     """
 
@@ -155,15 +169,40 @@ class CPMetadata:
     store_index: Tensor
     local_prefix_lens: Tensor
     local_kv_lens: Tensor
+    cu_local_kv_lens: Tensor
     fingerprint: tuple[int, ...]
-    kv_sharding: Any = None
+    max_q_len: int = 0
+    kv: Any = None
     num_stored_tokens: int = 0
+    num_local_kv_tokens: int = 0
+    max_local_kv_len: int = 0
     num_local_prefix_tokens_per_rank: tuple[int, ...] = ()
     group: Any = None
     capacity: Optional[Capacity] = None
     host: Optional["CPMetadata"] = field(default=None, repr=False)
     arena: Any = field(default=None, repr=False)  # StaticPlanner buffers (static plans only)
-    plan_cache: dict = field(default_factory=dict, repr=False)  # strategy.attention's plans
+
+    @property
+    def replicated(self) -> bool:
+        """Every rank computes every query (strategy "replicated"): no collective for queries."""
+        return self.strategy == "replicated"
+
+    @property
+    def tile_q_len(self) -> int:
+        """The longest q_len kernels are sized for: ``max_q_len``, or the capacity's."""
+        return self.capacity.query_tile if self.capacity else self.max_q_len
+
+    @property
+    def row_seq(self) -> Tensor:
+        """[n] int32 sequence of each local row (host)."""
+        h = self.host if self.host is not None else self
+        return h.local_seq_ids.to(torch.int32)
+
+    @property
+    def store_seq(self) -> Tensor:
+        """[n_store] sequence of each row this rank stores in a sharded cache (host)."""
+        h = self.host if self.host is not None else self
+        return torch.searchsorted(h.cu_extend_lens, h.store_rows, right=True) - 1
 
     # ------------------------------------------------------------------ sizes of caller tensors
     @property
@@ -223,42 +262,10 @@ class CPMetadata:
             return self
         tensors = {name: getattr(src, name) for name in DEVICE_FIELDS}
         views = move_packed(tensors, device, non_blocking)
-        return dataclasses.replace(src, **views, host=src, plan_cache={})
+        return dataclasses.replace(src, **views, host=src)
 
 
 # ---------------------------------------------------------------------------- inputs
-def as_lengths(value: LengthsLike, name: str) -> Tensor:
-    """Validate a list/tuple/1-D integer tensor or array of lengths >= 0; return int64 CPU [B].
-
-    Accepts Python ints, numpy integers and arrays, and integer torch tensors.
-    """
-    if not isinstance(value, Tensor) and hasattr(value, "__array__") and not isinstance(value, (list, tuple)):
-        value = torch.as_tensor(value)  # numpy arrays
-    if isinstance(value, Tensor):
-        if value.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
-        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-            raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
-        lengths = value.detach().to("cpu", torch.int64)
-    elif isinstance(value, (list, tuple)):
-        items = []
-        for item in value:
-            if isinstance(item, bool) or isinstance(item, float):
-                raise TypeError(f"{name} must hold integers, got {type(item).__name__} {item!r}")
-            if isinstance(item, Tensor) and (item.dim() != 0 or item.is_floating_point()):
-                raise TypeError(f"{name} must hold integers, got a tensor of shape {tuple(item.shape)}")
-            try:
-                items.append(operator.index(item))
-            except TypeError:
-                raise TypeError(f"{name} must hold integers, got {type(item).__name__} {item!r}") from None
-        lengths = torch.tensor(items, dtype=torch.int64)
-    else:
-        raise TypeError(f"{name} must be a list, tuple, 1-D int tensor or array, got {type(value).__name__}")
-    if lengths.numel() and int(lengths.min()) < 0:
-        raise ValueError(f"{name} must be >= 0, got {lengths.tolist()}")
-    return lengths
-
-
 def _exclusive_cumsum(x: Tensor) -> Tensor:
     out = torch.zeros(x.numel() + 1, dtype=torch.int64)
     torch.cumsum(x, 0, out=out[1:])
@@ -285,7 +292,7 @@ def _lengths_hashes(ext: Tensor, pre: Tensor) -> list[int]:
 
 def plan_fingerprint(
     strategy: str, cp_size: int, rank: int, pad_multiple: int, ext: Tensor, pre: Tensor,
-    capacity: Optional[Capacity] = None, kv_sharding=None,
+    capacity: Optional[Capacity] = None, kv=None,
 ) -> tuple[int, ...]:
     """Host ints that identify a plan: equal on all ranks of one batch except ``rank``.
 
@@ -295,8 +302,8 @@ def plan_fingerprint(
     """
     import zlib
 
-    cap = dataclasses.astuple(capacity) if capacity is not None else (0, 0, 0, 0, 0)
-    code = strategy if kv_sharding is None else f"{strategy}/kv{kv_sharding.cp_size}x{kv_sharding.interleave}"
+    cap = dataclasses.astuple(capacity) if capacity is not None else (0,) * len(dataclasses.fields(Capacity))
+    code = strategy if kv is None else f"{strategy}/kv{kv.cp_size}x{kv.interleave}"
     return (
         zlib.crc32(code.encode()) & 0x7FFFFFFF, cp_size, pad_multiple, ext.numel(), int(ext.sum()),
         int(ext.sum() + pre.sum()), *_lengths_hashes(ext, pre), *cap, rank,
@@ -314,15 +321,18 @@ def build_metadata(
     extend_lens: LengthsLike,
     prefix_lens: LengthsLike | None,
     physical_rows: Optional[int] = None,
-    kv_sharding=None,
+    kv=None,
+    replicated: bool = False,
 ) -> CPMetadata:
     """Plan one batch for one rank on the host (O(T + B), vectorized). Strategies call this.
 
     ``owner_fn`` decides placement; everything else (padding, gather order, segments) is derived
     here the same way for every strategy. ``physical_rows``: a fixed P (static plans; ValueError
     when a rank owns more rows), else ``padding.physical_rows`` of the per-rank counts.
-    ``kv_sharding``: a :class:`cpattn.KVSharding` with ``cp_size`` ranks: also plan which extend
+    ``kv``: a :class:`cpattn.KVSharding` with ``cp_size`` ranks: also plan which extend
     rows this rank stores in its sharded cache (O(T)) and its local key counts (O(B C)).
+    ``replicated``: every rank owns every token (``owner_fn`` is not called): local row t is
+    logical row t on every rank (:func:`_build_replicated`).
     """
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise TypeError(f"rank must be an int, got {type(rank).__name__}")
@@ -334,6 +344,8 @@ def build_metadata(
         raise ValueError(
             f"extend_lens and prefix_lens must have the same size, got {ext.numel()} and {pre.numel()}"
         )
+    if replicated:
+        return _build_replicated(strategy, cp_size, rank, pad_multiple, ext, pre, physical_rows, kv)
     num_seqs = ext.numel()
     kv_lens = pre + ext
     cu_ext = _exclusive_cumsum(ext)
@@ -346,9 +358,8 @@ def build_metadata(
     seq_ids = torch.repeat_interleave(torch.arange(num_seqs, dtype=tok), ext, output_size=num_tokens)
     offsets = torch.arange(num_tokens, dtype=tok) - cu_ext.to(tok)[seq_ids]
     positions = pre.to(tok)[seq_ids] + offsets
-    owner = owner_fn(seq_ids, offsets, ext.to(tok))
-
     # Local rows of every rank: its tokens in increasing logical order.
+    owner = owner_fn(seq_ids, offsets, ext.to(tok))
     per_rank = torch.bincount(owner, minlength=cp_size)
     rank_start = _exclusive_cumsum(per_rank)
     small_keys = owner.to(torch.int16 if cp_size < 2**15 else torch.int32)  # narrow keys sort ~5x faster
@@ -366,7 +377,6 @@ def build_metadata(
             )
         physical = physical_rows
     gather_index = owner.long() * physical + local_row
-
     work = torch.bincount(owner, weights=(positions + 1).double(), minlength=cp_size)
     mine = by_rank[int(rank_start[rank]) : int(rank_start[rank + 1])].long()
     local_seq = seq_ids[mine].long()
@@ -392,7 +402,7 @@ def build_metadata(
     seg_pos0 = torch.cat([seg_pos0, torch.tensor([-1])])
     seg_stride = torch.cat([seg_stride, torch.zeros(1, dtype=torch.int64)])
 
-    sharded = _sharded_cache_fields(kv_sharding, cp_size, rank, positions, pre, kv_lens)
+    sharded = _sharded_cache_fields(kv, cp_size, rank, positions, pre, kv_lens)
 
     shard_index = torch.zeros(physical, dtype=torch.int64)
     shard_index[:n] = mine
@@ -434,29 +444,98 @@ def build_metadata(
         seg_pos0=seg_pos0.to(i32),
         seg_stride=seg_stride.to(i32),
         counts=torch.tensor([num_tokens, n, int(cu_kv[-1]), num_segments], dtype=i32),
-        fingerprint=plan_fingerprint(strategy, cp_size, rank, pad_multiple, ext, pre, kv_sharding=kv_sharding),
+        fingerprint=plan_fingerprint(strategy, cp_size, rank, pad_multiple, ext, pre, kv=kv),
+        max_q_len=int(ext.max()) if num_seqs else 0,
         **sharded,
     )
 
 
-def _sharded_cache_fields(kv_sharding, cp_size: int, rank: int, positions: Tensor, pre: Tensor,
-                          kv_lens: Tensor) -> dict:
+def _build_replicated(strategy: str, cp_size: int, rank: int, pad_multiple: int, ext: Tensor, pre: Tensor,
+                      physical_rows: Optional[int], kv) -> CPMetadata:
+    """The plan of the "replicated" placement (every rank owns every token, one stride-1 segment
+    per non-empty sequence), in numpy: a decode step of B sequences costs O(B) host ints."""
+    e, p = ext.numpy(), pre.numpy()
+    num_seqs = e.size
+    kv_np = e + p
+    cu_ext = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(e, out=cu_ext[1:])
+    cu_kv = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(kv_np, out=cu_kv[1:])
+    t = int(cu_ext[-1])
+    seq = np.repeat(np.arange(num_seqs, dtype=np.int64), e)
+    positions = p[seq] + np.arange(t, dtype=np.int64) - cu_ext[seq]
+    physical = padding.physical_rows((t,) * cp_size, pad_multiple)
+    if physical_rows is not None:
+        if physical > physical_rows:
+            raise ValueError(f"batch over capacity: a rank owns {t} rows, more than the {physical_rows} physical "
+                             "rows planned")
+        physical = physical_rows
+    live = np.flatnonzero(e > 0)
+    s = live.size
+    segs = np.empty((5, s + 1), dtype=np.int32)  # seq, row0, len, pos0, stride; then the pad segment
+    segs[0, :s], segs[1, :s], segs[2, :s], segs[3, :s], segs[4, :s] = live, cu_ext[live], e[live], p[live], 1
+    segs[:, s] = 0, t, physical - t, -1, 0
+    seg = dict(zip(("seg_seq", "seg_row0", "seg_len", "seg_pos0", "seg_stride"), segs))
+    shard_index = np.zeros(physical, dtype=np.int64)
+    shard_index[:t] = np.arange(t)
+    row_valid = np.zeros(physical, dtype=bool)
+    row_valid[:t] = True
+    work = int((positions + 1).sum())
+    as_t = torch.from_numpy
+    return CPMetadata(
+        strategy=strategy, cp_size=cp_size, rank=rank, pad_multiple=pad_multiple, num_seqs=num_seqs,
+        num_tokens=t, num_kv_tokens=int(cu_kv[-1]), num_local_tokens=t, num_local_tokens_per_rank=(t,) * cp_size,
+        num_physical_tokens=physical, num_segments=s, max_kv_len=int(kv_np.max()) if num_seqs else 0,
+        max_seg_len=int(e.max()) if num_seqs else 0, max_seg_keys=int(kv_np[live].max()) if s else 0,
+        has_strided_segments=False, causal_work_per_rank=(work,) * cp_size,
+        extend_lens=ext, prefix_lens=pre, kv_lens=as_t(kv_np), cu_extend_lens=as_t(cu_ext), cu_kv_lens=as_t(cu_kv),
+        local_token_indices=as_t(np.arange(t, dtype=np.int64)), local_positions=as_t(positions),
+        local_seq_ids=as_t(seq), shard_index=as_t(shard_index), row_valid=as_t(row_valid),
+        gather_index=as_t(np.arange(t, dtype=np.int64)), kv_extend_index=as_t(cu_kv[seq] + positions),
+        **{name: as_t(v) for name, v in seg.items()},
+        counts=torch.tensor([t, t, int(cu_kv[-1]), s], dtype=torch.int32),
+        fingerprint=plan_fingerprint(strategy, cp_size, rank, pad_multiple, ext, pre, kv=kv),
+        max_q_len=int(e.max()) if num_seqs else 0,
+        **_sharded_cache_fields(kv, cp_size, rank, as_t(positions), pre, as_t(kv_np), replicated=True),
+    )
+
+
+def _sharded_cache_fields(kv, cp_size: int, rank: int, positions: Tensor, pre: Tensor,
+                          kv_lens: Tensor, replicated: bool = False) -> dict:
     """The sharded-cache write plan of a batch (store rows and local indices, O(T)) and the
     rank's local key counts (O(B C)); empty fields without a sharding."""
     empty = torch.zeros(0, dtype=torch.int64)
-    if kv_sharding is None:
-        return dict(store_rows=empty, store_index=empty, local_prefix_lens=empty, local_kv_lens=empty)
-    if kv_sharding.cp_size != cp_size:
-        raise ValueError(f"kv_sharding has cp_size={kv_sharding.cp_size} but the strategy has cp_size={cp_size}")
-    pos = positions.long()
-    store_rows = torch.nonzero(kv_sharding.owner(pos) == rank).flatten()
+    if kv is None:
+        return dict(store_rows=empty, store_index=empty, local_prefix_lens=empty, local_kv_lens=empty,
+                    cu_local_kv_lens=empty)
+    if kv.cp_size != cp_size:
+        raise ValueError(f"kv has cp_size={kv.cp_size} but the strategy has cp_size={cp_size}")
+    # numpy on the host: [T] and [C, B] arithmetic costs ~1 us per op where a torch op costs several
+    from .kv_sharding import local_key_counts, local_key_index
+
+    c, inter = kv.cp_size, kv.interleave
+    pos = positions.numpy().astype(np.int64, copy=False)
+    store_rows = np.flatnonzero((pos // inter) % c == rank)
+    pre_np, kv_np = pre.numpy(), kv_lens.numpy()
+    if replicated:  # only this rank's prefix keys (the per-rank totals serve pass-KV's cost model)
+        prefix_per_rank = None
+        local_pre = local_key_counts(pre_np, rank, c, inter)
+    else:
+        prefix_per_rank = local_key_counts(pre_np[None, :], np.arange(c)[:, None], c, inter)  # [C, B]
+        local_pre = np.ascontiguousarray(prefix_per_rank[rank])
+    local_kv = local_key_counts(kv_np, rank, c, inter)
+    cu_local = np.zeros(local_kv.size + 1, dtype=np.int64)
+    np.cumsum(local_kv, out=cu_local[1:])
     return dict(
-        store_rows=store_rows,
-        store_index=kv_sharding.local_index(pos[store_rows]),
-        local_prefix_lens=kv_sharding.local_lengths(pre, rank),
-        local_kv_lens=kv_sharding.local_lengths(kv_lens, rank),
-        kv_sharding=kv_sharding,
-        num_stored_tokens=store_rows.numel(),
-        num_local_prefix_tokens_per_rank=tuple(
-            int(kv_sharding.local_lengths(pre, r).sum()) for r in range(cp_size)),
+        store_rows=torch.from_numpy(store_rows),
+        store_index=torch.from_numpy(local_key_index(pos[store_rows], c, inter)),
+        local_prefix_lens=torch.from_numpy(local_pre),
+        local_kv_lens=torch.from_numpy(local_kv),
+        cu_local_kv_lens=torch.from_numpy(cu_local),
+        kv=kv,
+        num_stored_tokens=int(store_rows.size),
+        num_local_kv_tokens=int(cu_local[-1]),
+        max_local_kv_len=int(local_kv.max()) if local_kv.size else 0,
+        num_local_prefix_tokens_per_rank=() if prefix_per_rank is None else tuple(int(x) for x in
+                                                                                  prefix_per_rank.sum(1)),
     )

@@ -25,13 +25,12 @@ Example::
 from __future__ import annotations
 
 import math
-import operator
 from typing import Sequence, Union
 
 import torch
 from torch import Tensor
 
-from ._validation import check_int, check_tensor
+from ._validation import as_lengths, check_int, check_tensor
 
 __all__ = [
     "combined_alignment",
@@ -43,31 +42,6 @@ __all__ = [
 ]
 
 CountsLike = Union[Sequence[int], Tensor]
-
-
-def _counts(value: CountsLike, name: str) -> Tensor:
-    """A 1-D sequence / int tensor of non-negative counts -> int64 CPU tensor (host copy)."""
-    if isinstance(value, Tensor):
-        if value.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
-        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-            raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
-        counts = value.detach().to("cpu", torch.int64)
-    elif isinstance(value, (list, tuple)):
-        items = []
-        for item in value:
-            try:
-                if isinstance(item, bool) or (isinstance(item, Tensor) and item.is_floating_point()):
-                    raise TypeError
-                items.append(operator.index(item))  # int, numpy int, 0-d int tensor
-            except TypeError:
-                raise TypeError(f"{name} must hold ints, got {type(item).__name__} {item!r}") from None
-        counts = torch.tensor(items, dtype=torch.int64)
-    else:
-        raise TypeError(f"{name} must be a list, tuple or 1-D int tensor, got {type(value).__name__}")
-    if counts.numel() and int(counts.min()) < 0:
-        raise ValueError(f"{name} must be >= 0, got {counts.tolist()}")
-    return counts
 
 
 def physical_rows(logical_counts_per_rank: CountsLike, align: int) -> int:
@@ -88,7 +62,7 @@ def physical_rows(logical_counts_per_rank: CountsLike, align: int) -> int:
         physical_rows([5, 4], 8)    # 8
         physical_rows([0, 0], 8)    # 0
     """
-    counts = _counts(logical_counts_per_rank, "logical_counts_per_rank")
+    counts = as_lengths(logical_counts_per_rank, "logical_counts_per_rank")
     align = check_int(align, "align", 1)
     if counts.numel() == 0:
         raise ValueError("logical_counts_per_rank must have one entry per CP rank (at least one), got []")
@@ -171,8 +145,8 @@ def prefix_lens(kv_lens: CountsLike, extend_lens: CountsLike) -> Tensor:
     Raises ValueError when a sequence has more new tokens than tokens in total: that is the sign
     of padded counts (``3671 - 3672 = -1``), never a valid batch.
     """
-    kv = _counts(kv_lens, "kv_lens")
-    ext = _counts(extend_lens, "extend_lens")
+    kv = as_lengths(kv_lens, "kv_lens")
+    ext = as_lengths(extend_lens, "extend_lens")
     if kv.numel() != ext.numel():
         raise ValueError(f"kv_lens and extend_lens must have the same size, got {kv.numel()} and {ext.numel()}")
     pre = kv - ext
@@ -192,8 +166,8 @@ def max_key_len(extend_lens: CountsLike, prefix_lens: CountsLike | None = None) 
     From logical lengths only: pad rows are never keys, so no pad delta ever widens it (a
     bottom-right-aligned causal mask with a widened key length shifts every query's window).
     """
-    ext = _counts(extend_lens, "extend_lens")
-    pre = torch.zeros_like(ext) if prefix_lens is None else _counts(prefix_lens, "prefix_lens")
+    ext = as_lengths(extend_lens, "extend_lens")
+    pre = torch.zeros_like(ext) if prefix_lens is None else as_lengths(prefix_lens, "prefix_lens")
     if pre.numel() != ext.numel():
         raise ValueError(f"extend_lens and prefix_lens must have the same size, got {ext.numel()} and {pre.numel()}")
     return int((pre + ext).max()) if ext.numel() else 0

@@ -15,6 +15,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Protocol
@@ -23,14 +25,17 @@ import torch
 from torch import Tensor
 
 from ..metadata import CPMetadata
+from ..spec import AttentionSpec
 
 __all__ = [
     "AUTO_ORDER",
     "AttentionBackend",
     "AttentionSpec",
+    "BackendList",
     "BackendRun",
     "IndexTopkSpec",
-    "SparseAttentionSpec",
+    "KERNEL_FAMILIES",
+    "KernelFamilyWarning",
     "available_backends",
     "get_backend",
     "register_backend",
@@ -38,59 +43,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("cpattn")
-
-
-@dataclass(frozen=True)
-class AttentionSpec:
-    """The layer-kind facts an attention plan is bound to (validated by ``cpattn.plans``).
-
-    num_q_heads Hq, num_kv_heads Hkv (Hq % Hkv == 0), head_dim D, head_dim_v Dv, dtype of q/k/v,
-    window_left (keys at positions >= position - window_left; -1: no window), page_size (None:
-    packed K/V), has_sinks (one float logit per query head joins each row's denominator).
-    """
-
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    head_dim_v: int
-    dtype: torch.dtype
-    window_left: int = -1
-    page_size: Optional[int] = None
-    has_sinks: bool = False
-
-    @property
-    def paged(self) -> bool:
-        return self.page_size is not None
-
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head."""
-        return self.num_q_heads // self.num_kv_heads
-
-
-@dataclass(frozen=True)
-class SparseAttentionSpec:
-    """The layer-kind facts a sparse (DSA) attention plan is bound to (validated by
-    ``cpattn.plans.sparse``): Hq, Hkv (Hq % Hkv == 0), D, Dv, dtype of q/k/v, ``topk`` (columns
-    K of the index tensor), page_size (None: packed K/V), has_sinks."""
-
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    head_dim_v: int
-    dtype: torch.dtype
-    topk: int
-    page_size: Optional[int] = None
-    has_sinks: bool = False
-
-    @property
-    def paged(self) -> bool:
-        return self.page_size is not None
-
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head."""
-        return self.num_q_heads // self.num_kv_heads
 
 
 @dataclass(frozen=True)
@@ -136,8 +88,8 @@ class AttentionBackend(Protocol):
 
 #: Plan kinds: "dense" (causal attention of local queries, :func:`cpattn.plan_attention`),
 #: "shard" (attention over one rank's key shard of a sharded KV cache,
-#: :func:`cpattn.plan_shard_attention`), "sparse" (DSA attention over selected keys,
-#: :func:`cpattn.plans.plan_sparse_attention`) and "index" (DSA index top-k,
+#: algorithm "shard_merge" of :func:`cpattn.plan_attention`), "sparse" (DSA attention over selected
+#: keys, a spec with ``topk``) and "index" (DSA index top-k,
 #: :func:`cpattn.dsa.index_topk`).
 _REGISTRY: dict[tuple[str, str], Callable[[], AttentionBackend]] = {}
 _INSTANCES: dict[tuple[str, str], AttentionBackend] = {}
@@ -166,9 +118,72 @@ def get_backend(name: str, kind: str = "dense") -> AttentionBackend:
     return _INSTANCES[(kind, name)]
 
 
-def available_backends(kind: str = "dense") -> list[str]:
+class KernelFamilyWarning(RuntimeWarning):
+    """A kernel family cannot run with the installed triton: the plans that would use it run its
+    fallback family (:data:`KERNEL_FAMILIES`). Warned once per family and process."""
+
+
+#: Kernel families that need more of triton than their backend does: family -> (plan kinds,
+#: backend, fallback family). Both are Gluon kernels for sm_90, which need triton >= 3.5 and the
+#: Gluon calls ``_sm90_common.resolve_gluon_api`` finds.
+KERNEL_FAMILIES: dict[str, tuple[tuple[str, ...], str, str]] = {
+    "sm90": (("dense",), "triton", "portable"),
+    "mla": (("dense", "shard", "sparse"), "triton", "portable"),
+}
+_WARNED_FAMILIES: set[str] = set()
+
+
+def family_unavailable_reason(family: str) -> Optional[str]:
+    """Why a kernel family of :data:`KERNEL_FAMILIES` cannot run with the installed triton (None
+    if it can; imports triton)."""
+    try:
+        from . import _sm90_common
+    except ImportError as exc:
+        return str(exc)
+    return _sm90_common.GLUON_API_REASON
+
+
+def family_fallback_message(family: str, reason: str) -> str:
+    """What :class:`KernelFamilyWarning` and :func:`available_backends` say of a family that
+    cannot run: the family, its fallback and the reason."""
+    return (f"the {family} kernel family cannot run with the installed triton ({reason}); "
+            f"the {KERNEL_FAMILIES[family][2]} family runs instead")
+
+
+def warn_family_fallback(family: str, reason: str) -> None:
+    """Warn (:class:`KernelFamilyWarning`) that a plan which would use ``family`` runs its
+    fallback for ``reason``: the first time per family and process, later calls do nothing. The
+    warning points at the first caller outside cpattn."""
+    if family in _WARNED_FAMILIES:
+        return
+    _WARNED_FAMILIES.add(family)
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    warnings.warn("cpattn: " + family_fallback_message(family, reason), KernelFamilyWarning, stacklevel=level)
+
+
+class BackendList(list):
+    """:func:`available_backends`' answer: the backend names, and ``unavailable_families``: the
+    kernel families of those backends that cannot run with the installed triton (family -> what
+    :class:`KernelFamilyWarning` says: fallback family and reason), also shown by ``repr``."""
+
+    def __init__(self, names=(), unavailable_families: Optional[Mapping[str, str]] = None) -> None:
+        super().__init__(names)
+        self.unavailable_families = dict(unavailable_families or {})
+
+    def __repr__(self) -> str:
+        if not self.unavailable_families:
+            return super().__repr__()
+        return f"{super().__repr__()} ({'; '.join(self.unavailable_families.values())})"
+
+
+def available_backends(kind: str = "dense") -> BackendList:
     """Backends of a plan kind that can run on this machine now (installed, with a device
-    they support)."""
+    they support): a list of names whose ``unavailable_families`` names the kernel families of
+    those backends that the installed triton cannot run (:data:`KERNEL_FAMILIES`), each with its
+    fallback family and the reason."""
     out = []
     for k, name in sorted(_REGISTRY):
         if k != kind:
@@ -178,7 +193,13 @@ def available_backends(kind: str = "dense") -> list[str]:
                 out.append(name)
         except ImportError:
             continue
-    return out
+    families = {}
+    for family, (kinds, backend, _) in KERNEL_FAMILIES.items():
+        if kind in kinds and backend in out:
+            reason = family_unavailable_reason(family)
+            if reason is not None:
+                families[family] = family_fallback_message(family, reason)
+    return BackendList(out, families)
 
 
 def select_backend(spec, meta: CPMetadata, backend: str = "auto", kind: str = "dense") -> AttentionBackend:

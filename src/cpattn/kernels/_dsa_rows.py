@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .. import _buffers
+from ..plan_cache import cached_plan
 from ..metadata import CPMetadata
 
 __all__ = ["host_rows", "device_rows"]
@@ -31,10 +32,6 @@ def host_rows(meta: CPMetadata) -> dict[str, Tensor]:
 
 def device_rows(meta: CPMetadata) -> dict[str, Tensor]:
     """:func:`host_rows` on ``meta.device``, uploaded once per plan (ONE copy) and cached in
-    ``meta.plan_cache``; static plans write them into fixed arena buffers."""
+    the plan cache of ``meta``; static plans write them into fixed arena buffers."""
     key = ("dsa-rows", meta.num_physical_tokens)
-    rows = meta.plan_cache.get(key)
-    if rows is None:
-        rows = _buffers.upload(meta, key, host_rows(meta))
-        meta.plan_cache[key] = rows
-    return rows
+    return cached_plan(meta, key, lambda: _buffers.upload(meta, key, host_rows(meta)))

@@ -2,45 +2,180 @@
 :mod:`.triton_mla` absorbed MLA): the online-softmax step, paged-cache row lookup for TMA, and
 zeroing of key rows past a tile's last key. Not a kernel family: holds no kernel and no launch.
 
-``HAVE_GLUON`` is False where Gluon is missing (triton < 3.5), triton was loaded for the CPU
-interpreter, or its Gluon API is not the one the kernels are written for
-(:func:`gluon_api_reason`); the families then report themselves unsupported and the portable
-kernel runs.
+Also the Gluon compatibility layer: the kernels call :data:`cta_barrier`, :data:`tma_load`,
+:data:`cp_async_load`, :data:`smem_reinterpret`, :data:`num_warps` and :data:`warp_specialize`,
+bound at import time to this triton's spelling (:func:`resolve_gluon_api`), so one kernel source
+builds with triton 3.5 through 3.9. ``HAVE_GLUON`` is False where Gluon is missing (triton < 3.5) or lacks a
+call the kernels make (:data:`GLUON_API_REASON` says which); the families then report themselves
+unsupported (and warn once, see :func:`hopper_reason`) and the portable kernel runs.
 """
 
 from __future__ import annotations
 
 import functools
-
+import inspect
 import math
-
-from typing import Optional
+import os
+from types import SimpleNamespace
+from typing import Mapping, Optional
 
 import torch
 
+#: Gluon calls whose spelling changed between the triton releases the kernels build with, as
+#: (name the kernels use, owner, spellings newest first). After triton 3.6, ``gl.thread_barrier``
+#: became ``gl.barrier``, the TMA copy ``tma.async_copy_global_to_shared`` became
+#: ``tma.async_load``, the cp.async copy ``async_copy.async_copy_global_to_shared`` became
+#: ``async_copy.async_load`` (triton 3.9 keeps the old copy names as stubs that raise) and
+#: ``shared_memory_descriptor._reinterpret`` became ``reinterpret``; the arguments the kernels pass
+#: and what each call emits are the same. ``gl.num_warps`` (new in 3.6) and ``gl.warp_specialize``
+#: (signature changed in 3.6) are handled apart, for triton 3.5.
+RENAMED_CALLS = (
+    ("cta_barrier", "gl", ("barrier", "thread_barrier")),
+    ("tma_load", "tma", ("async_load", "async_copy_global_to_shared")),
+    ("cp_async_load", "async_copy", ("async_load", "async_copy_global_to_shared")),
+    ("smem_reinterpret", "smem", ("reinterpret", "_reinterpret")),
+)
+#: Calls spelled alike in triton 3.5-3.9, checked too: a later triton without one is reported here
+#: instead of failing at the first launch.
+UNCHANGED_CALLS = {
+    "gl": ("allocate_shared_memory", "inline_asm_elementwise", "convert_layout", "NVMMASharedLayout",
+           "NVMMADistributedLayout", "DotOperandLayout", "SwizzledSharedLayout", "BlockedLayout", "SliceLayout"),
+    "hopper": ("fence_async_shared", "warpgroup_mma", "warpgroup_mma_wait"),
+    "mbarrier": ("MBarrierLayout", "init", "wait", "arrive", "expect"),
+    "async_copy": ("commit_group", "wait_group", "mbarrier_arrive"),
+}
 
-def gluon_api_reason(gl_module, version: str) -> Optional[str]:
-    """Why the Hopper kernels cannot compile with this Gluon (None if they can). They are written
-    against triton 3.5 / 3.6's Gluon (the GPU machine's); triton 3.9 renamed or removed calls they
-    use (``gl.thread_barrier`` is ``gl.barrier``, ``tma.async_copy_global_to_shared`` became
-    ``async_load``), so such a triton would fail at the first launch: it is reported here and the
-    portable kernel runs instead."""
-    if not hasattr(gl_module, "thread_barrier"):
-        return f"Gluon API of triton {version} (the Hopper kernels use triton 3.5-3.6's: no gl.thread_barrier)"
-    return None
+
+def _params(fn) -> list:
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return []
 
 
+def _is_stub(fn) -> bool:
+    """A removed call left as ``f(*args, **kwargs)`` that raises (triton 3.9's old TMA / cp.async
+    copy names)."""
+    return any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in _params(fn))
+
+
+def _builtin(fn):
+    """Mark ``fn`` as a Gluon builtin (as gluon's ``@builtin`` does: the attribute triton's code
+    generator looks for), so kernels call it at compile time with ``_semantic`` / ``_generator``."""
+    fn.__triton_builtin__ = True
+    return fn
+
+
+def _warp_specialize_35(ws):
+    """triton 3.5's ``warp_specialize(default_args, default_partition, worker_args,
+    worker_partitions, warps, regs)`` called as 3.6+'s ``warp_specialize([(fn, args), ...], warps,
+    regs)``: 3.5 passes one argument tuple to every worker, so the workers' tuples must agree
+    (values the same objects, constexprs equal)."""
+    from triton.language.core import constexpr
+
+    def same(a, b) -> bool:
+        if isinstance(a, constexpr) and isinstance(b, constexpr):
+            return a.value == b.value
+        if hasattr(a, "values") and hasattr(b, "values"):  # gluon tuples
+            a, b = a.values, b.values
+        if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a is b
+
+    @_builtin
+    def warp_specialize(functions_and_args, worker_num_warps, worker_num_regs, _semantic=None, _generator=None):
+        (default_fn, default_args), workers = functions_and_args[0], functions_and_args[1:]
+        worker_args = workers[0][1]
+        if not all(same(args, worker_args) for _, args in workers):
+            raise ValueError("triton 3.5's warp_specialize gives every worker partition the same arguments")
+        return ws(default_args, default_fn, worker_args, [fn for fn, _ in workers], worker_num_warps,
+                  worker_num_regs, _semantic=_semantic, _generator=_generator)
+
+    return warp_specialize
+
+
+def _num_warps_35():
+    """``gl.num_warps()`` (triton >= 3.6) for triton 3.5, which has the partition's warp count but
+    no call returning it: the calling partition's warps, else the launch's."""
+    from triton.language.core import constexpr
+
+    @_builtin
+    def num_warps(_semantic=None, _generator=None):
+        context = _generator.caller_context
+        return constexpr(context.num_warps if context is not None else _semantic.builder.options.num_warps)
+
+    return num_warps
+
+
+def resolve_gluon_api(modules: Mapping[str, object], version: str):
+    """``(api, reason)``: the Gluon calls the Hopper kernels make, bound to this triton's spelling
+    (a namespace of :data:`RENAMED_CALLS`' names, ``num_warps`` and ``warp_specialize``), or
+    ``(None, why not)`` naming every call missing. ``modules``: "gl" (gluon.language), "smem" (its
+    shared_memory_descriptor), "tma", "mbarrier", "async_copy", "hopper" (the nvidia.hopper
+    language module)."""
+    api, missing = {}, []
+    for name, owner, spellings in RENAMED_CALLS:
+        found = [getattr(modules[owner], s) for s in spellings
+                 if getattr(modules[owner], s, None) is not None and not _is_stub(getattr(modules[owner], s))]
+        if found:
+            api[name] = found[0]
+        else:
+            missing.append(" / ".join(f"{owner}.{s}" for s in spellings))
+    for owner, names in UNCHANGED_CALLS.items():
+        missing += [f"{owner}.{n}" for n in names if not hasattr(modules[owner], n)]
+    api["num_warps"] = getattr(modules["gl"], "num_warps", None) or _num_warps_35()
+    ws = getattr(modules["gl"], "warp_specialize", None)
+    first = [p.name for p in _params(ws)[:1]]
+    if first == ["functions_and_args"]:  # triton >= 3.6: [(fn, args), ...], warps, regs
+        api["warp_specialize"] = ws
+    elif first == ["default_args"]:  # triton 3.5
+        api["warp_specialize"] = _warp_specialize_35(ws)
+    else:
+        missing.append("gl.warp_specialize([(fn, args), ...], warps, regs)")
+    if missing:
+        return None, f"Gluon API of triton {version} (the Hopper kernels need {', '.join(missing)})"
+    return SimpleNamespace(**api), None
+
+
+#: Why the installed triton cannot build the Hopper kernels (None if it can): no Gluon (triton <
+#: 3.5), or a Gluon without a call they make. ``_MODE_REASON``: Gluon did not load because triton
+#: was loaded for the CPU interpreter first (not the installed triton's fault).
 GLUON_API_REASON: Optional[str] = None
+_MODE_REASON: Optional[str] = None
 try:  # Gluon ships with triton >= 3.5
     import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia import hopper as _hopper
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as _async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier as _mbarrier, tma as _tma
+except AssertionError:  # triton.language was decorated for the CPU interpreter before Gluon loaded
+    _MODE_REASON = "Gluon unavailable (triton was loaded for the CPU interpreter)"
+except ImportError as exc:
+    try:
+        import triton
+
+        GLUON_API_REASON = f"triton {triton.__version__} has no Gluon ({exc}; the Hopper kernels need triton >= 3.5)"
+    except ImportError:
+        GLUON_API_REASON = "triton is not installed"
+else:
+    _API, GLUON_API_REASON = resolve_gluon_api(
+        dict(gl=gl, smem=getattr(gl, "shared_memory_descriptor", None), tma=_tma, mbarrier=_mbarrier,
+             async_copy=_async_copy, hopper=_hopper), triton.__version__)
+HAVE_GLUON = GLUON_API_REASON is None and _MODE_REASON is None
+if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
-    GLUON_API_REASON = gluon_api_reason(gl, triton.__version__)
-    HAVE_GLUON = GLUON_API_REASON is None
-except (ImportError, AssertionError):  # triton < 3.5, or triton loaded for the CPU interpreter
-    HAVE_GLUON = False
+    #: Bound per triton (:data:`RENAMED_CALLS`): a CTA-wide barrier (``bar.sync 0``), the TMA copy
+    #: ``(desc, coord, mbarrier, dst)``, the cp.async copy ``(dst, pointers, mask=)``, the
+    #: shared-memory view ``(buf, dtype, shape, layout)``, the calling partition's warp count
+    #: ``num_warps()`` (a constexpr) and ``warp_specialize([(fn, args), ...], warps, regs)``.
+    cta_barrier = _API.cta_barrier
+    tma_load = _API.tma_load
+    cp_async_load = _API.cp_async_load
+    smem_reinterpret = _API.smem_reinterpret
+    num_warps = _API.num_warps
+    warp_specialize = _API.warp_specialize
 
 #: Columns of one TMA copy into a 128-byte-swizzled tile (64 bf16/fp16 = 128 bytes): a wider
 #: box is split by Triton into several copies laid out chunk by chunk, so paged copies of a few
@@ -50,15 +185,24 @@ TMA_CHUNK = 64
 TMA_MIN_ROWS = 8
 
 
-def hopper_reason(dtype: torch.dtype, device: torch.device) -> Optional[str]:
-    """Why no warp-specialized Hopper kernel can run here (None if one can): bf16 / fp16, Gluon
-    available, an sm_90 GPU."""
+def hopper_reason(dtype: torch.dtype, device: torch.device, family: Optional[str] = None) -> Optional[str]:
+    """Why no warp-specialized Hopper kernel can run here (None if one can): bf16 / fp16, an sm_90
+    GPU, this triton's Gluon able to build the kernels. ``family`` ("sm90", "mla"): the kernel
+    family asking, whose plans would use it but for the installed triton: warns once
+    (:func:`cpattn.kernels.warn_family_fallback`) unless ``CPATTN_TRITON_SM90=0`` turned the Hopper
+    families off."""
     if dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {dtype} (needs bf16 or fp16)"
-    if not HAVE_GLUON:
-        return GLUON_API_REASON or "Gluon unavailable (needs triton >= 3.5, not in interpreter mode)"
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return "not an sm_90 GPU"
+    if GLUON_API_REASON is not None:
+        if family is not None and os.environ.get("CPATTN_TRITON_SM90", "1") != "0":
+            from . import warn_family_fallback
+
+            warn_family_fallback(family, GLUON_API_REASON)
+        return GLUON_API_REASON
+    if not HAVE_GLUON:
+        return _MODE_REASON
     return None
 
 
@@ -217,4 +361,4 @@ if HAVE_GLUON:
                 x = gl.where(gl.expand_dims(r < valid, 1), x, gl.zeros_like(x))
                 part.store(x)
         fence_async_shared()
-        gl.thread_barrier()
+        cta_barrier()

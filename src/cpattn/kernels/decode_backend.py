@@ -34,7 +34,7 @@ import torch
 
 from . import AttentionSpec, triton_available, triton_unsupported_reason
 from .. import _buffers
-from ..kv_sharding import _local_lengths
+from ..kv_sharding import local_key_counts
 from ._launch import LaunchState
 
 _KERNEL_MODULE = "cpattn.kernels.triton_decode"
@@ -93,7 +93,7 @@ def plan_work(host, spec: AttentionSpec, *, rows: int, num_head_groups: int, ali
               programs_per_sm: int, min_split: int, capacity=None, fit_target: bool = False) -> dict:
     """Work items, workspace slots and combine tables of a decode plan (host tensors + ints).
 
-    ``capacity``: a DecodeCapacity: tables sized for it (static plans). ``fit_target``: grow the
+    ``capacity``: a static plan's :class:`Capacity`: tables sized for it (static plans). ``fit_target``: grow the
     split (in ``align`` steps) until the items fit the split target (per-sequence rounding can
     exceed it by up to one item per tile: 136 items for a 132-item target at B = 8 would start a
     third, nearly empty wave of one-program-per-SM kernels). Returns a dict with the
@@ -101,10 +101,10 @@ def plan_work(host, spec: AttentionSpec, *, rows: int, num_head_groups: int, ali
     row_nsplit, row_ti`` and host ints ``num_items_host``, ``num_ws``, ``grid_items``,
     ``split``, ``max_splits`` (most splits of one tile).
     """
-    sh, rank = host.sharding, host.rank
+    sh, rank = host.kv, host.rank
     c, inter = sh.cp_size, sh.interleave
     # numpy on the host: ~1 us per op on [B]-sized arrays where a torch op costs several
-    ql, sl = host.q_lens.numpy(), host.seq_lens.numpy()
+    ql, sl = host.extend_lens.numpy(), host.kv_lens.numpy()
     b = ql.size
 
     n_tiles = (ql + rows - 1) // rows
@@ -114,9 +114,9 @@ def plan_work(host, spec: AttentionSpec, *, rows: int, num_head_groups: int, ali
     tile_r0 = (np.arange(num_tiles) - first_tile[tile_seq]) * rows
     pos0 = (sl - ql)[tile_seq] + tile_r0
     pos_last = pos0 + np.minimum(ql[tile_seq] - tile_r0, rows) - 1
-    key_hi = _local_lengths(pos_last + 1, rank, c, inter)
+    key_hi = local_key_counts(pos_last + 1, rank, c, inter)
     if spec.window_left >= 0:
-        key_lo = _local_lengths(np.maximum(pos0 - spec.window_left, 0), rank, c, inter)
+        key_lo = local_key_counts(np.maximum(pos0 - spec.window_left, 0), rank, c, inter)
     else:
         key_lo = np.zeros_like(key_hi)
     lo_al = (key_lo // align) * align
@@ -146,9 +146,9 @@ def plan_work(host, spec: AttentionSpec, *, rows: int, num_head_groups: int, ali
     num_ws = int(multi_item.sum())
 
     # per query row: its tile, row in the tile, and where its splits are
-    nq = host.num_query_rows
+    nq = host.num_local_tokens
     row_seq = host.row_seq.numpy().astype(np.int64)
-    row_in_seq = np.arange(nq) - host.cu_q_lens.numpy()[row_seq]
+    row_in_seq = np.arange(nq) - host.cu_extend_lens.numpy()[row_seq]
     row_tile = first_tile[row_seq] + row_in_seq // rows
     row_ti = row_in_seq % rows
     tile_ws0 = np.where(multi_tile, item_ws[first_item], 0) if num_tiles else first_item
@@ -156,12 +156,12 @@ def plan_work(host, spec: AttentionSpec, *, rows: int, num_head_groups: int, ali
     row_nsplit = n_split[row_tile]
 
     if capacity is not None:
-        cap_tiles = capacity.max_seqs * -(-capacity.max_q_len // rows)
+        cap_tiles = capacity.max_seqs * -(-capacity.query_tile // rows)
         grid_items = target + cap_tiles
         if num_items > grid_items:  # cannot happen: split >= total / target
             raise AssertionError(f"{num_items} work items > the planned grid of {grid_items}")
         ws_cap = grid_items
-        rows_cap = capacity.max_query_rows
+        rows_cap = capacity.max_local_tokens
     else:
         grid_items, ws_cap, rows_cap = num_items, num_ws, nq
 
@@ -248,18 +248,18 @@ class _TritonShardRun:
         # combine: (row, head block, column block) programs reading splits in chunks; a static
         # plan's geometry depends on its capacity only (the captured grid replays every step)
         max_splits = work["grid_items"] if self.static else work["max_splits"]
-        block_s, block_h, block_dv = triton_decode.merge_blocks(max_splits, hq, dv, dmeta.num_query_token_rows,
+        block_s, block_h, block_dv = triton_decode.merge_blocks(max_splits, hq, dv, dmeta.num_physical_tokens,
                                                                 num_sms)
-        self.combine_grid = (dmeta.num_query_token_rows, -(-hq // block_h), -(-dv // block_dv))
+        self.combine_grid = (dmeta.num_physical_tokens, -(-hq // block_h), -(-dv // block_dv))
         apply_sinks = spec.has_sinks and dmeta.rank == 0  # counted once: on rank 0 only
         d1, d2 = triton_attn.split_head_dim(d)
         self.d1 = d1
         self.plan_args = dict(
             item_seq=dev["item_seq"], item_r0=dev["item_r0"], item_k0=dev["item_k0"], item_k1=dev["item_k1"],
-            item_ws=dev["item_ws"], NumItems=dev["num_items"], q_lens=dmeta.q_lens, seq_lens=dmeta.seq_lens,
-            cu_q_lens=dmeta.cu_q_lens, cu_local_kv=dmeta.cu_local_kv_lens, window=spec.window_left, rank=dmeta.rank,
+            item_ws=dev["item_ws"], NumItems=dev["num_items"], q_lens=dmeta.extend_lens, seq_lens=dmeta.kv_lens,
+            cu_q_lens=dmeta.cu_extend_lens, cu_local_kv=dmeta.cu_local_kv_lens, window=spec.window_left, rank=dmeta.rank,
             num_head_groups=num_head_groups, group_size=hq // hkv, HEAD_DIM_V=dv, BLOCK_D1=d1, BLOCK_D2=d2,
-            ROWS=rows, G_PACK=g_pack, BLOCK_M=block_m, CP_SIZE=dmeta.cp_size, INTERLEAVE=dmeta.sharding.interleave,
+            ROWS=rows, G_PACK=g_pack, BLOCK_M=block_m, CP_SIZE=dmeta.cp_size, INTERLEAVE=dmeta.kv.interleave,
             PAGE_SIZE=spec.page_size or 1, HAS_WINDOW=spec.window_left >= 0, HAS_SINKS=apply_sinks,
             PDL=self.pdl, **triton_attn.dot_settings(spec.dtype),
         )
@@ -384,16 +384,16 @@ class _MlaSplit:
             pair_sem = torch.zeros(self.num_ws * self.num_head_groups, dtype=torch.int32, device=dmeta.device)
             pair_lse = torch.empty(self.ws_shape[:3], dtype=torch.float32, device=dmeta.device)
         max_splits = work["grid_items"] if dmeta.is_static else work["max_splits"]
-        block_s, block_h, block_dv = triton_decode.merge_blocks(max_splits, hq, dv, dmeta.num_query_token_rows,
+        block_s, block_h, block_dv = triton_decode.merge_blocks(max_splits, hq, dv, dmeta.num_physical_tokens,
                                                                 num_sms)
-        self.combine_grid = (dmeta.num_query_token_rows, -(-hq // block_h), -(-dv // block_dv))
+        self.combine_grid = (dmeta.num_physical_tokens, -(-hq // block_h), -(-dv // block_dv))
         apply_sinks = spec.has_sinks and dmeta.rank == 0
         self.plan_args = dict(
             item_seq=dev["item_seq"], item_r0=dev["item_r0"], item_k0=dev["item_k0"], item_k1=dev["item_k1"],
-            item_ws=dev["item_ws"], NumItems=dev["num_items"], q_lens=dmeta.q_lens, seq_lens=dmeta.seq_lens,
-            cu_q_lens=dmeta.cu_q_lens, cu_local_kv=dmeta.cu_local_kv_lens, rank=dmeta.rank,
+            item_ws=dev["item_ws"], NumItems=dev["num_items"], q_lens=dmeta.extend_lens, seq_lens=dmeta.kv_lens,
+            cu_q_lens=dmeta.cu_extend_lens, cu_local_kv=dmeta.cu_local_kv_lens, rank=dmeta.rank,
             num_head_groups=self.num_head_groups, G_PACK=g_pack, CP_SIZE=dmeta.cp_size,
-            INTERLEAVE=dmeta.sharding.interleave, PairSem=pair_sem, PairLse=pair_lse, PAIR=self.pair,
+            INTERLEAVE=dmeta.kv.interleave, PairSem=pair_sem, PairLse=pair_lse, PAIR=self.pair,
             PDL=pdl and self.run_combine,  # the combine starts while the split kernel runs (waits inside)
         )
         self.combine_args = dict(row_ws0=dev["row_ws0"], row_nsplit=dev["row_nsplit"], row_ti=dev["row_ti"],

@@ -39,7 +39,7 @@ from typing import Mapping, Optional
 import torch
 from torch import Tensor
 
-from . import IndexTopkSpec, SparseAttentionSpec, triton_available, triton_device_reason
+from . import IndexTopkSpec, AttentionSpec, triton_available, triton_device_reason
 from .. import _buffers
 from ..metadata import CPMetadata
 from ._dsa_rows import device_rows
@@ -89,7 +89,7 @@ def _launch_on(device: torch.device, fn) -> None:
 class _TritonSparseRun:
     """A planned sparse-attention launch (see the module docstring); called once per layer."""
 
-    def __init__(self, spec: SparseAttentionSpec, meta: CPMetadata, options: Mapping) -> None:
+    def __init__(self, spec: AttentionSpec, meta: CPMetadata, options: Mapping) -> None:
         from . import triton_sparse
 
         _check_options(options, {"block_h", "config", "family", "planned_launch"})
@@ -138,7 +138,7 @@ class _TritonSparseRun:
             self._mla_state = LaunchState(enabled=bool(options.get("planned_launch", True)))
 
     @staticmethod
-    def _mla_reason(spec: SparseAttentionSpec, meta: CPMetadata, options: Mapping) -> Optional[str]:
+    def _mla_reason(spec: AttentionSpec, meta: CPMetadata, options: Mapping) -> Optional[str]:
         from . import triton_mla, triton_sparse
 
         if triton_sparse.INTERPRETED:
@@ -172,7 +172,7 @@ class TritonSparseBackend:
     def available(self) -> Optional[str]:
         return _available()
 
-    def unsupported_reason(self, spec: SparseAttentionSpec, meta: CPMetadata) -> Optional[str]:
+    def unsupported_reason(self, spec: AttentionSpec, meta: CPMetadata) -> Optional[str]:
         reason = _device_reason(meta, _SPARSE_MODULE)
         if reason is not None:
             return reason
@@ -184,7 +184,7 @@ class TritonSparseBackend:
             return f"head dims D={spec.head_dim}, Dv={spec.head_dim_v} not supported (D <= 1024, Dv <= 512)"
         return None
 
-    def plan(self, spec: SparseAttentionSpec, meta: CPMetadata, options: Mapping) -> _TritonSparseRun:
+    def plan(self, spec: AttentionSpec, meta: CPMetadata, options: Mapping) -> _TritonSparseRun:
         return _TritonSparseRun(spec, meta, options)
 
 

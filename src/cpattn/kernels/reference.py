@@ -1,6 +1,7 @@
 """Torch reference backend: exact masked softmax attention, one segment at a time.
 
-Readable and dependable rather than fast (fp32 math, fp64 for fp64 inputs): the ground truth the
+Readable and dependable rather than fast (fp32 math, fp64 for fp64 inputs, whose lse is then
+float64 too, so fp64 checks reach fp64 precision): the ground truth the
 optimized backends are compared with and the fallback on machines without Triton or FA4. It is
 the one backend whose per-layer call loops over segments on the host (from the plan's host copy;
 no device sync), and so the one that a CUDA graph cannot replay for another batch.
@@ -17,7 +18,7 @@ from typing import Mapping, Optional
 import torch
 from torch import Tensor
 
-from . import AttentionSpec, IndexTopkSpec, SparseAttentionSpec
+from . import AttentionSpec, IndexTopkSpec
 from ._dsa_rows import device_rows
 from ..metadata import CPMetadata
 
@@ -36,8 +37,10 @@ def _keys_of(k: Tensor, v: Tensor, page_table: Optional[Tensor], kv_start: int, 
             f"page_table[{seq}] holds pages outside [0, num_pages={k.shape[0]}) for positions [{lo}, {hi}): "
             f"values in [{int(pages.min())}, {int(pages.max())}]"
         )
-    flat = pages * page_size + pos % page_size
-    return k.flatten(0, 1).index_select(0, flat), v.flatten(0, 1).index_select(0, flat)
+    slot = pos % page_size
+    # index (page, slot) of the un-flattened caches: only these rows are read, whatever the caches'
+    # strides (k.flatten(0, 1) would copy a whole strided pool, e.g. FlashInfer's buf[:, 0])
+    return k[pages, slot], v[pages, slot]
 
 
 def segment_attention(
@@ -47,6 +50,9 @@ def segment_attention(
     """q [n, Hq, D], pos [n]; keys [m, Hkv, D], values [m, Hkv, Dv], key_pos [m] -> out, lse.
 
     Key ``j`` is visible to row ``i`` when ``key_pos[j] <= pos[i]`` (and ``>= pos[i] - window``).
+    Math in float32, or float64 when q is float64: out and lse come back in that dtype (lse
+    float64 for float64 inputs; the planned calls store it in an lse buffer of the plan's lse
+    dtype, float64 for a float64 plan).
     """
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     n, hq, _ = q.shape
@@ -83,6 +89,8 @@ class _TorchRun:
         self.cu_kv = host.cu_kv_lens.tolist()
         self.num_local = meta.num_local_tokens
         self.window_left = spec.window_left
+        #: the lse dtype the plan hands out: float64 math for float64 inputs keeps a float64 lse
+        self.lse_dtype = torch.float64 if spec.dtype == torch.float64 else torch.float32
 
     def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse) -> None:
         n = self.num_local
@@ -101,7 +109,7 @@ class _TorchRun:
                 o, l = segment_attention(q[row0 + c0 : row0 + c1], pos, keys, values, key_pos, softmax_scale, w, sinks)
                 out[row0 + c0 : row0 + c1] = o.to(out.dtype)
                 if lse is not None:
-                    lse[row0 + c0 : row0 + c1] = l.to(torch.float32)
+                    lse[row0 + c0 : row0 + c1] = l.to(lse.dtype)  # float64 buffers keep float64 math
 
 
 class TorchReferenceBackend:
@@ -130,14 +138,14 @@ class _TorchShardRun:
 
     def __init__(self, spec: AttentionSpec, dmeta) -> None:
         host = dmeta.host if dmeta.host is not None else dmeta
-        self.seq_lens = host.seq_lens.tolist()
-        self.q_lens = host.q_lens.tolist()
-        self.cu_q = host.cu_q_lens.tolist()
+        self.seq_lens = host.kv_lens.tolist()
+        self.q_lens = host.extend_lens.tolist()
+        self.cu_q = host.cu_extend_lens.tolist()
         self.local = host.local_kv_lens.tolist()
         self.cu_local = host.cu_local_kv_lens.tolist()
-        self.num_rows = dmeta.num_query_rows
+        self.num_rows = dmeta.num_local_tokens
         self.rank = dmeta.rank
-        self.sharding = dmeta.sharding
+        self.sharding = dmeta.kv
         self.window_left = spec.window_left
         self.sinks_used = spec.has_sinks and dmeta.rank == 0
         self.family = "torch"
@@ -157,7 +165,7 @@ class _TorchShardRun:
             o, l = segment_attention(q[r0 : r0 + ql], pos, keys, values, key_pos, softmax_scale, self.window_left,
                                      sinks)
             out[r0 : r0 + ql] = o.to(out.dtype)
-            lse[r0 : r0 + ql] = l.to(torch.float32)
+            lse[r0 : r0 + ql] = l.to(lse.dtype)
 
 
 class TorchShardBackend:
@@ -202,19 +210,22 @@ class _TorchSparseRun:
     """Sparse attention by gathering each row's selected keys (exact masked softmax, fp32; fp64
     for fp64 inputs). Rows are processed in chunks on the host (eager only: not for graphs)."""
 
-    def __init__(self, spec: SparseAttentionSpec, meta: CPMetadata) -> None:
+    def __init__(self, spec: AttentionSpec, meta: CPMetadata) -> None:
         self.spec = spec
         rows = device_rows(meta)
         self.row_seq, self.row_pos, self.row_start = rows["row_seq"], rows["row_pos"], rows["row_kv_start"]
         self.num_rows = meta.num_physical_tokens
+        self.lse_dtype = torch.float64 if spec.dtype == torch.float64 else torch.float32  # as _TorchRun
 
     def __call__(self, q, k, v, idx, page_table, sinks, softmax_scale, out, lse) -> None:
         spec = self.spec
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
         hq, hkv, g = spec.num_q_heads, spec.num_kv_heads, spec.group_size
         ps = spec.page_size or 1
-        k_flat = k.flatten(0, 1) if spec.paged else k
-        v_flat = v.flatten(0, 1) if spec.paged else v
+
+        def take(x: Tensor, rows: Tensor) -> Tensor:  # rows of the flattened K/V, without flattening x
+            return x[rows // ps, rows % ps] if spec.paged else x[rows]
+
         topk = idx.shape[1]
         per_key = hkv * (spec.head_dim + spec.head_dim_v)
         key_chunk = max(1, min(topk, _SPARSE_GATHER_ELEMS // per_key))
@@ -230,7 +241,7 @@ class _TorchSparseRun:
             scores = torch.empty(r1 - r0, hkv, g, topk, dtype=work, device=q.device)
             for c0 in range(0, topk, key_chunk):
                 c1 = min(topk, c0 + key_chunk)
-                keys = k_flat[flat[:, c0:c1]].to(work)  # [r, kc, Hkv, D]
+                keys = take(k, flat[:, c0:c1]).to(work)  # [r, kc, Hkv, D]
                 scores[..., c0:c1] = torch.einsum("rhgd,rkhd->rhgk", qr, keys) * softmax_scale
             scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
             if sinks is not None:
@@ -243,13 +254,13 @@ class _TorchSparseRun:
             acc = torch.zeros(r1 - r0, hkv, g, spec.head_dim_v, dtype=work, device=q.device)
             for c0 in range(0, topk, key_chunk):
                 c1 = min(topk, c0 + key_chunk)
-                vals = v_flat[flat[:, c0:c1]].to(work)  # [r, kc, Hkv, Dv]
+                vals = take(v, flat[:, c0:c1]).to(work)  # [r, kc, Hkv, Dv]
                 vals = vals.masked_fill(~valid[:, c0:c1, None, None], 0.0)  # masked keys: not even 0 * NaN
                 acc += torch.einsum("rhgk,rkhd->rhgd", probs[..., c0:c1], vals)
             pad = (pos < 0)[:, None]
             out[r0:r1] = acc.reshape(r1 - r0, hq, -1).masked_fill(pad[..., None], 0.0).to(out.dtype)
             if lse is not None:
-                lse[r0:r1] = row_lse.reshape(r1 - r0, hq).masked_fill(pad, float("-inf")).to(torch.float32)
+                lse[r0:r1] = row_lse.reshape(r1 - r0, hq).masked_fill(pad, float("-inf")).to(lse.dtype)
 
 
 class TorchSparseBackend:
@@ -258,10 +269,10 @@ class TorchSparseBackend:
     def available(self) -> Optional[str]:
         return None
 
-    def unsupported_reason(self, spec: SparseAttentionSpec, meta: CPMetadata) -> Optional[str]:
+    def unsupported_reason(self, spec: AttentionSpec, meta: CPMetadata) -> Optional[str]:
         return None
 
-    def plan(self, spec: SparseAttentionSpec, meta: CPMetadata, options: Mapping) -> _TorchSparseRun:
+    def plan(self, spec: AttentionSpec, meta: CPMetadata, options: Mapping) -> _TorchSparseRun:
         if options:
             raise ValueError(f"backend 'torch' takes no backend_options, got {sorted(options)}")
         return _TorchSparseRun(spec, meta)
@@ -320,9 +331,9 @@ class _TorchIndexRun:
             keys, scale = k_idx[rows].to(work), (k_scale[rows] if k_scale is not None else None)
         else:
             ps = k_idx.shape[1]
-            flat = page_table[seq].long()[key_pos // ps] * ps + key_pos % ps
-            keys = k_idx.flatten(0, 1)[flat].to(work)
-            scale = k_scale.flatten(0, 1)[flat] if k_scale is not None else None
+            pages, slot = page_table[seq].long()[key_pos // ps], key_pos % ps
+            keys = k_idx[pages, slot].to(work)  # only these rows, whatever the cache's strides
+            scale = k_scale[pages, slot] if k_scale is not None else None
         return keys if scale is None else keys * scale.to(work)[:, None]
 
 

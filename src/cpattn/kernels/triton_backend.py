@@ -164,10 +164,12 @@ class _DecodeRun:
 
     def __init__(self, spec: AttentionSpec, meta: CPMetadata, options: Mapping) -> None:
         from ..kv_sharding import KVSharding
+        from ..metadata import build_metadata
         from .decode_backend import TritonShardBackend
 
         host = meta.host if meta.host is not None else meta
-        dmeta = KVSharding(1).build_decode_metadata(host.kv_lens, host.extend_lens, rank=0).to(meta.device)
+        dmeta = build_metadata("replicated", None, 1, 1, 0, 1, host.extend_lens, host.prefix_lens, kv=KVSharding(1),
+                               replicated=True).to(meta.device)
         unknown = set(options) - _OPTION_NAMES
         if unknown:
             raise ValueError(f"unknown triton backend_options {sorted(unknown)} (known: {sorted(_OPTION_NAMES)})")

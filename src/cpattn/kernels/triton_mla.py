@@ -52,11 +52,13 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
-        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
 
+    # calls spelled per triton release (see _sm90_common.RENAMED_CALLS)
+    from ._sm90_common import (cp_async_load, cta_barrier, num_warps, smem_reinterpret, tma_load,
+                               warp_specialize)
     from ._sm90_common import (key_range, kv_rows, local_key_count, page_of, page_row, softmax_block, tile_item,
                                zero_rows_from)
 
@@ -86,7 +88,7 @@ def unsupported_reason(d: int, dv: int, num_kv_heads: int, dtype: torch.dtype, p
         return f"num_kv_heads={num_kv_heads} (absorbed MLA has one latent KV head)"
     if page_size is not None and not paged_copy_rows(page_size, BLOCK_N):
         return f"paged K/V with page_size={page_size} (TMA copies need gcd(page_size, {BLOCK_N}) >= 8)"
-    return hopper_reason(dtype, device)
+    return hopper_reason(dtype, device, "mla")
 
 
 def sparse_unsupported_reason(d: int, dv: int, num_kv_heads: int, dtype: torch.dtype,
@@ -173,7 +175,7 @@ if HAVE_GLUON:
         HALF: gl.constexpr = ka.type.shape[2]
         CHUNK: gl.constexpr = kr.type.shape[2]
         CH: gl.constexpr = HALF // CHUNK
-        NW: gl.constexpr = gl.num_warps()
+        NW: gl.constexpr = num_warps()
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
         cols = gl.expand_dims(gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout)), 0)
         off_n, ok_n = _mla_sparse_rows(idx_row, 0, topk, pos, kv_base, pt_row, stride_kp, stride_kn, layout, BN,
@@ -185,12 +187,12 @@ if HAVE_GLUON:
             mbarrier.wait(kv_empty.index(slot), ((j // NSTAGE) & 1) ^ 1)
             ptrs = K + gl.expand_dims(off, 1) + cols
             mask = gl.expand_dims(ok, 1)
-            a_chunks = ka.index(slot)._reinterpret(ka.dtype, [CH, BN, CHUNK], kr.type.layout)
-            b_chunks = kb.index(slot)._reinterpret(kb.dtype, [CH, BN, CHUNK], kr.type.layout)
+            a_chunks = smem_reinterpret(ka.index(slot), ka.dtype, [CH, BN, CHUNK], kr.type.layout)
+            b_chunks = smem_reinterpret(kb.index(slot), kb.dtype, [CH, BN, CHUNK], kr.type.layout)
             for c in gl.static_range(CH):  # a / b alternate: one shared-memory barrier per chunk pair
-                async_copy.async_copy_global_to_shared(a_chunks.index(c), ptrs + c * CHUNK, mask=mask)
-                async_copy.async_copy_global_to_shared(b_chunks.index(c), ptrs + (HALF + c * CHUNK), mask=mask)
-            async_copy.async_copy_global_to_shared(kr.index(slot), ptrs + 2 * HALF, mask=mask)
+                cp_async_load(a_chunks.index(c), ptrs + c * CHUNK, mask=mask)
+                cp_async_load(b_chunks.index(c), ptrs + (HALF + c * CHUNK), mask=mask)
+            cp_async_load(kr.index(slot), ptrs + 2 * HALF, mask=mask)
             async_copy.mbarrier_arrive(k_ready.index(slot), increment_count=False)
             # the next block's rows (index and page-table reads) while this one is in flight
             off_n, ok_n = _mla_sparse_rows(idx_row, j + 1, topk, pos, kv_base, pt_row, stride_kp, stride_kn, layout,
@@ -213,9 +215,9 @@ if HAVE_GLUON:
                 mbarrier.expect(k_ready.index(3 * slot), k_desc.block_type.nbytes * NG * CH)
                 mbarrier.expect(k_ready.index(3 * slot + 1), k_desc.block_type.nbytes * NG * CH)
                 mbarrier.expect(k_ready.index(3 * slot + 2), k_desc.block_type.nbytes * NG)
-                a_pieces = ka.index(slot)._reinterpret(k_desc.dtype, [CH * NG, COPY_ROWS, 64], k_desc.layout)
-                b_pieces = kb.index(slot)._reinterpret(k_desc.dtype, [CH * NG, COPY_ROWS, 64], k_desc.layout)
-                r_pieces = kr.index(slot)._reinterpret(k_desc.dtype, [NG, COPY_ROWS, 64], k_desc.layout)
+                a_pieces = smem_reinterpret(ka.index(slot), k_desc.dtype, [CH * NG, COPY_ROWS, 64], k_desc.layout)
+                b_pieces = smem_reinterpret(kb.index(slot), k_desc.dtype, [CH * NG, COPY_ROWS, 64], k_desc.layout)
+                r_pieces = smem_reinterpret(kr.index(slot), k_desc.dtype, [NG, COPY_ROWS, 64], k_desc.layout)
                 start = n_lo + j * BN
                 page_a, slot_a = page_of(pt_row, start, key_end - 1, PAGE_SIZE, COPY_ROWS)
                 page_b, slot_b = page_of(pt_row, start + COPY_ROWS, key_end - 1, PAGE_SIZE, COPY_ROWS)
@@ -226,21 +228,18 @@ if HAVE_GLUON:
                         page_b, slot_b = page_of(pt_row, start + (g + 2) * COPY_ROWS, key_end - 1, PAGE_SIZE,
                                                  COPY_ROWS)
                     for c in gl.static_range(CH):
-                        tma.async_copy_global_to_shared(k_desc, [row, c * 64], k_ready.index(3 * slot),
-                                                        a_pieces.index(c * NG + g))
+                        tma_load(k_desc, [row, c * 64], k_ready.index(3 * slot), a_pieces.index(c * NG + g))
                     for c in gl.static_range(CH):
-                        tma.async_copy_global_to_shared(k_desc, [row, HALF + c * 64], k_ready.index(3 * slot + 1),
-                                                        b_pieces.index(c * NG + g))
-                    tma.async_copy_global_to_shared(k_desc, [row, 2 * HALF], k_ready.index(3 * slot + 2),
-                                                    r_pieces.index(g))
+                        tma_load(k_desc, [row, HALF + c * 64], k_ready.index(3 * slot + 1), b_pieces.index(c * NG + g))
+                    tma_load(k_desc, [row, 2 * HALF], k_ready.index(3 * slot + 2), r_pieces.index(g))
             else:
                 row = (kv_row_base + n_lo + j * BN).to(gl.int32)
                 mbarrier.expect(k_ready.index(3 * slot), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(3 * slot), ka.index(slot))
+                tma_load(k_desc, [row, 0], k_ready.index(3 * slot), ka.index(slot))
                 mbarrier.expect(k_ready.index(3 * slot + 1), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [row, HALF], k_ready.index(3 * slot + 1), kb.index(slot))
+                tma_load(k_desc, [row, HALF], k_ready.index(3 * slot + 1), kb.index(slot))
                 mbarrier.expect(k_ready.index(3 * slot + 2), kr_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(kr_desc, [row, 2 * HALF], k_ready.index(3 * slot + 2), kr.index(slot))
+                tma_load(kr_desc, [row, 2 * HALF], k_ready.index(3 * slot + 2), kr.index(slot))
 
     @gluon.jit
     def _mla_fix_last_v(va_slot, vb_slot, jb, num_blocks, n_lo, key_end, PAGE_SIZE: gl.constexpr):
@@ -509,7 +508,7 @@ if HAVE_GLUON:
         split 1, whoever comes second: the same result either way; the sink, if any, joins the
         denominator; weight-0 parts are not read, a NaN LSE makes the row NaN) into ``Out`` (and,
         warpgroup 0, ``Lse``) and resets the counter for the next launch. No combine kernel runs."""
-        gl.thread_barrier()  # this warpgroup's partial and LSE stores precede the ticket (release, gpu scope)
+        cta_barrier()  # this warpgroup's partial and LSE stores precede the ticket (release, gpu scope)
         sem = PairSem + ((ws // 2) * num_head_groups + hg) * 2 + W
         ticket = gl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
         if ticket == 1:
@@ -560,7 +559,7 @@ if HAVE_GLUON:
                 gl.store(Lse + (row0 + r).to(gl.int64) * stride_lm + head * stride_lh, lse, mask=live)
 
     @gluon.jit
-    def _mla_consumer0(smem, kv, rows, dec, W: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+    def _mla_consumer0(smem, kv, rows, dec, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
                        RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, PAGE_SIZE: gl.constexpr,
                        COPY_ROWS: gl.constexpr, DECODE: gl.constexpr, CP_SIZE: gl.constexpr,
                        INTERLEAVE: gl.constexpr, SPARSE: gl.constexpr):
@@ -568,7 +567,7 @@ if HAVE_GLUON:
                       DECODE, CP_SIZE, INTERLEAVE, SPARSE)
 
     @gluon.jit
-    def _mla_consumer1(smem, kv, rows, dec, W: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+    def _mla_consumer1(smem, kv, rows, dec, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
                        RETURN_LSE: gl.constexpr, G_PACK: gl.constexpr, PAGE_SIZE: gl.constexpr,
                        COPY_ROWS: gl.constexpr, DECODE: gl.constexpr, CP_SIZE: gl.constexpr,
                        INTERLEAVE: gl.constexpr, SPARSE: gl.constexpr):
@@ -608,7 +607,7 @@ if HAVE_GLUON:
         l_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             if SPARSE:  # one cp.async arrival per loader thread (the default partition's warps)
-                mbarrier.init(k_ready.index(i), count=32 * gl.num_warps())
+                mbarrier.init(k_ready.index(i), count=32 * num_warps())
             else:  # the loader's expect-tx arrival, one per part
                 for p in gl.static_range(3):
                     mbarrier.init(k_ready.index(3 * i + p), count=1)
@@ -622,13 +621,14 @@ if HAVE_GLUON:
         kv = (k_desc, kr_desc, kv_row_base, n_lo, num_blocks, key_end, pt_row)
         rows = (Q, Out, Lse, Sinks, stride_qm, stride_qh, stride_om, stride_oh, stride_lm, stride_lh,
                 roff, slen, row0, pos0, pstride, hg, f_lo, f_hi, qk_scale, window, stride_sink)
-        # flags in tuple literals (a tuple assigned to a name turns its constexprs into runtime values)
-        gl.warp_specialize([
+        # flags in tuple literals (a tuple assigned to a name turns its constexprs into runtime values);
+        # the two consumers take the same arguments (triton 3.5 passes one tuple to every worker)
+        warp_specialize([
             (_mla_loader, (smem, kv, rows, dec, 0, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE, COPY_ROWS,
                            SPARSE)),
-            (_mla_consumer0, (smem, kv, rows, dec, 0, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE,
+            (_mla_consumer0, (smem, kv, rows, dec, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE,
                               COPY_ROWS, DECODE, CP_SIZE, INTERLEAVE, SPARSE)),
-            (_mla_consumer1, (smem, kv, rows, dec, 1, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE,
+            (_mla_consumer1, (smem, kv, rows, dec, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, PAGE_SIZE,
                               COPY_ROWS, DECODE, CP_SIZE, INTERLEAVE, SPARSE)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 

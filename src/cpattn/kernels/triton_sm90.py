@@ -50,11 +50,13 @@ if HAVE_GLUON:
         async_copy,
         fence_async_shared,
         mbarrier,
-        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
 
+    # calls spelled per triton release (see _sm90_common.RENAMED_CALLS)
+    from ._sm90_common import (cp_async_load, cta_barrier, num_warps, smem_reinterpret, tma_load,
+                               warp_specialize)
     from ._sm90_common import (key_range, kv_rows, page_of, page_row, softmax_block as _ws_softmax, tile_item,
                                zero_rows_from)
 
@@ -93,7 +95,7 @@ def unsupported_reason(d: int, dv: int, dtype: torch.dtype, page_size: Optional[
     per layer by :func:`kv_layout_ok`). Every page size 1..256 runs (``page_size`` None: packed)."""
     if (d, dv) not in SUPPORTED_HEAD_DIMS:
         return f"head dims D={d}, Dv={dv} (needs (D, Dv) in {sorted(SUPPORTED_HEAD_DIMS)})"
-    return hopper_reason(dtype, device)
+    return hopper_reason(dtype, device, "sm90")
 
 
 def kv_layout_ok(k: Tensor, v: Tensor) -> bool:
@@ -134,9 +136,10 @@ if HAVE_GLUON:
         CK2: gl.constexpr = HEAD_DIM2 // 64
         CV: gl.constexpr = v_slot.type.shape[1] // 64
         NG: gl.constexpr = BLOCK_N // COPY_ROWS
-        k_pieces = k_slot._reinterpret(k_desc.dtype, [CK * NG, COPY_ROWS, 64], k_desc.layout)
-        k2_pieces = k2_slot._reinterpret(k_desc.dtype, [max(CK2, 1) * NG, COPY_ROWS, 64], k_desc.layout)
-        v_pieces = v_slot._reinterpret(v_desc.dtype, [CV * NG, COPY_ROWS, 64], v_desc.layout)
+        k_pieces = smem_reinterpret(k_slot, k_desc.dtype, [CK * NG, COPY_ROWS, 64], k_desc.layout)
+        CK2_VIEW: gl.constexpr = CK2 if CK2 > 0 else 1  # not max(): a tensor in triton 3.5's Gluon
+        k2_pieces = smem_reinterpret(k2_slot, k_desc.dtype, [CK2_VIEW * NG, COPY_ROWS, 64], k_desc.layout)
+        v_pieces = smem_reinterpret(v_slot, v_desc.dtype, [CV * NG, COPY_ROWS, 64], v_desc.layout)
         for part in gl.static_range(PART, PART + 1):
             # page-table reads run two groups ahead of the copies (one warp issues everything)
             page_a, slot_a = page_of(pt_row, start, last_key, PAGE_SIZE, COPY_ROWS)
@@ -148,15 +151,12 @@ if HAVE_GLUON:
                     page_b, slot_b = page_of(pt_row, start + (g + 2) * COPY_ROWS, last_key, PAGE_SIZE, COPY_ROWS)
                 if part == 0:
                     for c in gl.static_range(CK):
-                        tma.async_copy_global_to_shared(k_desc, [row, k_col + c * 64], k_ready,
-                                                        k_pieces.index(c * NG + g))
+                        tma_load(k_desc, [row, k_col + c * 64], k_ready, k_pieces.index(c * NG + g))
                     for c in gl.static_range(CK2):
-                        tma.async_copy_global_to_shared(k_desc, [row, k_col + (CK + c) * 64], k_ready,
-                                                        k2_pieces.index(c * NG + g))
+                        tma_load(k_desc, [row, k_col + (CK + c) * 64], k_ready, k2_pieces.index(c * NG + g))
                 else:
                     for c in gl.static_range(CV):
-                        tma.async_copy_global_to_shared(v_desc, [row, v_col + c * 64], v_ready,
-                                                        v_pieces.index(c * NG + g))
+                        tma_load(v_desc, [row, v_col + c * 64], v_ready, v_pieces.index(c * NG + g))
 
     @gluon.jit
     def _ws_gather_pages(pt_row, start, p, r_in, key_end, R: gl.constexpr, PAGE_SIZE: gl.constexpr):
@@ -193,12 +193,10 @@ if HAVE_GLUON:
             slot = (kpos % PAGE_SIZE).to(gl.int64)
             mask = gl.expand_dims(kpos < key_end, 1)
             k_off = page * stride_kp + slot * stride_kn + cols_off[0]
-            async_copy.async_copy_global_to_shared(buf.slice(p * R, R), bases[0] + gl.expand_dims(k_off, 1) + cols,
-                                                   mask=mask)
+            cp_async_load(buf.slice(p * R, R), bases[0] + gl.expand_dims(k_off, 1) + cols, mask=mask)
             if TWO:
                 v_off = page * stride_vp + slot * stride_vn + cols_off[1]
-                async_copy.async_copy_global_to_shared(bufs[1].slice(p * R, R),
-                                                       bases[1] + gl.expand_dims(v_off, 1) + cols, mask=mask)
+                cp_async_load(bufs[1].slice(p * R, R), bases[1] + gl.expand_dims(v_off, 1) + cols, mask=mask)
 
     @gluon.jit
     def _ws_gather_loader(smem, kv, it0, HEAD_DIM2: gl.constexpr, PAGE_SIZE: gl.constexpr):
@@ -212,7 +210,7 @@ if HAVE_GLUON:
         BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
         HEAD_DIM1: gl.constexpr = k_bufs.type.shape[2]
         HEAD_DIM_V: gl.constexpr = v_bufs.type.shape[2]
-        NW: gl.constexpr = gl.num_warps()
+        NW: gl.constexpr = num_warps()
         for j in range(num_blocks):
             slot = (it0 + j) % STAGES
             mbarrier.wait(kv_empty.index(slot), (((it0 + j) // STAGES) & 1) ^ 1)  # K slot free
@@ -249,7 +247,7 @@ if HAVE_GLUON:
         partition: SYNC, ``bar.sync`` (wait until ``count`` threads arrived, this partition's
         included), else ``bar.arrive`` (count this partition in, do not wait). Per-thread inline
         PTX: Triton's mbarrier arrive / wait come with a warpgroup ``bar.sync`` each."""
-        NW: gl.constexpr = gl.num_warps()
+        NW: gl.constexpr = num_warps()
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
         ids = gl.full([32 * NW], 0, gl.int32, layout) + id
         counts = gl.full([32 * NW], 0, gl.int32, layout) + count
@@ -380,15 +378,14 @@ if HAVE_GLUON:
                 row = (kv_row_base + n_lo + j * BLOCK_N).to(gl.int32)
                 if HEAD_DIM2 > 0:
                     mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes + k2_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(k_desc, [row, k_col], k_ready.index(slot), k_bufs.index(slot))
-                    tma.async_copy_global_to_shared(k2_desc, [row, k_col + HEAD_DIM1], k_ready.index(slot),
-                                                    k2_bufs.index(slot))
+                    tma_load(k_desc, [row, k_col], k_ready.index(slot), k_bufs.index(slot))
+                    tma_load(k2_desc, [row, k_col + HEAD_DIM1], k_ready.index(slot), k2_bufs.index(slot))
                 else:
                     mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(k_desc, [row, k_col], k_ready.index(slot), k_bufs.index(slot))
+                    tma_load(k_desc, [row, k_col], k_ready.index(slot), k_bufs.index(slot))
                 mbarrier.wait(kv_empty.index(STAGES + slot), phase ^ 1)
                 mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_desc, [row, v_col], v_ready.index(slot), v_bufs.index(slot))
+                tma_load(v_desc, [row, v_col], v_ready.index(slot), v_bufs.index(slot))
 
     @gluon.jit
     def _ws_qk(q_lo, q_hi, k_lo, k_hi, s_zero, HEAD_DIM2: gl.constexpr):
@@ -498,7 +495,7 @@ if HAVE_GLUON:
             q2_half = q2_smem.index(HALF)
             q2_half.store(q2)
         fence_async_shared()
-        gl.thread_barrier()
+        cta_barrier()
 
         m_s = HALF * BLOCK_M + gl.arange(0, BLOCK_M, layout=s_rows)
         pos = pos0 + (roff + m_s // G_PACK) * pstride
@@ -590,7 +587,7 @@ if HAVE_GLUON:
         # layout (Dv == the Q tile's width at D64, D128 and D192 / 128)
         gl.static_assert(HEAD_DIM_V == HEAD_DIM)
         q_half.store(out)
-        gl.thread_barrier()
+        cta_barrier()
         st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM_V // 8), HEAD_DIM_V // 8], [4, 1], [1, 0])
         out = q_half.load(st_layout)
         m_o = HALF * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
@@ -600,7 +597,7 @@ if HAVE_GLUON:
         o_ptrs = Out + gl.expand_dims((row0 + r_o).to(gl.int64) * stride_om + head_o * stride_oh, 1) \
             + gl.expand_dims(d_o, 0)
         gl.store(o_ptrs, out, mask=gl.expand_dims(r_o < slen, 1))
-        gl.thread_barrier()  # every row read back before the next item's Q rows overwrite the tile
+        cta_barrier()  # every row read back before the next item's Q rows overwrite the tile
         if RETURN_LSE:
             lse = gl.where(has_mass, (m_i + gl.log2(gl.where(has_mass, l_i, 1.0))) * 0.6931471805599453,
                            float("-inf"))
@@ -714,7 +711,7 @@ if HAVE_GLUON:
                                 HEAD_DIM2)
         # the flags go in tuple literals: assigning a tuple to a name would turn its constexprs into
         # runtime values
-        gl.warp_specialize([
+        warp_specialize([
             (_ws_consumer0, (smem, kv, rows, sched, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG,
                               HEAD_DIM2, PAGE_SIZE, COPY_ROWS, PERSISTENT)),
             (_ws_consumer1, (smem, kv, rows, sched, HAS_WINDOW, HAS_SINKS, RETURN_LSE, G_PACK, OVERLAP, PINGPONG,

@@ -1,17 +1,15 @@
-"""Plans: everything a layer's attention needs that does not change between layers, bound once
-per forward (FlashInfer's plan/run split). One module per plan kind: ``dense`` (causal
-attention of local queries), ``sparse`` (DSA: sparse attention over selected keys and the index
-top-k), ``shard`` (attention over one rank's key shard of a sharded KV cache: decode context
-parallelism), ``sharded_extend`` (an extend over a sharded prefix: pass-KV or pass-Q),
-``static`` (fixed-address placement plans for CUDA graphs).
+"""Attention plans: everything a layer's attention needs that does not change between layers,
+bound once per forward (FlashInfer's plan/run split). :func:`plan_attention` picks the
+algorithm from the placement plan's (queries, KV layout) pair; one module per algorithm:
+``dense`` ("local", "gather_kv"), ``sparse`` (DSA; and the index top-k plan), ``shard``
+("shard_merge"), ``sharded_extend`` ("pass_kv", "pass_q"); ``base`` holds what they share;
+``static`` writes placement plans into fixed buffers for CUDA graphs.
 """
 
-from .dense import AttentionPlan, check_group_rank, make_spec, plan_attention, window_left
-from .shard import ShardAttentionPlan, plan_shard_attention, shard_attention
-from .sparse import IndexTopkPlan, SparseAttentionPlan, plan_index_topk, plan_sparse_attention
+from .base import ALGORITHMS, AttentionPlan
+from .planner import algorithms_for, plan_attention
+from .sparse import IndexTopkPlan, plan_index_topk
 from .static import StaticPlanner
-from ..kernels import AttentionSpec
 
-__all__ = ["AttentionPlan", "AttentionSpec", "IndexTopkPlan", "ShardAttentionPlan", "SparseAttentionPlan",
-           "StaticPlanner", "check_group_rank", "make_spec", "plan_attention", "plan_index_topk",
-           "plan_shard_attention", "plan_sparse_attention", "shard_attention", "window_left"]
+__all__ = ["ALGORITHMS", "AttentionPlan", "IndexTopkPlan", "StaticPlanner", "algorithms_for", "plan_attention",
+           "plan_index_topk"]

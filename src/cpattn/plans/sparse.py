@@ -1,12 +1,12 @@
 """DSA plans: sparse attention over selected keys, and the lightning indexer's top-k (plan once
 per forward, run per layer).
 
-:func:`plan_sparse_attention` binds a placement plan to heads, head dims, dtype, top-k width,
-page size, sinks and a backend (kind ``"sparse"`` of the registry); :func:`plan_index_topk` binds
-it to the indexer's heads, dims, dtypes and top-k (kind ``"index"``). Both upload what their
-kernels read once (the per-row table of :mod:`cpattn.kernels._dsa_rows`: sequence, position, first
-K/V row of every physical row). ``run`` checks only per-layer facts (shapes, dtypes, devices), then
-launches.
+:func:`cpattn.plan_attention` with a spec's ``topk`` binds a placement plan to a sparse
+attention backend (kind ``"sparse"`` of the registry); :func:`plan_index_topk` binds it to the
+indexer's heads, dims, dtypes and top-k (kind ``"index"``). Both upload what their kernels read
+once (the per-row table of :mod:`cpattn.kernels._dsa_rows`: sequence, position, first K/V row of
+every physical row). The per-layer calls check only per-layer facts (shapes, dtypes, devices),
+then launch.
 
 The causal rule of sparse attention: a row at position ``p`` of sequence ``b`` attends the keys
 of ``b`` whose positions appear in its row of ``idx`` and are ``<= p``; negative entries (-1
@@ -21,20 +21,12 @@ from typing import Mapping, Optional
 import torch
 from torch import Tensor
 
-from .._validation import check_int, check_tensor
-from ..kernels import IndexTopkSpec, SparseAttentionSpec, select_backend
+from .._validation import check_int, check_softmax_scale, check_tensor
+from ..kernels import IndexTopkSpec, select_backend
 from ..metadata import CPMetadata
-from .dense import check_group_rank, check_sinks, result_buffers
+from .base import AttentionPlan, check_group_rank
 
-__all__ = [
-    "IndexTopkPlan",
-    "SparseAttentionPlan",
-    "check_index",
-    "make_index_spec",
-    "make_sparse_spec",
-    "plan_index_topk",
-    "plan_sparse_attention",
-]
+__all__ = ["IndexTopkPlan", "SparseAttentionPlan", "check_index", "make_index_spec", "plan_index_topk"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -47,25 +39,6 @@ def _check_page_size(page_size) -> Optional[int]:
     if page_size > 256:
         raise ValueError(f"page_size must be in [1, 256], got {page_size}")
     return page_size
-
-
-def make_sparse_spec(
-    *, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: Optional[int] = None, dtype: torch.dtype,
-    topk: int, page_size: Optional[int] = None, has_sinks: bool = False,
-) -> SparseAttentionSpec:
-    """Validate layer-kind facts of sparse attention (TypeError / ValueError naming the argument)."""
-    hq = check_int(num_q_heads, "num_q_heads", 1)
-    hkv = check_int(num_kv_heads, "num_kv_heads", 1)
-    if hq % hkv:
-        raise ValueError(f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv}")
-    d = check_int(head_dim, "head_dim", 1)
-    dv = d if head_dim_v is None else check_int(head_dim_v, "head_dim_v", 1)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-    k = check_int(topk, "topk", 1)
-    if not isinstance(has_sinks, bool):
-        raise TypeError(f"has_sinks must be a bool, got {type(has_sinks).__name__}")
-    return SparseAttentionSpec(hq, hkv, d, dv, dtype, k, _check_page_size(page_size), has_sinks)
 
 
 def make_index_spec(
@@ -117,36 +90,17 @@ def _check_page_table(page_table, meta: CPMetadata, page_size: int) -> None:
 
 
 # ----------------------------------------------------------------------------- sparse attention
-class SparseAttentionPlan:
-    """Sparse (DSA) attention of a rank's local queries over the keys each row selected, bound to
-    one placement plan and layer kind. ``backend``: "triton" or "torch"; ``spec``: the bound
-    :class:`SparseAttentionSpec`. Build with :func:`plan_sparse_attention`."""
+class SparseAttentionPlan(AttentionPlan):
+    """Sparse (DSA) attention of a rank's local queries over the keys each row selected
+    (``spec.topk`` columns), algorithms "local" / "gather_kv" over a replicated cache."""
 
-    def __init__(self, meta: CPMetadata, spec: SparseAttentionSpec, backend: str, run_impl) -> None:
-        self.meta, self.spec, self.backend = meta, spec, backend
-        self._impl = run_impl
-        p = meta.num_physical_tokens
-        self._q_shape = (p, spec.num_q_heads, spec.head_dim)
-        self._idx_shape = (p, spec.topk)
-        self._out_shape = (p, spec.num_q_heads, spec.head_dim_v)
-        self._lse_shape = (p, spec.num_q_heads)
-        if spec.paged:
-            self._k_tail = (spec.page_size, spec.num_kv_heads, spec.head_dim)
-            self._v_tail = (spec.page_size, spec.num_kv_heads, spec.head_dim_v)
-        else:
-            self._k_shape = (meta.num_kv_rows, spec.num_kv_heads, spec.head_dim)
-            self._v_shape = (meta.num_kv_rows, spec.num_kv_heads, spec.head_dim_v)
-        self._scale = spec.head_dim**-0.5
+    def __init__(self, meta: CPMetadata, spec, backend: str, run_impl, algorithm: str) -> None:
+        super().__init__(meta, spec, backend, run_impl, rows=meta.num_physical_tokens, kv_rows_exact=meta.num_kv_rows,
+                         max_keys=meta.max_kv_len, q_name="q_local")
+        self.algorithm = algorithm
+        self._idx_shape = (meta.num_physical_tokens, spec.topk)
 
-    def __repr__(self) -> str:
-        return f"SparseAttentionPlan(backend={self.backend!r}, {self.spec}, P={self.meta.num_physical_tokens})"
-
-    @property
-    def family(self) -> str:
-        """The kernel family that runs ("mla" or "portable" for triton; else the backend)."""
-        return getattr(self._impl, "family", self.backend)
-
-    def run(
+    def attend(
         self,
         q_local: Tensor,
         k: Tensor,
@@ -160,8 +114,8 @@ class SparseAttentionPlan:
         lse: Optional[Tensor] = None,
         return_lse: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Each local row attends the keys of its sequence whose positions are in its row of
-        ``idx`` and ``<= its position`` (per layer, device-only; see the module docstring).
+        """The kernel alone: each local row attends the keys of its sequence whose positions are
+        in its row of ``idx`` and ``<= its position`` (device-only; see the module docstring).
 
         Args:
             q_local: [P, Hq, D] in the plan's dtype (pad rows ignored).
@@ -172,95 +126,54 @@ class SparseAttentionPlan:
             idx: [P, topk] int32/int64 key positions (index in the row's sequence, prefix
                 counted); negative, future and out-of-sequence entries are ignored. A position
                 should appear at most once per row (it counts once per occurrence).
-            sinks: [Hq] float when the plan has sinks. softmax_scale: default D ** -0.5.
-            out: [P, Hq, Dv] buffer (q's dtype, contiguous last dim); lse: [P, Hq] float32.
-            return_lse: also return lse (natural log, float32, sinks counted: a real row with no
-                valid key has lse = its sink, or -inf without sinks).
+            sinks: [Hq] float when the spec has sinks. softmax_scale: default D ** -0.5.
+            out: [P, Hq, Dv] buffer (q's dtype, contiguous last dim); lse: [P, Hq] float32
+                (or float64 for float64 inputs on the torch backend).
+            return_lse: also return lse (natural log, sinks counted: a real row with no valid key
+                has lse = its sink, or -inf without sinks): float32, float64 for float64 inputs
+                on the torch backend (it computes them in float64).
 
         Returns:
             out [P, Hq, Dv] (pad rows and rows with no valid key exactly 0), or (out, lse); pad
             rows have lse -inf.
         """
-        spec, meta = self.spec, self.meta
-        device = meta.device
-        for name, t in (("q_local", q_local), ("k", k), ("v", v)):
-            check_tensor(t, name)
-            if t.dtype != spec.dtype:
-                raise TypeError(f"{name} dtype {t.dtype} != the plan's dtype {spec.dtype}")
-            _check_device(t, name, device)
-        if q_local.shape != self._q_shape:
-            raise ValueError(f"q_local must be [P, Hq, D] = {list(self._q_shape)}, got {list(q_local.shape)}")
-        check_index(idx, meta.num_physical_tokens)
-        if idx.shape != self._idx_shape:
-            raise ValueError(f"idx must be [P, topk] = {list(self._idx_shape)} (the plan's topk), got {list(idx.shape)}")
-        _check_device(idx, "idx", device)
-        if spec.paged:
-            if page_table is None:
-                raise ValueError(f"the plan is paged (page_size={spec.page_size}): pass page_table")
-            if k.dim() != 4 or k.shape[1:] != self._k_tail or v.dim() != 4 or v.shape[1:] != self._v_tail \
-                    or v.shape[0] != k.shape[0]:
-                raise ValueError(
-                    f"paged k/v must be [num_pages, {', '.join(map(str, self._k_tail))}] / "
-                    f"[num_pages, {', '.join(map(str, self._v_tail))}], got {list(k.shape)} / {list(v.shape)}"
-                )
-            _check_page_table(page_table, meta, spec.page_size)
-        else:
-            if page_table is not None:
-                raise ValueError("page_table given but the plan is for packed K/V (plan with page_size=)")
-            if k.shape != self._k_shape or v.shape != self._v_shape:
-                raise ValueError(
-                    f"packed k/v must be {list(self._k_shape)} / {list(self._v_shape)} "
-                    f"(rows = sum(prefix_lens + extend_lens)), got {list(k.shape)} / {list(v.shape)}"
-                )
-        check_sinks(sinks, spec, device)
-        out, lse = result_buffers(out, lse, self._out_shape, self._lse_shape, spec.dtype, device, return_lse)
-        scale = self._scale if softmax_scale is None else float(softmax_scale)
-        self._impl(q_local, k, v, idx, page_table, sinks, scale, out, lse)
+        self._check_call(q_local, k, v, page_table, sinks)
+        if type(idx) is not Tensor or idx.shape != self._idx_shape or idx.dtype not in _INDEX_DTYPES \
+                or idx.device != self._device:
+            check_index(idx, self.meta.num_physical_tokens)
+            if idx.shape != self._idx_shape:
+                raise ValueError(f"idx must be [P, topk] = {list(self._idx_shape)} (the plan's topk), got "
+                                 f"{list(idx.shape)}")
+            _check_device(idx, "idx", self._device)
+        out, lse = self._result(out, lse, return_lse)
+        self._impl(q_local, k, v, idx, page_table, sinks, self._softmax_scale(softmax_scale), out, lse)
         return (out, lse) if return_lse else out
 
-
-def plan_sparse_attention(
-    meta: CPMetadata,
-    *,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    head_dim_v: Optional[int] = None,
-    dtype: torch.dtype,
-    topk: int,
-    page_size: Optional[int] = None,
-    has_sinks: bool = False,
-    backend: str = "auto",
-    backend_options: Optional[Mapping] = None,
-) -> SparseAttentionPlan:
-    """Plan one layer kind's sparse (DSA) attention over ``meta`` (host, once per forward; may
-    copy once).
-
-    Args:
-        meta: the placement plan (on the device the layers run on).
-        num_q_heads, num_kv_heads, head_dim, head_dim_v (default head_dim), dtype: of q / k / v.
-            Absorbed MLA: Hkv = 1, D = 576, Dv = 512; per-head: Hkv = Hq (or GQA).
-        topk: columns of the ``idx`` tensors ``run`` takes.
-        page_size: tokens per page of a paged K/V cache (1..256), None for packed K/V.
-        has_sinks: the layer passes attention sinks ([Hq] float logits) to ``run``.
-        backend: "auto" (triton, then torch), "triton" or "torch" (NotImplementedError naming
-            the reason when the named one cannot run it).
-        backend_options: backend knobs (see ``cpattn.kernels.dsa_backend``).
-
-    Example::
-
-        plan = cpattn.plan_sparse_attention(meta, num_q_heads=128, num_kv_heads=1, head_dim=576,
-                                            head_dim_v=512, dtype=torch.bfloat16, topk=2048)
-        out = plan.run(q, latent, latent[..., :512], idx)
-    """
-    if not isinstance(meta, CPMetadata):
-        raise TypeError(f"meta must be a CPMetadata, got {type(meta).__name__}")
-    spec = make_sparse_spec(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                            head_dim_v=head_dim_v, dtype=dtype, topk=topk, page_size=page_size, has_sinks=has_sinks)
-    options = dict(backend_options or {})
-    check_group_rank(meta)
-    chosen = select_backend(spec, meta, backend, kind="sparse")
-    return SparseAttentionPlan(meta, spec, chosen.name, chosen.plan(spec, meta, options))
+    def run(
+        self,
+        q_local: Tensor,
+        k_local: Tensor,
+        v_local: Tensor,
+        cache=None,
+        *,
+        idx: Tensor,
+        writes=None,
+        group=None,
+        page_table: Optional[Tensor] = None,
+        sinks: Optional[Tensor] = None,
+        softmax_scale: Optional[float] = None,
+        out: Optional[Tensor] = None,
+        lse: Optional[Tensor] = None,
+        return_lse: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """One layer: gather the new K/V (one collective; none for "local"), write them, attend
+        the selected keys. Arguments as :meth:`cpattn.plans.dense.DenseAttentionPlan.run`, plus
+        ``idx`` [P, topk] (as :meth:`attend`). A DSA layer whose index keys travel with the
+        latent in the same collective uses the parts instead (``strategy.gather_packed``,
+        :func:`cpattn.write_mla_cache`, :func:`cpattn.dsa.index_topk`, :meth:`attend`)."""
+        k_all, v_all = self._gather_and_write(q_local, k_local, v_local, cache, writes, group, page_table)
+        return self.attend(q_local, k_all, v_all, idx, page_table=page_table, sinks=sinks,
+                           softmax_scale=softmax_scale, out=out, lse=lse, return_lse=return_lse)
 
 
 # ----------------------------------------------------------------------------- index top-k
@@ -340,7 +253,7 @@ class IndexTopkPlan:
             if out.shape != self._out_shape or out.dtype != torch.int32 or out.device != device:
                 raise ValueError(f"out must be int32 [P, topk] = {list(self._out_shape)} on {device}, got "
                                  f"{out.dtype} {list(out.shape)} on {out.device}")
-        scale = self._scale if softmax_scale is None else float(softmax_scale)
+        scale = self._scale if softmax_scale is None else check_softmax_scale(softmax_scale)
         self._impl(q_idx, k_idx, weights, k_scale, page_table, scale, out)
         return out
 

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .._buffers import StaticArena
-from .._validation import check_int
+from .._validation import check_device, check_int
 from ..metadata import DEVICE_FIELDS, Capacity, CPMetadata, LengthsLike, as_lengths, plan_fingerprint
 
 __all__ = ["StaticPlanner"]
@@ -43,42 +43,54 @@ class StaticPlanner:
     Args:
         strategy: the CP strategy. max_tokens: most extend tokens per batch (T). max_seqs: most
             sequences (B). max_kv_tokens: most prefix + extend tokens (packed K/V rows).
-        device: where the plans live. max_local_tokens: physical rows P per rank (default: the
-            strategy's bound for any batch within the capacity, rounded to ``pad_multiple``).
+        device: where the plans live. kv: the KV layout, as in ``strategy.build_metadata``
+            (None: replicated cache; a :class:`cpattn.KVSharding`: sharded).
+        max_q_len: the longest extend of one sequence (kernels size their query tiles for it;
+            1 for a decode planner with the "replicated" strategy; default: max_tokens).
+        max_local_tokens: physical rows P per rank (default: the strategy's bound for any batch
+            within the capacity, rounded to ``pad_multiple``).
 
     Example::
 
         planner = cpattn.StaticPlanner(s, max_tokens=8192, max_seqs=64, max_kv_tokens=65536, device="cuda")
         meta = planner.plan(extend_lens, prefix_lens, rank=r, group=g)   # same addresses every time
+        # decode steps over a sharded cache (B <= 64 sequences, one new token each):
+        dec = cpattn.StaticPlanner(cpattn.get_strategy("replicated", C), max_tokens=64, max_seqs=64,
+                                   max_kv_tokens=64 * 131072, max_q_len=1, kv=cpattn.KVSharding(C), device="cuda")
+        meta = dec.plan(q_lens, seq_lens - q_lens, rank=r, group=g)
     """
 
     def __init__(self, strategy, *, max_tokens: int, max_seqs: int, max_kv_tokens: int,
-                 device: torch.device | str, max_local_tokens: Optional[int] = None) -> None:
+                 device: torch.device | str, kv=None, max_q_len: Optional[int] = None,
+                 max_local_tokens: Optional[int] = None) -> None:
         from ..strategies import CPStrategy
 
         if not isinstance(strategy, CPStrategy):
             raise TypeError(f"strategy must be a cpattn.CPStrategy, got {type(strategy).__name__}")
         t = check_int(max_tokens, "max_tokens", 1)
         b = check_int(max_seqs, "max_seqs", 1)
-        kv = check_int(max_kv_tokens, "max_kv_tokens", t)
+        kv_rows = check_int(max_kv_tokens, "max_kv_tokens", t)
+        strategy.check_kv(kv)
+        q = 0 if max_q_len is None else check_int(max_q_len, "max_q_len", 1)
         bound = strategy.max_local_tokens(t, b) if max_local_tokens is None else check_int(
             max_local_tokens, "max_local_tokens", 1)
         align = strategy.pad_multiple
         p = -(-bound // align) * align
         self.strategy = strategy
-        self.capacity = Capacity(t, b, kv, p, strategy.max_segments(b))
-        self.device = torch.device(device)
+        self.kv = kv
+        self.capacity = Capacity(t, b, kv_rows, p, strategy.max_segments(b), min(q, t))
+        self.device = check_device(device, "device")
         self.arena = StaticArena(self.device)
 
     def __repr__(self) -> str:
-        return f"StaticPlanner({self.strategy!r}, {self.capacity}, device={self.device})"
+        return f"StaticPlanner({self.strategy!r}, {self.capacity}, kv={self.kv}, device={self.device})"
 
     def plan(self, extend_lens: LengthsLike, prefix_lens: Optional[LengthsLike] = None, *, rank: int,
-             group=None) -> CPMetadata:
+             group=None, agree: bool = True) -> CPMetadata:
         """Plan a batch into the fixed buffers (host; ValueError before any work when the batch
         exceeds the capacity; with ``group`` the ranks agree on the plan first, as in
         ``strategy.build_metadata``)."""
-        host = self.strategy._agreed(lambda: self._build(extend_lens, prefix_lens, rank), group)
+        host = self.strategy.agreed(lambda: self._build(extend_lens, prefix_lens, rank), group, agree)
         views = self.arena.upload("meta", _expand(host, self.capacity))
         sized = {name: views[name] for name in DEVICE_FIELDS}
         n, t, b, s = host.num_local_tokens, host.num_tokens, host.num_seqs, host.num_segments
@@ -87,8 +99,7 @@ class StaticPlanner:
             local_seq_ids=views["local_seq_ids"][:n], extend_lens=views["extend_lens"][:b],
             prefix_lens=views["prefix_lens"][:b], kv_lens=views["kv_lens"][:b],
         )
-        return dataclasses.replace(host, **sized, capacity=self.capacity, host=host, arena=self.arena,
-                                   plan_cache={})
+        return dataclasses.replace(host, **sized, capacity=self.capacity, host=host, arena=self.arena)
 
     def _build(self, extend_lens, prefix_lens, rank) -> CPMetadata:
         cap, s = self.capacity, self.strategy
@@ -99,16 +110,18 @@ class StaticPlanner:
                 ("tokens (sum(extend_lens))", int(ext.sum()), cap.max_tokens),
                 ("sequences", ext.numel(), cap.max_seqs),
                 ("kv tokens (sum(prefix_lens + extend_lens))", int(ext.sum() + pre.sum()), cap.max_kv_tokens),
+                ("max extend_len (max_q_len)", int(ext.max()) if ext.numel() and cap.max_q_len else 0,
+                 cap.max_q_len),
             ) if got > limit]
             if over:
                 raise ValueError("batch over the StaticPlanner capacity: " +
                                  "; ".join(f"{what} {got} > {limit}" for what, got, limit in over))
-        host = s._build(ext, pre, rank, physical_rows=cap.max_local_tokens)
+        host = s.plan_host(ext, pre, rank, physical_rows=cap.max_local_tokens, kv=self.kv)
         if host.num_segments > cap.max_segments:
             raise ValueError(f"batch over the StaticPlanner capacity: {host.num_segments} query segments > "
                              f"{cap.max_segments}")
         fingerprint = plan_fingerprint(s.name, s.cp_size, rank, s.pad_multiple, host.extend_lens, host.prefix_lens,
-                                       cap)
+                                       cap, kv=self.kv)
         return dataclasses.replace(host, fingerprint=fingerprint)
 
 
@@ -144,8 +157,9 @@ def _expand(host: CPMetadata, cap: Capacity) -> dict[str, Tensor]:
         **segs,
         "counts": host.counts,
         # sharded-cache fields: empty without a KV sharding; else sized for the capacity
-        # (entries past the batch's are unspecified: writes go through a ShardWritePlan)
-        **{name: getattr(host, name) if host.kv_sharding is None else _pad_to(getattr(host, name), size, 0)
-           for name, size in (("store_rows", cap.max_tokens), ("store_index", cap.max_tokens),
-                              ("local_prefix_lens", cap.max_seqs), ("local_kv_lens", cap.max_seqs))},
+        # (entries past the batch's are unspecified: writes go through a CacheWritePlan)
+        **{name: getattr(host, name) if host.kv is None else _pad_to(getattr(host, name), size, fill)
+           for name, size, fill in (("store_rows", cap.max_tokens, 0), ("store_index", cap.max_tokens, 0),
+                                    ("local_prefix_lens", cap.max_seqs, 0), ("local_kv_lens", cap.max_seqs, 0),
+                                    ("cu_local_kv_lens", cap.max_seqs + 1, host.num_local_kv_tokens))},
     }

@@ -15,17 +15,19 @@ from abc import ABC, abstractmethod
 from typing import ClassVar, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from .._validation import check_int, check_tensor
-from ..collectives import PendingGather, PlanDisagreement, agree_on_plan, all_gather_rows, check_group
+from .._validation import check_bool, check_int, check_process_group, check_tensor
+from ..collectives import PendingGather, agree_on_plan, all_gather_rows, check_group
 from ..metadata import CPMetadata, LengthsLike, build_metadata
+from ..plan_cache import cached_plan
 from ..plans import AttentionPlan, plan_attention
-from ..plans.sparse import SparseAttentionPlan, check_index, plan_sparse_attention
-from ..plans import window_left as window_left_of
-from ..plans.dense import check_qkv
+from ..plans.base import check_qkv
+from ..plans.sparse import check_index
+from ..spec import AttentionSpec
 
-__all__ = ["CPStrategy", "block_of", "rotation_offsets"]
+__all__ = ["CPStrategy", "RotatingStrategy", "block_of", "rotation_offsets"]
 
 
 def block_of(offsets: Tensor, lengths: Tensor, num_blocks: int) -> Tensor:
@@ -72,6 +74,11 @@ class CPStrategy(ABC):
         return f"{type(self).__name__}(cp_size={self.cp_size}, pad_multiple={self.pad_multiple})"
 
     @property
+    def replicated(self) -> bool:
+        """Does every rank compute every query (no collective for queries)?"""
+        return False
+
+    @property
     def segment_stride(self) -> int:
         """Position step between consecutive local rows inside one kernel segment."""
         return 1
@@ -98,7 +105,8 @@ class CPStrategy(ABC):
         *,
         rank: int,
         group=None,
-        kv_sharding=None,
+        agree: bool = True,
+        kv=None,
     ) -> CPMetadata:
         """Plan a batch for ``rank`` (host, O(T + B); call once per forward, then ``.to(device)``).
 
@@ -107,33 +115,51 @@ class CPStrategy(ABC):
                 0 allowed).
             prefix_lens: [B] tokens per sequence already in the KV cache (default 0).
             rank: this process's rank in the CP group, in [0, cp_size).
-            group: the CP process group. Given, the ranks exchange a small plan fingerprint in
-                ONE tiny all-gather (a host sync) and every rank raises the same ValueError
+            group: the CP process group; None: torch.distributed's default group. The ranks
+                exchange a small plan fingerprint in ONE tiny all-gather over it (a host sync)
+                and every rank raises the same ValueError
                 (:class:`cpattn.collectives.PlanDisagreement`) when any rank planned a different
-                batch, strategy or alignment, claims another rank's rank, or failed to plan. The
-                plan remembers the group; later calls check this process's rank against it.
-            kv_sharding: a :class:`cpattn.KVSharding` (same cp_size) for a sharded KV cache: the
-                plan then also says which extend rows this rank stores and their local cache
-                indices (``meta.store_rows`` / ``meta.store_index``, for
-                :func:`cpattn.plan_shard_writes`) and how many prefix keys each rank holds
-                (for :func:`cpattn.plan_sharded_extend`). Part of the agreed fingerprint.
+                batch, strategy or alignment, claims another rank's rank, or failed to plan
+                (a rank whose planning raised re-raises its own error; the others name it).
+                A group whose size is not ``cp_size`` is a ValueError found locally first.
+                The plan remembers the group; later calls check this process's rank against it.
+                With group=None the exchange runs only when it can matter: ``cp_size > 1`` and
+                an initialized default process group (single-process use needs none).
+            agree: False skips the exchange (and the group-size check): the caller guarantees
+                that every rank plans the same batch (e.g. plans for several ranks in one
+                process, or an engine that agrees by other means). Explicit opt-out only: with
+                the default True, ranks that planned different batches raise instead of
+                silently mixing data.
+            kv: where the KV cache lives: None for a cache replicated on every rank, or a
+                :class:`cpattn.KVSharding` (same cp_size) for a sharded cache: the plan then also
+                says which extend rows this rank stores and their local cache indices
+                (``meta.store_rows`` / ``meta.store_index``, for :func:`cpattn.plan_cache_writes`)
+                and how many keys each rank holds per sequence. Part of the agreed fingerprint.
 
         Example::
 
             meta = cpattn.ZigzagStrategy(2).build_metadata([5, 9], [0, 3], rank=1).to("cuda")
         """
-        if kv_sharding is not None:
+        def build() -> CPMetadata:  # a failure here (kv included) still joins the exchange
+            self.check_kv(kv)
+            return self.plan_host(extend_lens, prefix_lens, rank, kv=kv)
+
+        return self.agreed(build, group, agree)
+
+    def check_kv(self, kv) -> None:
+        """TypeError / ValueError unless ``kv`` is None or a KVSharding over this strategy's C."""
+        if kv is not None:
             from ..kv_sharding import KVSharding
 
-            if not isinstance(kv_sharding, KVSharding):
-                raise TypeError(f"kv_sharding must be a cpattn.KVSharding, got {type(kv_sharding).__name__}")
-            if kv_sharding.cp_size != self.cp_size:
-                raise ValueError(f"kv_sharding has cp_size={kv_sharding.cp_size} but the strategy has "
-                                 f"cp_size={self.cp_size}")
-        return self._agreed(lambda: self._build(extend_lens, prefix_lens, rank, kv_sharding=kv_sharding), group)
+            if not isinstance(kv, KVSharding):
+                raise TypeError(f"kv must be None or a cpattn.KVSharding, got {type(kv).__name__}")
+            if kv.cp_size != self.cp_size:
+                raise ValueError(f"kv has cp_size={kv.cp_size} but the strategy has cp_size={self.cp_size}")
 
-    def _build(self, extend_lens, prefix_lens, rank, physical_rows: Optional[int] = None,
-               kv_sharding=None) -> CPMetadata:
+    def plan_host(self, extend_lens, prefix_lens, rank, physical_rows: Optional[int] = None,
+                  kv=None) -> CPMetadata:
+        """``build_metadata`` without the plan exchange (host only; ``physical_rows``: a static
+        plan's fixed P). Planners call it inside :meth:`agreed`."""
         return build_metadata(
             self.name,
             self._token_owner,
@@ -144,20 +170,39 @@ class CPStrategy(ABC):
             extend_lens,
             prefix_lens,
             physical_rows,
-            kv_sharding,
+            kv,
+            self.replicated,
         )
 
-    def _agreed(self, build, group) -> CPMetadata:
-        """Run ``build()``; with a group, exchange its fingerprint (also when it failed) first."""
-        if group is None:
-            return build()
-        try:
+    def agreed(self, build, group, agree: bool = True) -> CPMetadata:
+        """Run ``build()`` and exchange its fingerprint over the CP group (``group``; None: the
+        default group, when there is one and cp_size > 1), also when it failed: any exception of
+        ``build`` (or a group whose size is not cp_size, found locally first) joins the exchange as
+        "failed", so every rank raises promptly. ``agree=False``: ``build()`` alone."""
+        check_bool(agree, "agree")
+        check_process_group(group)
+        if not agree:
             meta = build()
-        except (ValueError, TypeError):
-            try:  # join the exchange so the other ranks raise too, then raise this rank's own error
-                agree_on_plan(None, group, self.cp_size)
-            except PlanDisagreement:
-                pass
+            return meta if group is None else dataclasses.replace(meta, group=group)
+        if group is None:
+            if self.cp_size == 1 or not (dist.is_available() and dist.is_initialized()):
+                return build()
+            group = dist.group.WORLD
+            named = "group=None (the default process group)"
+        else:
+            named = "group"
+        size = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else None
+        try:
+            if size is not None and size != self.cp_size:
+                raise ValueError(f"{named} has {size} ranks but cp_size={self.cp_size}: a plan for {self.cp_size} "
+                                 f"ranks cannot run on it (pass the CP process group as group=)")
+            meta = build()
+        except Exception:
+            if size is not None:
+                try:  # join the exchange so the other ranks raise too, then raise this rank's own error
+                    agree_on_plan(None, group, self.cp_size)
+                except Exception:  # noqa: BLE001 - this rank's own error is the one to report
+                    pass
             raise
         agree_on_plan(meta.fingerprint, group, self.cp_size)
         return dataclasses.replace(meta, group=group)
@@ -269,30 +314,6 @@ class CPStrategy(ABC):
         result = self.gather_packed([kv_c_local, k_pe_local], meta, group, async_op=async_op)
         return result if async_op else (result[0], result[1])
 
-    def plan_attention(
-        self,
-        meta: CPMetadata,
-        *,
-        num_q_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        head_dim_v: Optional[int] = None,
-        dtype: torch.dtype,
-        window_size: Sequence[int] = (-1, -1),
-        page_size: Optional[int] = None,
-        has_sinks: bool = False,
-        backend: str = "auto",
-        backend_options=None,
-    ) -> AttentionPlan:
-        """Plan one layer kind's attention over ``meta`` (host, once per forward): see
-        :func:`cpattn.plans.plan_attention`. Per layer, call ``plan.run(q_local, k, v, ...)``."""
-        self.check_metadata(meta)
-        return plan_attention(
-            meta, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, head_dim_v=head_dim_v,
-            dtype=dtype, window_size=window_size, page_size=page_size, has_sinks=has_sinks, backend=backend,
-            backend_options=backend_options,
-        )
-
     def attention(
         self,
         q_local: Tensor,
@@ -309,8 +330,9 @@ class CPStrategy(ABC):
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Causal attention of this rank's local queries over their whole sequences.
 
-        The convenience form of ``plan_attention(...).run(...)``: it derives the layer kind from
-        the tensors, plans once per (meta, layer kind, backend) and caches the plan on ``meta``.
+        The kernel-only convenience form of ``cpattn.plan_attention(meta, spec).attend(...)``: it
+        derives the :class:`cpattn.AttentionSpec` from the tensors and plans once per (meta, spec,
+        backend) (cached beside ``meta``, for as long as ``meta`` lives). K/V hold every key.
 
         Args:
             q_local: [P, Hq, D] (P = meta.num_physical_tokens; pad rows are ignored).
@@ -325,59 +347,28 @@ class CPStrategy(ABC):
                 must be -1 or 0.
             sinks: [Hq] float logits (any float dtype, any stride) that join each row's softmax
                 denominator only.
-            backend: "auto", "torch", "triton" or "fa4" (see :func:`cpattn.resolve_backend`).
-            return_lse: also return lse [P, Hq] float32, natural log; it counts the sinks
+            backend: "auto", "torch", "triton" or "fa4" (``plan.backend`` of the plan says which ran).
+            return_lse: also return lse [P, Hq] float32 (float64 for float64 inputs on the
+                torch backend), natural log; it counts the sinks
                 (``lse = log(sum_j exp(s_j) + exp(sink))``) and is -inf on pad rows.
 
         Returns:
             out [P, Hq, Dv] in q's dtype, pad rows exactly zero; with return_lse, (out, lse).
         """
         plan = self._cached_plan(q_local, k, v, meta, page_table, window_size, sinks, backend)
-        return plan.run(q_local, k, v, page_table=page_table, sinks=sinks, softmax_scale=softmax_scale,
-                        return_lse=return_lse)
+        return plan.attend(q_local, k, v, page_table=page_table, sinks=sinks, softmax_scale=softmax_scale,
+                           return_lse=return_lse)
 
     def _cached_plan(self, q, k, v, meta, page_table, window_size, sinks, backend) -> AttentionPlan:
         self.check_metadata(meta)
         paged = page_table is not None
         hq, hkv = check_qkv(q, k, v, paged)
-        window_left = window_left_of(window_size)
-        key = (q.dtype, hq, hkv, q.shape[-1], v.shape[-1], window_left, k.shape[1] if paged else None,
-               sinks is not None, backend)
-        plan = meta.plan_cache.get(key)
-        if plan is None:
-            plan = plan_attention(
-                meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=q.shape[-1], head_dim_v=v.shape[-1],
-                dtype=q.dtype, window_size=(window_left, 0), page_size=k.shape[1] if paged else None,
-                has_sinks=sinks is not None, backend=backend,
-            )
-            meta.plan_cache[key] = plan
-        return plan
+        spec = AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=q.shape[-1], head_dim_v=v.shape[-1],
+                             dtype=q.dtype, window_size=window_size, page_size=k.shape[1] if paged else None,
+                             has_sinks=sinks is not None)
+        return cached_plan(meta, (spec, backend), lambda: plan_attention(meta, spec, backend=backend))
 
     # ------------------------------------------------------------------ DSA
-    def plan_sparse_attention(
-        self,
-        meta: CPMetadata,
-        *,
-        num_q_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        head_dim_v: Optional[int] = None,
-        dtype: torch.dtype,
-        topk: int,
-        page_size: Optional[int] = None,
-        has_sinks: bool = False,
-        backend: str = "auto",
-        backend_options=None,
-    ) -> SparseAttentionPlan:
-        """Plan one layer kind's sparse (DSA) attention over ``meta`` (host, once per forward):
-        see :func:`cpattn.plans.plan_sparse_attention`. Per layer: ``plan.run(q, k, v, idx)``."""
-        self.check_metadata(meta)
-        return plan_sparse_attention(
-            meta, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, head_dim_v=head_dim_v,
-            dtype=dtype, topk=topk, page_size=page_size, has_sinks=has_sinks, backend=backend,
-            backend_options=backend_options,
-        )
-
     def sparse_attention(
         self,
         q_local: Tensor,
@@ -396,8 +387,8 @@ class CPStrategy(ABC):
         positions appear in its row of ``idx`` and are ``<=`` its position (-1, future and
         out-of-sequence entries are ignored, so a selection without a causal mask stays causal).
 
-        The convenience form of ``plan_sparse_attention(...).run(...)``: plans once per (meta,
-        layer kind, backend) and caches the plan on ``meta``.
+        The kernel-only convenience form of ``cpattn.plan_attention(meta, spec).attend(...)`` for a
+        spec with ``topk``: plans once per (meta, spec, backend), cached beside ``meta``.
 
         Args:
             q_local: [P, Hq, D]. Absorbed MLA: D = 576 (latent 512 + rope 64).
@@ -409,29 +400,38 @@ class CPStrategy(ABC):
                 counted), e.g. :func:`cpattn.dsa.index_topk`.
             softmax_scale: default D ** -0.5. sinks: [Hq] float logits (denominator only).
             backend: "auto" (triton, then torch), "triton" or "torch".
-            return_lse: also return lse [P, Hq] float32, natural log (sinks counted), -inf on
-                pad rows and on real rows with no valid key (without sinks).
+            return_lse: also return lse [P, Hq] float32 (float64 for float64 inputs on the
+                torch backend), natural log (sinks counted), -inf on pad rows and on real rows
+                with no valid key (without sinks).
 
         Returns:
             out [P, Hq, Dv] in q's dtype (pad rows and rows with no valid key exactly 0); with
             return_lse, (out, lse).
         """
         plan = self._cached_sparse_plan(q_local, k, v, meta, idx, page_table, sinks, backend)
-        return plan.run(q_local, k, v, idx, page_table=page_table, sinks=sinks, softmax_scale=softmax_scale,
-                        return_lse=return_lse)
+        return plan.attend(q_local, k, v, idx, page_table=page_table, sinks=sinks, softmax_scale=softmax_scale,
+                           return_lse=return_lse)
 
-    def _cached_sparse_plan(self, q, k, v, meta, idx, page_table, sinks, backend) -> SparseAttentionPlan:
+    def _cached_sparse_plan(self, q, k, v, meta, idx, page_table, sinks, backend) -> AttentionPlan:
         self.check_metadata(meta)
         paged = page_table is not None
         hq, hkv = check_qkv(q, k, v, paged)
         topk = check_index(idx, meta.num_physical_tokens)
-        key = ("sparse", q.dtype, hq, hkv, q.shape[-1], v.shape[-1], topk, k.shape[1] if paged else None,
-               sinks is not None, backend)
-        plan = meta.plan_cache.get(key)
-        if plan is None:
-            plan = plan_sparse_attention(
-                meta, num_q_heads=hq, num_kv_heads=hkv, head_dim=q.shape[-1], head_dim_v=v.shape[-1], dtype=q.dtype,
-                topk=topk, page_size=k.shape[1] if paged else None, has_sinks=sinks is not None, backend=backend,
-            )
-            meta.plan_cache[key] = plan
-        return plan
+        spec = AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=q.shape[-1], head_dim_v=v.shape[-1],
+                             dtype=q.dtype, topk=topk, page_size=k.shape[1] if paged else None,
+                             has_sinks=sinks is not None)
+        return cached_plan(meta, (spec, backend), lambda: plan_attention(meta, spec, backend=backend))
+
+
+class RotatingStrategy(CPStrategy):
+    """A block strategy whose sequences' remainder rows start on successive ranks
+    (``rotate=True``, the default; see :class:`ZigzagStrategy`)."""
+
+    def __init__(self, cp_size: int, pad_multiple: int = 1, *, rotate: bool = True) -> None:
+        super().__init__(cp_size, pad_multiple)
+        if not isinstance(rotate, bool):
+            raise TypeError(f"rotate must be a bool, got {type(rotate).__name__}")
+        self.rotate = rotate
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(cp_size={self.cp_size}, pad_multiple={self.pad_multiple}, rotate={self.rotate})"

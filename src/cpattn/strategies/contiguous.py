@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .base import CPStrategy, block_of, rotation_offsets
+from .base import RotatingStrategy, block_of, rotation_offsets
 
 
-class ContiguousStrategy(CPStrategy):
+class ContiguousStrategy(RotatingStrategy):
     """Each sequence of extend length L is cut into C contiguous blocks of sizes
     ``L // C + (j < L % C)``; rank r owns block r. Later ranks do more causal work.
 
@@ -17,15 +17,6 @@ class ContiguousStrategy(CPStrategy):
     """
 
     name = "contiguous"
-
-    def __init__(self, cp_size: int, pad_multiple: int = 1, *, rotate: bool = True) -> None:
-        super().__init__(cp_size, pad_multiple)
-        if not isinstance(rotate, bool):
-            raise TypeError(f"rotate must be a bool, got {type(rotate).__name__}")
-        self.rotate = rotate
-
-    def __repr__(self) -> str:
-        return f"ContiguousStrategy(cp_size={self.cp_size}, pad_multiple={self.pad_multiple}, rotate={self.rotate})"
 
     def _token_owner(self, seq_ids: Tensor, offsets: Tensor, extend_lens: Tensor) -> Tensor:
         block = block_of(offsets, extend_lens[seq_ids], self.cp_size)

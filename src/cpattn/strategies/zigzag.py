@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import CPStrategy, block_of, rotation_offsets
+from .base import RotatingStrategy, block_of, rotation_offsets
 
 
-class ZigzagStrategy(CPStrategy):
+class ZigzagStrategy(RotatingStrategy):
     """Each sequence of extend length L is cut into 2C contiguous blocks of sizes
     ``L // 2C + (j < L % 2C)``; blocks j and 2C-1-j go to one rank, so every rank gets about the
     same causal work.
@@ -26,15 +26,6 @@ class ZigzagStrategy(CPStrategy):
     """
 
     name = "zigzag"
-
-    def __init__(self, cp_size: int, pad_multiple: int = 1, *, rotate: bool = True) -> None:
-        super().__init__(cp_size, pad_multiple)
-        if not isinstance(rotate, bool):
-            raise TypeError(f"rotate must be a bool, got {type(rotate).__name__}")
-        self.rotate = rotate
-
-    def __repr__(self) -> str:
-        return f"ZigzagStrategy(cp_size={self.cp_size}, pad_multiple={self.pad_multiple}, rotate={self.rotate})"
 
     def _token_owner(self, seq_ids: Tensor, offsets: Tensor, extend_lens: Tensor) -> Tensor:
         blocks = 2 * self.cp_size

@@ -1,1 +1,0 @@
-"""Benchmarks: ``python -m cpattn.bench <subcommand> --help``. Not imported by ``cpattn``."""

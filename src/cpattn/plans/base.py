@@ -1,0 +1,310 @@
+"""The attention-plan base: what every algorithm's plan shares (written once).
+
+An :class:`AttentionPlan` binds one placement plan (``meta``) and one layer kind
+(:class:`cpattn.AttentionSpec`) to a backend and an algorithm, at plan time (host, once per
+forward per layer kind). Per layer it offers two device-only, graph-safe calls:
+
+* ``run(q, k, v, cache, *, writes=, group=, ...)``: this rank's new rows in, this rank's output
+  out: the algorithm's collective(s), the cache write, the kernel and the merge.
+* ``attend(q, k, v, ...)``: the kernel only (no collective, no write), for engines that gather
+  and write themselves.
+
+The base holds the per-call checks (one tuple compare on the common path, the full checks with
+their messages otherwise), the page-table and sinks checks, the out / lse buffers and the softmax
+scale. Subclasses (one module per algorithm) add only what differs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .._validation import check_softmax_scale, check_tensor
+from ..metadata import CPMetadata
+from ..spec import AttentionSpec
+
+__all__ = ["ALGORITHMS", "AttentionPlan", "check_group_rank", "check_qkv", "check_sinks", "result_buffers"]
+
+#: Every algorithm a plan can run: "local" (no collective: replicated queries and KV cache, or
+#: C = 1), "gather_kv" (all-gather the new K/V, attend locally), "pass_kv" / "pass_q" (an extend
+#: over a sharded cache), "shard_merge" (replicated queries over a sharded cache: attend the
+#: local shard, merge the partials exactly).
+ALGORITHMS = ("local", "gather_kv", "pass_kv", "pass_q", "shard_merge")
+
+_PAGE_TABLE_DTYPES = (torch.int32, torch.int64)
+
+
+def check_group_rank(meta: CPMetadata) -> None:
+    """ValueError when ``meta`` was agreed on a group in which this process has another rank."""
+    if meta.group is not None and dist.is_initialized():
+        rank = dist.get_rank(meta.group)
+        if rank != meta.rank:
+            raise ValueError(f"metadata was built for rank {meta.rank} but this process is rank {rank} of its group")
+
+
+def check_sinks(sinks: Optional[Tensor], spec: AttentionSpec, device: torch.device) -> None:
+    """Per-layer check of ``sinks`` against a plan's spec."""
+    if (sinks is not None) != spec.has_sinks:
+        raise ValueError(f"the plan was built with has_sinks={spec.has_sinks}; "
+                         f"got sinks={'a tensor' if sinks is not None else None}")
+    if sinks is not None:
+        check_tensor(sinks, "sinks")
+        if tuple(sinks.shape) != (spec.num_q_heads,) or not sinks.dtype.is_floating_point or sinks.device != device:
+            raise ValueError(f"sinks must be a float [Hq={spec.num_q_heads}] tensor on {device}, got "
+                             f"{sinks.dtype} {list(sinks.shape)} on {sinks.device}")
+
+
+def result_buffers(
+    out: Optional[Tensor], lse: Optional[Tensor], out_shape: tuple, lse_shape: tuple, dtype: torch.dtype,
+    device: torch.device, want_lse: bool, rows: str = "P", lse_head_major: bool = False,
+    lse_dtype: torch.dtype = torch.float32,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """The out [rows, Hq, Dv] / lse [rows, Hq] buffers of a call: the caller's (checked; an lse
+    buffer may be float32 or ``lse_dtype``) or new ones (lse in ``lse_dtype``: float32, or float64
+    where the backend computes float64 inputs in float64; only when ``want_lse``;
+    ``lse_head_major``: allocated [Hq, rows], handed out transposed)."""
+    if out is None:
+        out = torch.empty(out_shape, dtype=dtype, device=device)
+    else:
+        check_tensor(out, "out")
+        if tuple(out.shape) != out_shape or out.dtype != dtype or out.device != device or out.stride(-1) != 1:
+            raise ValueError(f"out must be [{rows}, Hq, Dv] = {list(out_shape)} {dtype} on {device} with a "
+                             f"contiguous last dim, got {list(out.shape)} {out.dtype} on {out.device}")
+    if lse is None:
+        if want_lse:
+            lse = (torch.empty(lse_shape[::-1], dtype=lse_dtype, device=device).t() if lse_head_major
+                   else torch.empty(lse_shape, dtype=lse_dtype, device=device))
+    else:
+        check_tensor(lse, "lse")
+        if tuple(lse.shape) != lse_shape or lse.dtype not in (torch.float32, lse_dtype) or lse.device != device:
+            what = "float32" if lse_dtype == torch.float32 else f"float32 or {lse_dtype}"
+            raise ValueError(f"lse must be [{rows}, Hq] = {list(lse_shape)} {what} on {device}, got "
+                             f"{list(lse.shape)} {lse.dtype} on {lse.device}")
+    return out, lse
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, paged: bool, *, q_name: str = "q_local", k_name: str = "k",
+              v_name: str = "v", q_rows: str = "P", kv_rows: str = "num_kv_tokens") -> tuple[int, int]:
+    """(Hq, Hkv) of the q / k / v of a convenience call (``attention``, ``sparse_attention``,
+    which plan from the tensors), after the checks every plan kind shares:
+    tensors, q ``[rows, Hq, D]`` floating, K/V packed ``[rows, Hkv, D]`` or paged ``[pages,
+    page_size, Hkv, D]`` with q's head dim and the same leading dims, Hq a multiple of Hkv
+    (ValueError / TypeError naming the argument)."""
+    for name, t in ((q_name, q), (k_name, k), (v_name, v)):
+        check_tensor(t, name)
+    if q.dim() != 3:
+        raise ValueError(f"{q_name} must be [{q_rows}, Hq, D], got shape {tuple(q.shape)}")
+    if not q.dtype.is_floating_point:
+        raise TypeError(f"{q_name} must be a floating tensor, got {q.dtype}")
+    if k.dim() != (4 if paged else 3) or v.dim() != k.dim():
+        layout = "[num_pages, page_size, Hkv, D]" if paged else f"[{kv_rows}, Hkv, D]"
+        raise ValueError(f"{k_name} and {v_name} must be {layout}, got shapes {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"{k_name} head dim {k.shape[-1]} != q head dim {q.shape[-1]}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"{k_name} shape {tuple(k.shape)} and {v_name} shape {tuple(v.shape)} differ before the last "
+                         "dim")
+    hq, hkv = q.shape[1], k.shape[-2]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
+    return hq, hkv
+
+
+
+class AttentionPlan:
+    """One layer kind's attention over one placement plan (build with :func:`cpattn.plan_attention`).
+
+    Attributes:
+        meta: the placement plan. spec: the :class:`cpattn.AttentionSpec`.
+        algorithm: one of :data:`ALGORITHMS`. backend: the backend that runs the kernel
+            ("triton", "fa4" or "torch"). family: the kernel family (e.g. "sm90", "portable",
+            "split-kv"; the backend's name when it has one family).
+
+    ``attend``'s K/V (``kv_rows`` rule): a plan whose keys are packed expects
+    ``[num_kv_rows, Hkv, D]`` exactly (``kv_rows_exact``) or at least ``kv_rows_min`` rows (a
+    rank's packed shard); a paged plan expects ``[num_pages, page_size, Hkv, D]`` with a
+    ``page_table`` covering ``max_keys`` keys per sequence.
+    """
+
+    algorithm: str = "local"
+    #: the key count a page table must cover per sequence, and what it is called in messages
+    _keys_what = "the longest sequence"
+
+    def __init__(self, meta: CPMetadata, spec: AttentionSpec, backend: str, run_impl, *, rows: int,
+                 kv_rows_exact: Optional[int] = None, kv_rows_min: int = 0, max_keys: int = 0,
+                 q_name: str = "q", rows_name: str = "P") -> None:
+        self.meta, self.spec, self.backend = meta, spec, backend
+        self._impl = run_impl
+        self._device = device = meta.device
+        self._rows_name, self._q_name = rows_name, q_name
+        self._q_shape = (rows, spec.num_q_heads, spec.head_dim)
+        self._out_shape = (rows, spec.num_q_heads, spec.head_dim_v)
+        self._lse_shape = (rows, spec.num_q_heads)
+        self._scale = spec.head_dim**-0.5
+        self._lse_head_major = getattr(run_impl, "lse_head_major", False)
+        hkv, d, dv = spec.num_kv_heads, spec.head_dim, spec.head_dim_v
+        self._k_tail = ((spec.page_size,) if spec.paged else ()) + (hkv, d)
+        self._v_tail = ((spec.page_size,) if spec.paged else ()) + (hkv, dv)
+        self._kv_rows_exact = None if spec.paged else kv_rows_exact
+        self._kv_rows_min = 0 if spec.paged else kv_rows_min
+        size, dtype = torch.Size, spec.dtype
+        # what a valid call's q shape, k / v shapes past dim 0, dtypes and devices compare equal to
+        self._expect = (size(self._q_shape), size(self._k_tail), size(self._v_tail), dtype, dtype, dtype, device,
+                        device, device)
+        self._pt_expect = (meta.num_seq_rows, device)
+        self._max_keys = max_keys
+        self._min_pages = -(-max_keys // spec.page_size) if spec.paged else 0
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(algorithm={self.algorithm!r}, backend={self.backend!r}, {self.spec}, "
+                f"{self._rows_name}={self._q_shape[0]})")
+
+    @property
+    def launch(self):
+        """The backend's planned launch (read-only introspection for benchmarks and tools, e.g.
+        a split-KV plan's ``num_items`` / ``split``)."""
+        return self._impl
+
+    @property
+    def family(self) -> str:
+        """The kernel family that runs (e.g. "sm90" or "portable" for triton; else the backend)."""
+        return getattr(self._impl, "family", self.backend)
+
+    # ------------------------------------------------------------------ per-call checks
+    def _check_call(self, q: Tensor, k: Tensor, v: Tensor, page_table: Optional[Tensor],
+                    sinks: Optional[Tensor]) -> None:
+        """The per-layer checks of a kernel call: one tuple compare when everything holds."""
+        if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
+            self._check_qkv(q, k, v)
+        else:
+            ks, vs = k.shape, v.shape
+            if (q.shape, ks[1:], vs[1:], q.dtype, k.dtype, v.dtype, q.device, k.device, v.device) != self._expect \
+                    or ks[0] != vs[0] or (self._kv_rows_exact is not None and ks[0] != self._kv_rows_exact) \
+                    or ks[0] < self._kv_rows_min:
+                self._check_qkv(q, k, v)
+        paged = self.spec.paged
+        if paged:
+            if type(page_table) is not Tensor or page_table.dim() != 2 or page_table.dtype not in _PAGE_TABLE_DTYPES \
+                    or (page_table.shape[0], page_table.device) != self._pt_expect \
+                    or page_table.shape[1] < self._min_pages:
+                self._check_page_table(page_table)
+        elif page_table is not None:
+            raise ValueError("page_table given but the plan is for packed K/V (plan with page_size=)")
+        if sinks is not None or self.spec.has_sinks:
+            check_sinks(sinks, self.spec, self._device)
+
+    def _check_qkv(self, q, k, v) -> None:
+        """The per-layer checks of q / k / v with their messages (raises on the first failure)."""
+        spec, device, qn = self.spec, self._device, self._q_name
+        for name, t in ((qn, q), ("k", k), ("v", v)):
+            check_tensor(t, name)
+            if t.dtype != spec.dtype:
+                raise TypeError(f"{name} dtype {t.dtype} != the plan's dtype {spec.dtype}")
+            if t.device != device:
+                raise ValueError(f"{name} is on {t.device} but the plan is on {device} (use meta.to(device))")
+        if tuple(q.shape) != self._q_shape:
+            raise ValueError(f"{qn} must be [{self._rows_name}, Hq, D] = {list(self._q_shape)}, got {list(q.shape)}")
+        k_tail, v_tail = self._k_tail, self._v_tail
+        n = len(k_tail) + 1
+        if k.dim() != n or tuple(k.shape[1:]) != k_tail or v.dim() != n or tuple(v.shape[1:]) != v_tail \
+                or v.shape[0] != k.shape[0]:
+            lead = "num_pages" if self.spec.paged else "rows"
+            raise ValueError(f"k / v must be [{lead}, {', '.join(map(str, k_tail))}] / "
+                             f"[{lead}, {', '.join(map(str, v_tail))}], got {list(k.shape)} / {list(v.shape)}")
+        if self._kv_rows_exact is not None and k.shape[0] != self._kv_rows_exact:
+            rows = self._kv_rows_exact
+            raise ValueError(f"packed k/v must be {[rows, *k_tail]} / {[rows, *v_tail]} (rows = sum(prefix_lens + "
+                             f"extend_lens)), got {list(k.shape)} / {list(v.shape)}")
+        if k.shape[0] < self._kv_rows_min:
+            raise ValueError(f"packed k / v must have >= {self._kv_rows_min} rows (this rank's local keys), "
+                             f"got {k.shape[0]}")
+
+    def _check_page_table(self, page_table) -> None:
+        if page_table is None:
+            raise ValueError(f"the plan is paged (page_size={self.spec.page_size}): pass page_table")
+        check_tensor(page_table, "page_table")
+        meta = self.meta
+        if page_table.dtype not in _PAGE_TABLE_DTYPES:
+            raise TypeError(f"page_table must be int32 or int64, got {page_table.dtype}")
+        if page_table.dim() != 2 or page_table.shape[0] != meta.num_seq_rows:
+            raise ValueError(f"page_table must be [B={meta.num_seq_rows}, max_pages], got {list(page_table.shape)}")
+        if page_table.device != self._device:
+            raise ValueError(f"page_table is on {page_table.device} but the plan is on {self._device}")
+        ps = self.spec.page_size
+        if page_table.shape[1] * ps < self._max_keys:
+            raise ValueError(f"page_table holds {page_table.shape[1]} pages of {ps} = {page_table.shape[1] * ps} "
+                             f"keys, fewer than {self._keys_what} ({self._max_keys})")
+
+    def _softmax_scale(self, softmax_scale) -> float:
+        if softmax_scale is None:
+            return self._scale
+        return check_softmax_scale(softmax_scale)
+
+    def _result(self, out, lse, want_lse: bool) -> tuple[Tensor, Optional[Tensor]]:
+        if out is None and lse is None and not want_lse:
+            return torch.empty(self._out_shape, dtype=self.spec.dtype, device=self._device), None
+        return result_buffers(out, lse, self._out_shape, self._lse_shape, self.spec.dtype, self._device, want_lse,
+                              rows=self._rows_name, lse_head_major=self._lse_head_major,
+                              lse_dtype=getattr(self._impl, "lse_dtype", torch.float32))
+
+    # ------------------------------------------------------------------ one-call helpers
+    def _check_new_rows(self, q: Tensor, k: Tensor, v: Tensor, rows: int) -> None:
+        """Checks of ``run``'s q / k / v: this rank's [rows, ...] new rows (before any collective)."""
+        spec = self.spec
+        for name, t, tail in ((self._q_name, q, (spec.num_q_heads, spec.head_dim)),
+                              ("k", k, (spec.num_kv_heads, spec.head_dim)),
+                              ("v", v, (spec.num_kv_heads, spec.head_dim_v))):
+            check_tensor(t, name)
+            if tuple(t.shape) != (rows, *tail):
+                raise ValueError(f"{name} must be this rank's new rows [{rows}, {', '.join(map(str, tail))}], "
+                                 f"got {list(t.shape)}")
+            if t.dtype != spec.dtype:
+                raise TypeError(f"{name} dtype {t.dtype} != the plan's dtype {spec.dtype}")
+            if t.device != self._device:
+                raise ValueError(f"{name} is on {t.device} but the plan is on {self._device}")
+
+    def _gather_and_write(self, q: Tensor, k_local: Tensor, v_local: Tensor, cache, writes, group,
+                          page_table) -> tuple[Tensor, Tensor]:
+        """``run``'s steps before the kernel over a replicated cache: checks (before any
+        collective or write), ONE all-gather of the new K/V (none for "local"), the cache write
+        (paged) or the packing after the cached prefix (packed) -> the K/V ``attend`` reads."""
+        from ..cache import check_kv_writes, write_kv_cache
+        from ..collectives import all_gather_rows, check_group
+        from ..kv import pack_kv
+
+        meta = self.meta
+        self._check_new_rows(q, k_local, v_local, meta.num_physical_tokens)
+        if self.spec.paged:
+            k_cache, v_cache = self._cache_pair(cache, "the layer's paged caches")
+            if writes is None:
+                raise ValueError("writes= is required with a paged cache (cpattn.plan_cache_writes); engines that "
+                                 "write the cache themselves call plan.attend")
+            check_kv_writes(writes, k_cache, v_cache, meta.num_token_rows, k_local, v_local)
+            if type(page_table) is not Tensor or (page_table.shape[0], page_table.device) != self._pt_expect:
+                self._check_page_table(page_table)
+        else:
+            if writes is not None:
+                raise ValueError("writes= is for a paged cache; a packed plan reads the prefix from cache=")
+            k_pre, v_pre = (None, None) if cache is None else self._cache_pair(cache, "the packed prefix K/V")
+        if self.algorithm != "local":
+            check_group(meta, group)
+        k_ext, v_ext = all_gather_rows([k_local, v_local], meta, group)  # ONE all-gather ("local": none)
+        if self.spec.paged:
+            write_kv_cache(k_ext, v_ext, k_cache, v_cache, writes)
+            return k_cache, v_cache
+        return pack_kv(k_ext, v_ext, meta, k_pre, v_pre)
+
+    @staticmethod
+    def _cache_pair(cache, what: str) -> tuple[Tensor, Tensor]:
+        if not isinstance(cache, (tuple, list)) or len(cache) != 2 or not all(isinstance(c, Tensor) for c in cache):
+            raise TypeError(f"cache must be a pair (k, v) of tensors ({what}), got {type(cache).__name__}")
+        return cache[0], cache[1]
+
+    def attend(self, *args, **kwargs):  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
+
+    def run(self, *args, **kwargs):  # pragma: no cover - every subclass defines it
+        raise NotImplementedError

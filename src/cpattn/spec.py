@@ -1,0 +1,118 @@
+"""The layer-kind facts an attention plan binds: :class:`AttentionSpec`.
+
+One spec type for every algorithm and kernel family: dense or sparse (``topk``), packed or
+paged K/V (``page_size``), sliding window, attention sinks, GQA / MQA / absorbed MLA (by heads and
+head dims). Validated once, at construction (TypeError / ValueError naming the argument).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ._validation import check_int
+
+__all__ = ["AttentionSpec", "window_left"]
+
+#: Largest page the kernels take (tokens per page).
+MAX_PAGE_SIZE = 256
+
+
+def window_left(window_size) -> int:
+    """The left window of flash-attn's (left, right) causal ``window_size`` (TypeError /
+    ValueError naming the argument)."""
+    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__"):
+        raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
+    window = tuple(window_size)
+    if len(window) != 2 or any(isinstance(w, bool) or not isinstance(w, int) for w in window):
+        raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
+    if window[0] < -1 or window[1] not in (-1, 0):
+        raise ValueError(
+            f"window_size must be (left >= -1, right in (-1, 0)) for causal attention, got {window}"
+        )
+    return window[0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionSpec:
+    """What one layer kind's attention is (heads, head dims, dtype, window, paging, sinks, top-k).
+
+    Args:
+        num_q_heads: Hq query heads. num_kv_heads: Hkv key/value heads (Hq a multiple of Hkv;
+            query head h reads KV head ``h // (Hq / Hkv)``). Absorbed MLA: Hkv = 1.
+        head_dim: D of q and k. head_dim_v: Dv of v and the output (default D). Absorbed MLA:
+            D = 576 (latent 512 + rope 64), Dv = 512.
+        dtype: dtype of q / k / v and of the output (a floating torch.dtype).
+        window_size: flash-attn's (left, right); a row at position p sees keys at positions in
+            ``[p - left, p]`` (left -1: no limit; positions are global, prefix counted); right
+            must be -1 or 0 (causal).
+        page_size: tokens per page of a paged K/V cache (1..256), None for packed K/V.
+        has_sinks: the layer passes attention sinks ([Hq] float logits joining each row's
+            softmax denominator).
+        topk: sparse (DSA) attention: columns of the per-row key-position index each row
+            attends (None: dense attention). Sparse attention takes no window.
+
+    Example::
+
+        spec = cpattn.AttentionSpec(num_q_heads=32, num_kv_heads=8, head_dim=128,
+                                    dtype=torch.bfloat16, page_size=64)
+    """
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: Optional[int] = None
+    dtype: torch.dtype
+    window_size: Sequence[int] = (-1, -1)
+    page_size: Optional[int] = None
+    has_sinks: bool = False
+    topk: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        hq = check_int(self.num_q_heads, "num_q_heads", 1)
+        hkv = check_int(self.num_kv_heads, "num_kv_heads", 1)
+        if hq % hkv:
+            raise ValueError(f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv}")
+        d = check_int(self.head_dim, "head_dim", 1)
+        dv = d if self.head_dim_v is None else check_int(self.head_dim_v, "head_dim_v", 1)
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating torch.dtype, got {self.dtype!r}")
+        left = window_left(self.window_size)
+        if self.page_size is not None:
+            ps = check_int(self.page_size, "page_size", 1)
+            if ps > MAX_PAGE_SIZE:
+                raise ValueError(f"page_size must be in [1, {MAX_PAGE_SIZE}], got {ps}")
+        if not isinstance(self.has_sinks, bool):
+            raise TypeError(f"has_sinks must be a bool, got {type(self.has_sinks).__name__}")
+        if self.topk is not None:
+            check_int(self.topk, "topk", 1)
+            if left != -1:
+                raise ValueError(f"sparse attention (topk={self.topk}) takes no window, got window_size="
+                                 f"{tuple(self.window_size)}")
+        object.__setattr__(self, "head_dim_v", dv)
+        object.__setattr__(self, "window_size", (left, 0))
+
+    def replace(self, **changes) -> "AttentionSpec":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def window_left(self) -> int:
+        """Keys at positions >= position - window_left are visible (-1: no window)."""
+        return self.window_size[0]
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size is not None
+
+    @property
+    def sparse(self) -> bool:
+        return self.topk is not None
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.num_q_heads // self.num_kv_heads
