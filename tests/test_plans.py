@@ -112,7 +112,7 @@ def test_run_rejects_wrong_inputs():
     plan = _plan(s, meta, ql, k, v, sinks=True)
     cases = [
         (dict(q_local=ql[:-1]), ValueError, r"q_local must be \[P, Hq, D\]"),
-        (dict(k=k[:-1], v=v[:-1]), ValueError, r"packed k / v must have 12 rows \(sum\(prefix_lens \+ extend_lens\)\)"),
+        (dict(k=k[:-1], v=v[:-1]), ValueError, "packed k/v must be"),
         (dict(q_local=ql.half()), TypeError, "q_local dtype"),
         (dict(sinks=None), ValueError, "has_sinks=True"),
         (dict(sinks=sk[:3]), ValueError, "sinks must be a float"),
@@ -1004,8 +1004,6 @@ def test_one_call_run_equals_attend_and_oracle_triton(interp, case):
     _check_run_equals_attend_and_oracle({**case, "dv": 16, "pad": pad}, "triton")
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: pass-Q's run fails on an empty batch (P = 0): "
-                   "received.view(c, p, -1) in cpattn/plans/sharded_extend.py _pass_q")
 def test_pass_q_runs_an_empty_batch():
     """An extend with no new token (every extend length 0) over a sharded cache: pass-Q, like
     pass-KV, returns an empty output and writes nothing."""
@@ -1023,9 +1021,6 @@ def test_pass_q_runs_an_empty_batch():
         assert all(torch.equal(_bits(c), b) for c, b in zip(caches, before))
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: the triton shard plan (split-KV) never writes the pad rows "
-                   "of a plan with pad_multiple > 1, and its combine grid spans them while its row tables hold "
-                   "the real rows only (cpattn/kernels/decode_backend.py plan_work rows_cap / combine_grid)")
 def test_triton_shard_plan_writes_pad_rows(interp):
     """Replicated queries with pad rows (pad_multiple 8) over a sharded cache: the shard kernel's
     partial output has pad rows 0 and lse -inf, into engine buffers holding garbage, as the torch
@@ -1200,9 +1195,6 @@ def test_packed_run_takes_no_write_plan():
     assert plan.run(rows[0], rows[1], rows[1], prefix).shape == (3, 2, 8)
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: run checks the page table's columns / dtype / dims and "
-                   "sinks / out / lse only in attend, after the cache write (cpattn/plans/base.py _gather_and_write "
-                   "compares page_table.shape[0] and device only; cpattn/plans/shard.py ShardMergePlan.run too)")
 @pytest.mark.parametrize("what", ["page_table columns", "page_table dtype", "page_table dims", "sinks", "out",
                                   "lse"])
 @pytest.mark.parametrize("algorithm", ["local", "shard_merge"])

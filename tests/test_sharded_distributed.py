@@ -509,8 +509,6 @@ def test_one_call_plans_over_gloo(world):
         assert res["bad/then_good_err"] < 2e-5, (rank, res["bad/then_good_err"])
 
 
-@pytest.mark.xfail(strict=True, reason="cpattn: ShardMergePlan.run / DenseAttentionPlan.run write the cache "
-                   "before attend checks sinks and the caches' page layout")
 @pytest.mark.parametrize("sharded", [True, False])
 def test_run_checks_everything_before_the_write(sharded):
     """C = 1, replicated queries: ``plan.run`` over caches that pass the write's checks but not

@@ -363,9 +363,9 @@ def _kv_pools(k, v, pools) -> list:
     for prefix, kc, vc, plan in pools:
         ps_k, n_k = _cache_layout(kc, f"{prefix}k_cache", tuple(k.shape[1:]), k.dtype, k.device)
         ps_v, n_v = _cache_layout(vc, f"{prefix}v_cache", tuple(v.shape[1:]), v.dtype, v.device)
-        if (ps_k, n_k) != (ps_v, n_v):
+        if n_k != n_v:
             raise ValueError(f"{prefix}v_cache {list(vc.shape)} and {prefix}k_cache {list(kc.shape)} differ in "
-                             "pages / slots")
+                             f"pages / slots ({n_v} vs {n_k} slots)")
         plan = _resolve(plan, f"{prefix}slots", k.shape[0], "k", n_k, f"{prefix}k_cache", kc.device)
         todo += [(kc, ps_k, plan, k), (vc, ps_v, plan, v)]
     return todo
@@ -519,6 +519,8 @@ def read_mla_cache(cache: Tensor, slots: Tensor, kv_lora_rank: int) -> tuple[Ten
         raise ValueError(f"cache must be [num_slots, row] or [num_pages, page_size, row], got {list(cache.shape)}")
     if r > cache.shape[-1]:
         raise ValueError(f"kv_lora_rank={r} exceeds the cache row width {cache.shape[-1]}")
+    if isinstance(slots, CacheWritePlan):
+        raise TypeError("read_mla_cache takes a slot tensor (int32/int64 [N]), not a CacheWritePlan")
     index = _check_slot_tensor(slots, "slots").to(torch.int64)
     num_slots = cache.shape[0] if cache.dim() == 2 else cache.shape[0] * cache.shape[1]
     if slots.device != cache.device:

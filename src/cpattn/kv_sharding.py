@@ -166,7 +166,7 @@ class ExtendCostModel:
     """
 
     link_bytes_per_s: float = 300e9
-    #: calibrated on one H200, 2026-12-01 (docs/benchmarks.md: decode benchmark, crossover):
+    #: calibrated on one H200, 2026-12-01 (decode benchmark, crossover):
     #: the dense kernel on extend-shaped work (few query tiles over a long prefix) and the
     #: split-KV shard kernel at 16k-1M keys, and one kernel's fixed cost
     dense_flops_per_s: float = 400e12

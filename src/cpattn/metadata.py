@@ -89,7 +89,8 @@ class CPMetadata:
     Host ints describe the batch itself; the ``num_*_rows`` properties give tensor sizes.
 
     Attributes:
-        strategy: name of the strategy that built it ("zigzag", "interleave", "contiguous").
+        strategy: name of the strategy that built it ("zigzag", "interleave", "contiguous",
+            "replicated").
         cp_size: C ranks. rank: this rank, in [0, C). pad_multiple: physical row alignment.
         num_seqs: B. num_tokens: T. num_kv_tokens: sum(prefix_lens + extend_lens).
         extend_lens, prefix_lens, kv_lens: [B]. cu_extend_lens, cu_kv_lens: [B + 1] offsets.

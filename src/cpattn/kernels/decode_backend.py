@@ -43,7 +43,7 @@ _OPTION_NAMES = {"config", "block_m", "min_split", "programs_per_sm", "num_sms",
 #: else the portable split-KV kernel).
 FAMILIES = ("auto", "portable", "mla")
 #: Split target of the absorbed-MLA kernel, per SM: one 225 KiB program fits an SM, so 1 gives
-#: one wave of long programs (measured on H200 against 2 and 4, docs/benchmarks.md: B = 64
+#: one wave of long programs (measured on H200 against 2 and 4: B = 64
 #: L = 4k q1 434 vs 354 TF/s, B = 8 L = 32k q1 395 vs 373, graph replay; fewer partials to combine).
 MLA_PROGRAMS_PER_SM = 1
 
@@ -163,7 +163,8 @@ def plan_work(host, spec: AttentionSpec, *, rows: int, num_head_groups: int, ali
         ws_cap = grid_items
         rows_cap = capacity.max_local_tokens
     else:
-        grid_items, ws_cap, rows_cap = num_items, num_ws, nq
+        # pad rows (pad_multiple > 1) get table entries with no split: the combine writes 0 / -inf
+        grid_items, ws_cap, rows_cap = num_items, num_ws, host.num_physical_tokens
 
     def pad(x, size, fill):
         out = np.full(size, fill, dtype=np.int32)
@@ -243,7 +244,8 @@ class _TritonShardRun:
             "item_seq", "item_r0", "item_k0", "item_k1", "item_ws", "num_items", "row_ws0", "row_nsplit", "row_ti")})
         self.grid = (work["grid_items"] * num_head_groups,)
         self.static = dmeta.is_static
-        self.run_combine = self.static or self.num_ws > 0
+        pad_rows = dmeta.num_physical_tokens > dmeta.num_local_tokens  # written by the combine
+        self.run_combine = self.static or self.num_ws > 0 or pad_rows
         self.ws_shape = (max(1, work["ws_cap"]), rows, hq, dv)  # never a null pointer
         # combine: (row, head block, column block) programs reading splits in chunks; a static
         # plan's geometry depends on its capacity only (the captured grid replays every step)
@@ -373,8 +375,9 @@ class _MlaSplit:
         self.grid = (work["grid_items"] * self.num_head_groups,)
         #: pair mode: every multi-split tile has two splits, merged inside the kernel by the second
         #: to finish (no combine launch); not for static plans, whose split counts vary by step
-        self.pair = pair and not dmeta.is_static and work["max_splits"] == 2
-        self.run_combine = not self.pair and (dmeta.is_static or self.num_ws > 0)
+        pad_rows = dmeta.num_physical_tokens > dmeta.num_local_tokens  # written by the combine
+        self.pair = pair and not dmeta.is_static and not pad_rows and work["max_splits"] == 2
+        self.run_combine = not self.pair and (dmeta.is_static or self.num_ws > 0 or pad_rows)
         dv = spec.head_dim_v
         self.ws_shape = (max(1, work["ws_cap"]), rows, hq, dv)
         # the pair counters (zero; each merge resets its own) and warpgroup 1's copy of the split LSEs

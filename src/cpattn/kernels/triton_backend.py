@@ -49,11 +49,10 @@ SM90_OPTIONS = {"block_n": 128, "stages": 3, "overlap": "auto", "pingpong": "aut
                 "sections": "auto"}
 
 #: ``overlap="auto"`` runs ``overlap=2`` at these (head_dim, head_dim_v) and 0 elsewhere. H200,
-#: 2026-12-02, sustained timing, two interleaved repeats (``tools/gpu/s12a.sh``, ``s12b.sh``,
-#: ``s12e.sh``): D128 zigzag +2-7% at 16k, -0.5 to +4% at 64k / 128k, paged16 +5-6%,
+#: 2026-12-02, sustained timing, two interleaved repeats: D128 zigzag +2-7% at 16k, -0.5 to +4% at 64k / 128k, paged16 +5-6%,
 #: interleave 16k -1 / +10%, persistent short batches +1-3%; D64 -2 to +1% but for 16k C = 4
 #: (+6-10%). D192 / 128 was -9 to -20% with one release per stage; with K and V released
-#: separately (0.3.8) +1 to +7% at 16k / 64k C = 1..8 (``tools/gpu/s13a.sh``). The cp.async
+#: separately (0.3.8) +1 to +7% at 16k / 64k C = 1..8. The cp.async
 #: gather on a 2-stage ring runs 0 regardless (``triton_sm90.ring_overlap``). Not with a
 #: sliding window: none was measured, and with ``HAS_WINDOW`` the one-program-per-item
 #: ``overlap=2`` builds spill (offline ptxas, ``tools/sm90_overlap_spills.py``: 8 bytes packed
@@ -63,16 +62,16 @@ OVERLAP_HEAD_DIMS = ((128, 128), (192, 128))
 
 #: ``pingpong="auto"`` makes the two consumer warpgroups take turns issuing their GEMMs at these
 #: (head_dim, head_dim_v), with ``overlap`` on and one program per work item (FA3 / FA4 do so at
-#: D <= 128). H200, 2026-12-02, sustained timing, two interleaved repeats (``tools/gpu/s16c.sh``,
-#: named-barrier turns): D128 zigzag 16k / 64k C = 1..8 geomean +1.3% (0.99-1.03 per point),
+#: D <= 128). H200, 2026-12-02, sustained timing, two interleaved repeats (named-barrier
+#: turns): D128 zigzag 16k / 64k C = 1..8 geomean +1.3% (0.99-1.03 per point),
 #: paged 64k C = 2 +0.4%; D192 / 128 +0.7% (0.99-1.04), below the +1% the rule asked for: off.
 PINGPONG_HEAD_DIMS = ((128, 128),)
 
 #: ``sections="auto"`` drops the L2 head sections when their grid order makes the simulated
 #: makespan this much longer than heaviest-first with head groups fastest. H200, d192 zigzag,
-#: 2026-12-01 (``tools/gpu/s10g.sh``, dropping at simulated losses > 1.02): 16k C = 2 / 8 +14% /
+#: 2026-12-01 (dropping at simulated losses > 1.02): 16k C = 2 / 8 +14% /
 #: +8%, but 64k C = 4 and 128k C = 8 (losses 1.020-1.023, one KV head per section: their L2
-#: reuse counts) -4 to -5%; 1.05 keeps those two. With 1.05 (``tools/gpu/s11a.sh``) only d192 16k
+#: reuse counts) -4 to -5%; 1.05 keeps those two. With 1.05 only d192 16k
 #: C = 8 (loss 1.092) of the benchmark's 24 dense points drops them: +13%.
 SECTION_MAX_LOSS = 1.05
 

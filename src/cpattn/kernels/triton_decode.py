@@ -510,8 +510,8 @@ def merge_blocks(parts: int, heads: int, dv: int, rows: int, num_sms: int, budge
     the grid would have fewer than ``programs_per_sm``
     programs per SM (one long sequence: 171 splits x 32 heads are then 128 programs of [256 x 32]
     chunks, not one program walking 171 splits). The defaults were measured on H200 against the
-    earlier (4096, 128, 2) (``tools/gpu/combine_sweep.py``: the absorbed-MLA combine of a decode
-    step 1.3-2.0x faster, GQA ones equal or faster)."""
+    earlier (4096, 128, 2): the absorbed-MLA combine of a decode step 1.3-2.0x faster, GQA ones
+    equal or faster."""
     p2 = _next_pow2
     block_dv = min(p2(dv), max_block_dv)
     block_s = min(p2(parts), max(1, budget // block_dv))

@@ -463,8 +463,8 @@ if HAVE_GLUON:
         blocks at ring positions it0, it0 + 1, ... PREFETCH (persistent programs at D <= 128): this
         item's Q rows ``q, q2`` were loaded by the caller (:func:`_ws_q_load`), and work item
         ``next_w`` is located and its Q loads issued before this item's epilogue, so the loads'
-        latency hides behind it (locating it before the key blocks instead was slower: H200,
-        tools/gpu/s11e.sh); returns (kv, rows, q, q2) of the next item. Otherwise ``q, q2, next_w``
+        latency hides behind it (locating it before the key blocks instead was slower on H200);
+        returns (kv, rows, q, q2) of the next item. Otherwise ``q, q2, next_w``
         are unused (Q is loaded here) and the return value is this item's."""
         q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, k_ready, v_ready, kv_empty, turn = smem
         k_desc, k2_desc, v_desc, k_col, v_col, kv_row_base, n_lo, num_blocks, key_end, pt_row, gather = kv
@@ -695,8 +695,7 @@ if HAVE_GLUON:
         # partition arguments (scalars and shared-memory handles only): buffers, K/V stream, rows,
         # and what locates a work item (tile x head group)
         # PINGPONG's turn barriers: named barriers 14 - 2 * STAGES and 15 - 2 * STAGES, above the
-        # ids Triton's partitions use (and below those tools/gpu/patches/named_ring_release.patch
-        # gives the K/V ring)
+        # ids Triton's partitions use
         turn = 14 - 2 * STAGES
         smem = (q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, k_ready, v_ready, kv_empty, turn)
         zero = gl.program_id(0) * 0

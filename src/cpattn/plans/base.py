@@ -199,14 +199,24 @@ class AttentionPlan:
     def _check_qkv(self, q, k, v) -> None:
         """The per-layer checks of q / k / v with their messages (raises on the first failure)."""
         spec, device, qn = self.spec, self._device, self._q_name
-        for name, t in ((qn, q), ("k", k), ("v", v)):
+        check_tensor(q, qn)
+        if q.dtype != spec.dtype:
+            raise TypeError(f"{qn} dtype {q.dtype} != the plan's dtype {spec.dtype}")
+        if q.device != device:
+            raise ValueError(f"{qn} is on {q.device} but the plan is on {device} (use meta.to(device))")
+        if tuple(q.shape) != self._q_shape:
+            raise ValueError(f"{qn} must be [{self._rows_name}, Hq, D] = {list(self._q_shape)}, got {list(q.shape)}")
+        self._check_kv(k, v)
+
+    def _check_kv(self, k, v) -> None:
+        """The per-layer checks of the K / V ``attend`` reads, with their messages."""
+        spec, device = self.spec, self._device
+        for name, t in (("k", k), ("v", v)):
             check_tensor(t, name)
             if t.dtype != spec.dtype:
                 raise TypeError(f"{name} dtype {t.dtype} != the plan's dtype {spec.dtype}")
             if t.device != device:
                 raise ValueError(f"{name} is on {t.device} but the plan is on {device} (use meta.to(device))")
-        if tuple(q.shape) != self._q_shape:
-            raise ValueError(f"{qn} must be [{self._rows_name}, Hq, D] = {list(self._q_shape)}, got {list(q.shape)}")
         k_tail, v_tail = self._k_tail, self._v_tail
         n = len(k_tail) + 1
         if k.dim() != n or tuple(k.shape[1:]) != k_tail or v.dim() != n or tuple(v.shape[1:]) != v_tail \
@@ -266,8 +276,28 @@ class AttentionPlan:
             if t.device != self._device:
                 raise ValueError(f"{name} is on {t.device} but the plan is on {self._device}")
 
+    def _check_before_write(self, page_table, sinks, cache=None) -> None:
+        """The cache-layout, page-table and sinks checks of ``attend``, for ``run`` to make
+        before its collective and cache write (``cache``: the (k, v) pair ``attend`` will read)."""
+        if cache is not None:
+            k, v = cache
+            n = len(self._k_tail) + 1
+            if k.dim() != n or tuple(k.shape[1:]) != self._k_tail or v.dim() != n \
+                    or tuple(v.shape[1:]) != self._v_tail or v.shape[0] != k.shape[0] or k.dtype != self.spec.dtype \
+                    or v.dtype != self.spec.dtype or k.device != self._device or v.device != self._device:
+                self._check_kv(k, v)
+        if self.spec.paged:
+            if type(page_table) is not Tensor or page_table.dim() != 2 or page_table.dtype not in _PAGE_TABLE_DTYPES \
+                    or (page_table.shape[0], page_table.device) != self._pt_expect \
+                    or page_table.shape[1] < self._min_pages:
+                self._check_page_table(page_table)
+        elif page_table is not None:
+            raise ValueError("page_table given but the plan is for packed K/V (plan with page_size=)")
+        if sinks is not None or self.spec.has_sinks:
+            check_sinks(sinks, self.spec, self._device)
+
     def _gather_and_write(self, q: Tensor, k_local: Tensor, v_local: Tensor, cache, writes, group,
-                          page_table) -> tuple[Tensor, Tensor]:
+                          page_table, sinks) -> tuple[Tensor, Tensor]:
         """``run``'s steps before the kernel over a replicated cache: checks (before any
         collective or write), ONE all-gather of the new K/V (none for "local"), the cache write
         (paged) or the packing after the cached prefix (packed) -> the K/V ``attend`` reads."""
@@ -283,12 +313,12 @@ class AttentionPlan:
                 raise ValueError("writes= is required with a paged cache (cpattn.plan_cache_writes); engines that "
                                  "write the cache themselves call plan.attend")
             check_kv_writes(writes, k_cache, v_cache, meta.num_token_rows, k_local, v_local)
-            if type(page_table) is not Tensor or (page_table.shape[0], page_table.device) != self._pt_expect:
-                self._check_page_table(page_table)
+            self._check_before_write(page_table, sinks, (k_cache, v_cache))
         else:
             if writes is not None:
                 raise ValueError("writes= is for a paged cache; a packed plan reads the prefix from cache=")
             k_pre, v_pre = (None, None) if cache is None else self._cache_pair(cache, "the packed prefix K/V")
+            self._check_before_write(page_table, sinks)
         if self.algorithm != "local":
             check_group(meta, group)
         k_ext, v_ext = all_gather_rows([k_local, v_local], meta, group)  # ONE all-gather ("local": none)

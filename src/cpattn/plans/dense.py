@@ -99,6 +99,7 @@ class DenseAttentionPlan(AttentionPlan):
         Every check runs before the collective and the write (ValueError / TypeError naming the
         argument; the caches are unchanged when one fails).
         """
-        k_all, v_all = self._gather_and_write(q_local, k_local, v_local, cache, writes, group, page_table)
+        out, lse = self._result(out, lse, return_lse)  # checked (and allocated) before the collective and write
+        k_all, v_all = self._gather_and_write(q_local, k_local, v_local, cache, writes, group, page_table, sinks)
         return self.attend(q_local, k_all, v_all, page_table=page_table, sinks=sinks, softmax_scale=softmax_scale,
                            out=out, lse=lse, return_lse=return_lse)

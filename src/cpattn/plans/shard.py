@@ -111,9 +111,7 @@ class ShardMergePlan(AttentionPlan):
         k_cache, v_cache = self._cache_pair(cache, "this rank's caches")
         if writes is not None:
             check_kv_writes(writes, k_cache, v_cache, meta.num_physical_tokens, k, v)
-        if self.spec.paged and (type(page_table) is not Tensor
-                                or (page_table.shape[0], page_table.device) != self._pt_expect):
-            self._check_page_table(page_table)
+        self._check_before_write(page_table, sinks, (k_cache, v_cache))
         check_group(meta, group)  # local checks, before any write or collective
         if writes is not None:
             write_kv_cache(k, v, k_cache, v_cache, writes)

@@ -149,6 +149,9 @@ class ShardedExtendPlan(AttentionPlan):
     def _pass_q(self, q_local, k_local, v_local, k_cache, v_cache, group, sinks, softmax_scale):
         meta, x = self.meta, self._extra
         p, c = meta.num_physical_tokens, meta.cp_size
+        if p == 0:  # an empty batch: nothing to gather, write or attend
+            hq, dv = self.spec.num_q_heads, self.spec.head_dim_v
+            return (q_local.new_zeros((0, hq, dv)), torch.zeros((0, hq), dtype=torch.float32, device=q_local.device))
         q_all, k_ext, v_ext = all_gather_rows([q_local, k_local, v_local], meta, group)  # ONE all-gather
         write_kv_cache(k_ext, v_ext, k_cache, v_cache, self.writes)
         out_p, lse_p = self.attention.attend(q_all, k_cache, v_cache, page_table=self.page_table, sinks=sinks,

@@ -138,6 +138,12 @@ class SparseAttentionPlan(AttentionPlan):
             rows have lse -inf.
         """
         self._check_call(q_local, k, v, page_table, sinks)
+        self._check_idx(idx)
+        out, lse = self._result(out, lse, return_lse)
+        self._impl(q_local, k, v, idx, page_table, sinks, self._softmax_scale(softmax_scale), out, lse)
+        return (out, lse) if return_lse else out
+
+    def _check_idx(self, idx) -> None:
         if type(idx) is not Tensor or idx.shape != self._idx_shape or idx.dtype not in _INDEX_DTYPES \
                 or idx.device != self._device:
             check_index(idx, self.meta.num_physical_tokens)
@@ -145,9 +151,6 @@ class SparseAttentionPlan(AttentionPlan):
                 raise ValueError(f"idx must be [P, topk] = {list(self._idx_shape)} (the plan's topk), got "
                                  f"{list(idx.shape)}")
             _check_device(idx, "idx", self._device)
-        out, lse = self._result(out, lse, return_lse)
-        self._impl(q_local, k, v, idx, page_table, sinks, self._softmax_scale(softmax_scale), out, lse)
-        return (out, lse) if return_lse else out
 
     def run(
         self,
@@ -171,7 +174,9 @@ class SparseAttentionPlan(AttentionPlan):
         ``idx`` [P, topk] (as :meth:`attend`). A DSA layer whose index keys travel with the
         latent in the same collective uses the parts instead (``strategy.gather_packed``,
         :func:`cpattn.write_mla_cache`, :func:`cpattn.dsa.index_topk`, :meth:`attend`)."""
-        k_all, v_all = self._gather_and_write(q_local, k_local, v_local, cache, writes, group, page_table)
+        self._check_idx(idx)
+        out, lse = self._result(out, lse, return_lse)  # checked (and allocated) before the collective and write
+        k_all, v_all = self._gather_and_write(q_local, k_local, v_local, cache, writes, group, page_table, sinks)
         return self.attend(q_local, k_all, v_all, idx, page_table=page_table, sinks=sinks,
                            softmax_scale=softmax_scale, out=out, lse=lse, return_lse=return_lse)
 

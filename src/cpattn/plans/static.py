@@ -35,7 +35,7 @@ class StaticPlanner:
     them (:func:`plan_attention`) reuse fixed buffers as well, and the kernels read counts from
     device memory. Each :meth:`plan` writes the new batch with ONE host-to-device copy, so a
     graph captured over ``shard`` / ``gather_kv`` / ``plan.run`` / ``gather`` replays for it.
-    Rows past a batch's real tokens are unspecified in gather outputs (engines ignore them).
+    Rows past a batch's real tokens in gather outputs repeat the last real row (engines ignore them).
     A plan's buffers hold it until the next :meth:`plan` call of the same planner (one planner
     per rank, i.e. per process; the previous forward's kernels, queued on the same stream, have
     read them by then).

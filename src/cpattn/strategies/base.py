@@ -359,8 +359,14 @@ class CPStrategy(ABC):
         return plan.attend(q_local, k, v, page_table=page_table, sinks=sinks, softmax_scale=softmax_scale,
                            return_lse=return_lse)
 
+    def _check_replicated_cache(self, meta: CPMetadata) -> None:
+        if meta.kv is not None:
+            raise ValueError("strategy.attention / sparse_attention attend keys every rank holds; with a sharded KV "
+                             "cache (meta.kv) use cpattn.plan_attention(meta, spec) and its run / attend")
+
     def _cached_plan(self, q, k, v, meta, page_table, window_size, sinks, backend) -> AttentionPlan:
         self.check_metadata(meta)
+        self._check_replicated_cache(meta)
         paged = page_table is not None
         hq, hkv = check_qkv(q, k, v, paged)
         spec = AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=q.shape[-1], head_dim_v=v.shape[-1],
@@ -414,6 +420,7 @@ class CPStrategy(ABC):
 
     def _cached_sparse_plan(self, q, k, v, meta, idx, page_table, sinks, backend) -> AttentionPlan:
         self.check_metadata(meta)
+        self._check_replicated_cache(meta)
         paged = page_table is not None
         hq, hkv = check_qkv(q, k, v, paged)
         topk = check_index(idx, meta.num_physical_tokens)
