@@ -30,7 +30,7 @@ from .cache import (
     write_mla_cache,
 )
 from .collectives import PendingGather, PlanDisagreement, gathered_bytes_per_token
-from .kernels import available_backends
+from .kernels import KernelFamilyWarning, available_backends
 from .kv import pack_kv
 from .kv_sharding import ExtendCostModel, KVSharding, choose_extend_algorithm
 from .merge import merge_partials, merge_states
@@ -64,6 +64,7 @@ __all__ = [
     "IndexTopkPlan",
     "InterleaveStrategy",
     "KVSharding",
+    "KernelFamilyWarning",
     "PendingGather",
     "PlanDisagreement",
     "ReplicatedStrategy",

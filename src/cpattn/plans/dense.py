@@ -1,40 +1,54 @@
-"""Dense attention over a replicated KV cache: algorithms "local" and "gather_kv".
+"""Attention over a replicated KV cache: algorithms "local" and "gather_kv", dense or sparse.
 
 The queries are the rank's local rows (sharded by zigzag / interleave / contiguous, or every row
 with the "replicated" strategy); every rank's cache holds every key. ``run`` all-gathers the new
 K/V in ONE collective ("gather_kv"; none for replicated queries or C = 1: "local"), writes them to
 the paged cache through a validated write plan (or packs them after the cached prefix for packed
-K/V), and runs causal attention of the local queries. ``attend`` is the kernel alone.
-Plan-level facts (backend, kernel family, tile height, heads per program, L2 sections, varlen
-descriptors) are decided at plan time and uploaded in ONE host-to-device copy; the per-layer
-calls check only what can differ per layer and launch: no host sync, no host-to-device copy.
+K/V), and runs causal attention of the local queries; with a spec's ``topk`` (DSA sparse
+attention) each row attends only the keys its row of ``idx`` selects. ``attend`` is the kernel
+alone. Plan-level facts (backend, kernel family, tile height, heads per program, L2 sections,
+varlen descriptors) are decided at plan time and uploaded in ONE host-to-device copy; the
+per-layer calls check only what can differ per layer and launch: no host sync, no host-to-device
+copy.
+
+The causal rule of sparse attention: a row at position ``p`` of sequence ``b`` attends the keys
+of ``b`` whose positions appear in its row of ``idx`` and are ``<= p``; negative entries (-1
+padding), future entries and positions past the sequence are ignored. So a selection computed
+without a causal mask (e.g. every key of a sequence shorter than top-k) stays causal.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 from ..cache import CacheWritePlan
 from .base import AttentionPlan
+from .sparse import check_index
 
-__all__ = ["DenseAttentionPlan"]
+__all__ = ["ReplicatedKVPlan"]
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-class DenseAttentionPlan(AttentionPlan):
-    """Causal attention of a rank's local queries over their whole sequences (replicated cache)."""
+class ReplicatedKVPlan(AttentionPlan):
+    """Causal attention of a rank's local queries over a replicated cache (dense, or sparse with
+    ``spec.topk``)."""
 
     def __init__(self, meta, spec, backend: str, run_impl, algorithm: str) -> None:
         super().__init__(meta, spec, backend, run_impl, rows=meta.num_physical_tokens, kv_rows_exact=meta.num_kv_rows,
                          max_keys=meta.max_kv_len, q_name="q_local")
         self.algorithm = algorithm
+        self._idx_shape = (meta.num_physical_tokens, spec.topk) if spec.sparse else None
 
     def attend(
         self,
         q_local: Tensor,
         k: Tensor,
         v: Tensor,
+        idx: Optional[Tensor] = None,
         *,
         page_table: Optional[Tensor] = None,
         sinks: Optional[Tensor] = None,
@@ -51,20 +65,29 @@ class DenseAttentionPlan(AttentionPlan):
                 :func:`cpattn.pack_kv`), or paged caches [num_pages, page_size, Hkv, D] / [.., Dv]
                 with ``page_table`` [num_seq_rows, max_pages] int32/int64 (key j of sequence b
                 at page ``page_table[b, j // page_size]``, slot ``j % page_size``). Any row
-                strides.
+                strides; for absorbed MLA ``v`` may be a view of ``k[..., :Dv]`` (each latent row
+                is then read once).
+            idx: sparse specs only: [P, topk] int32/int64 key positions per row (index in the
+                row's sequence, prefix counted); negative, future and out-of-sequence entries
+                are ignored; a position counts once per occurrence.
             sinks: [Hq] float (any float dtype and stride) when the spec has sinks.
             softmax_scale: default D ** -0.5.
-            out: [P, Hq, Dv] buffer (q's dtype, contiguous last dim); lse: [P, Hq] float32
-                (or float64 for float64 inputs on the torch backend).
-            return_lse: also return lse (natural log, sinks counted): float32, float64 for
-                float64 inputs on the torch backend (it computes them in float64).
+            out: [P, Hq, Dv] buffer (q's dtype, contiguous last dim); lse: [P, Hq] float32.
+            return_lse: also return lse (natural log, float32, sinks counted; a sparse row with
+                no valid key has lse = its sink, or -inf without sinks).
 
         Returns:
-            out [P, Hq, Dv] (pad rows exactly 0), or (out, lse) with return_lse (pad rows -inf).
+            out [P, Hq, Dv] (pad rows, and sparse rows with no valid key, exactly 0), or
+            (out, lse) with return_lse (pad rows -inf).
         """
         self._check_call(q_local, k, v, page_table, sinks)
+        self._check_idx(idx)
         out, lse = self._result(out, lse, return_lse)
-        self._impl(q_local, k, v, page_table, sinks, self._softmax_scale(softmax_scale), out, lse)
+        scale = self._softmax_scale(softmax_scale)
+        if self._idx_shape is None:
+            self._impl(q_local, k, v, page_table, sinks, scale, out, lse)
+        else:
+            self._impl(q_local, k, v, idx, page_table, sinks, scale, out, lse)
         return (out, lse) if return_lse else out
 
     def run(
@@ -74,6 +97,7 @@ class DenseAttentionPlan(AttentionPlan):
         v_local: Tensor,
         cache=None,
         *,
+        idx: Optional[Tensor] = None,
         writes: Optional[CacheWritePlan] = None,
         group=None,
         page_table: Optional[Tensor] = None,
@@ -92,6 +116,10 @@ class DenseAttentionPlan(AttentionPlan):
                 Hkv, D] / [.., Dv], written through ``writes`` and read through ``page_table``.
                 Packed spec: None (no cached prefix) or the cached prefix ``(k_prefix,
                 v_prefix)`` packed per sequence [sum(prefix_lens), Hkv, D] / [.., Dv].
+            idx: sparse specs: [P, topk] (as :meth:`attend`). A DSA layer whose index keys travel
+                with the latent in one collective uses the parts instead
+                (``strategy.gather_packed``, :func:`cpattn.write_mla_cache`,
+                :func:`cpattn.dsa.index_topk`, :meth:`attend`).
             writes: paged spec: :func:`cpattn.plan_cache_writes` of this forward (required).
             group: the CP group (None: the default group; unused by "local").
             page_table, sinks, softmax_scale, out, lse, return_lse: as :meth:`attend`.
@@ -99,7 +127,22 @@ class DenseAttentionPlan(AttentionPlan):
         Every check runs before the collective and the write (ValueError / TypeError naming the
         argument; the caches are unchanged when one fails).
         """
+        self._check_idx(idx)
         out, lse = self._result(out, lse, return_lse)  # checked (and allocated) before the collective and write
         k_all, v_all = self._gather_and_write(q_local, k_local, v_local, cache, writes, group, page_table, sinks)
-        return self.attend(q_local, k_all, v_all, page_table=page_table, sinks=sinks, softmax_scale=softmax_scale,
+        return self.attend(q_local, k_all, v_all, idx, page_table=page_table, sinks=sinks, softmax_scale=softmax_scale,
                            out=out, lse=lse, return_lse=return_lse)
+
+    def _check_idx(self, idx) -> None:
+        if self._idx_shape is None:
+            if idx is not None:
+                raise ValueError("idx is for a sparse spec (AttentionSpec(topk=)); this plan is dense")
+            return
+        if type(idx) is not Tensor or idx.shape != self._idx_shape or idx.dtype not in _INDEX_DTYPES \
+                or idx.device != self._device:
+            check_index(idx, self.meta.num_physical_tokens)
+            if idx.shape != self._idx_shape:
+                raise ValueError(f"idx must be [P, topk] = {list(self._idx_shape)} (the plan's topk), got "
+                                 f"{list(idx.shape)}")
+            if idx.device != self._device:
+                raise ValueError(f"idx is on {idx.device} but the plan is on {self._device} (use meta.to(device))")

@@ -24,10 +24,9 @@ from ..kv_sharding import ExtendCostModel, choose_extend_algorithm
 from ..metadata import CPMetadata
 from ..spec import AttentionSpec
 from .base import ALGORITHMS, AttentionPlan, check_group_rank
-from .dense import DenseAttentionPlan
+from .dense import ReplicatedKVPlan
 from .shard import ShardMergePlan
 from .sharded_extend import build_sharded_extend, replicated_view
-from .sparse import SparseAttentionPlan
 
 __all__ = ["algorithms_for", "plan_attention"]
 
@@ -109,11 +108,8 @@ def plan_attention(
     if allowed == ("shard_merge",):
         chosen = select_backend(spec, meta, backend, kind="shard")
         return ShardMergePlan(meta, spec, chosen.name, chosen.plan(spec, meta, options))
-    if spec.sparse:
-        chosen = select_backend(spec, meta, backend, kind="sparse")
-        return SparseAttentionPlan(meta, spec, chosen.name, chosen.plan(spec, meta, options), allowed[0])
-    chosen = select_backend(spec, meta, backend)
-    return DenseAttentionPlan(meta, spec, chosen.name, chosen.plan(spec, meta, options), allowed[0])
+    chosen = select_backend(spec, meta, backend, kind="sparse" if spec.sparse else "dense")
+    return ReplicatedKVPlan(meta, spec, chosen.name, chosen.plan(spec, meta, options), allowed[0])
 
 
 def _plan_sharded_extend(meta, spec, backend, algorithm, options, page_table, num_pages, cost_model):
@@ -136,7 +132,7 @@ def _plan_sharded_extend(meta, spec, backend, algorithm, options, page_table, nu
     if algorithm == "pass_kv":  # the dense kernel over the gathered prefix + extend, packed
         inner_spec = spec.replace(page_size=None)
         chosen = select_backend(inner_spec, meta, backend)
-        inner = DenseAttentionPlan(meta, inner_spec, chosen.name, chosen.plan(inner_spec, meta, options), "gather_kv")
+        inner = ReplicatedKVPlan(meta, inner_spec, chosen.name, chosen.plan(inner_spec, meta, options), "gather_kv")
     else:  # the shard kernel for every new query over this rank's keys
         view = replicated_view(meta)
         chosen = select_backend(spec, view, backend, kind="shard")

@@ -24,9 +24,9 @@ from torch import Tensor
 from .._validation import check_int, check_softmax_scale, check_tensor
 from ..kernels import IndexTopkSpec, select_backend
 from ..metadata import CPMetadata
-from .base import AttentionPlan, check_group_rank
+from .base import check_group_rank
 
-__all__ = ["IndexTopkPlan", "SparseAttentionPlan", "check_index", "make_index_spec", "plan_index_topk"]
+__all__ = ["IndexTopkPlan", "check_index", "make_index_spec", "plan_index_topk"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -90,97 +90,6 @@ def _check_page_table(page_table, meta: CPMetadata, page_size: int) -> None:
 
 
 # ----------------------------------------------------------------------------- sparse attention
-class SparseAttentionPlan(AttentionPlan):
-    """Sparse (DSA) attention of a rank's local queries over the keys each row selected
-    (``spec.topk`` columns), algorithms "local" / "gather_kv" over a replicated cache."""
-
-    def __init__(self, meta: CPMetadata, spec, backend: str, run_impl, algorithm: str) -> None:
-        super().__init__(meta, spec, backend, run_impl, rows=meta.num_physical_tokens, kv_rows_exact=meta.num_kv_rows,
-                         max_keys=meta.max_kv_len, q_name="q_local")
-        self.algorithm = algorithm
-        self._idx_shape = (meta.num_physical_tokens, spec.topk)
-
-    def attend(
-        self,
-        q_local: Tensor,
-        k: Tensor,
-        v: Tensor,
-        idx: Tensor,
-        *,
-        page_table: Optional[Tensor] = None,
-        sinks: Optional[Tensor] = None,
-        softmax_scale: Optional[float] = None,
-        out: Optional[Tensor] = None,
-        lse: Optional[Tensor] = None,
-        return_lse: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """The kernel alone: each local row attends the keys of its sequence whose positions are
-        in its row of ``idx`` and ``<= its position`` (device-only; see the module docstring).
-
-        Args:
-            q_local: [P, Hq, D] in the plan's dtype (pad rows ignored).
-            k, v: packed [num_kv_rows, Hkv, D] / [.., Dv] (prefix then extend of each sequence),
-                or paged caches [num_pages, page_size, Hkv, D] / [.., Dv] with ``page_table``
-                [num_seq_rows, max_pages] int32/int64. Any row strides; ``v`` may be a view of
-                ``k[..., :Dv]`` (absorbed MLA: the kernel then reads each latent row once).
-            idx: [P, topk] int32/int64 key positions (index in the row's sequence, prefix
-                counted); negative, future and out-of-sequence entries are ignored. A position
-                should appear at most once per row (it counts once per occurrence).
-            sinks: [Hq] float when the spec has sinks. softmax_scale: default D ** -0.5.
-            out: [P, Hq, Dv] buffer (q's dtype, contiguous last dim); lse: [P, Hq] float32
-                (or float64 for float64 inputs on the torch backend).
-            return_lse: also return lse (natural log, sinks counted: a real row with no valid key
-                has lse = its sink, or -inf without sinks): float32, float64 for float64 inputs
-                on the torch backend (it computes them in float64).
-
-        Returns:
-            out [P, Hq, Dv] (pad rows and rows with no valid key exactly 0), or (out, lse); pad
-            rows have lse -inf.
-        """
-        self._check_call(q_local, k, v, page_table, sinks)
-        self._check_idx(idx)
-        out, lse = self._result(out, lse, return_lse)
-        self._impl(q_local, k, v, idx, page_table, sinks, self._softmax_scale(softmax_scale), out, lse)
-        return (out, lse) if return_lse else out
-
-    def _check_idx(self, idx) -> None:
-        if type(idx) is not Tensor or idx.shape != self._idx_shape or idx.dtype not in _INDEX_DTYPES \
-                or idx.device != self._device:
-            check_index(idx, self.meta.num_physical_tokens)
-            if idx.shape != self._idx_shape:
-                raise ValueError(f"idx must be [P, topk] = {list(self._idx_shape)} (the plan's topk), got "
-                                 f"{list(idx.shape)}")
-            _check_device(idx, "idx", self._device)
-
-    def run(
-        self,
-        q_local: Tensor,
-        k_local: Tensor,
-        v_local: Tensor,
-        cache=None,
-        *,
-        idx: Tensor,
-        writes=None,
-        group=None,
-        page_table: Optional[Tensor] = None,
-        sinks: Optional[Tensor] = None,
-        softmax_scale: Optional[float] = None,
-        out: Optional[Tensor] = None,
-        lse: Optional[Tensor] = None,
-        return_lse: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """One layer: gather the new K/V (one collective; none for "local"), write them, attend
-        the selected keys. Arguments as :meth:`cpattn.plans.dense.DenseAttentionPlan.run`, plus
-        ``idx`` [P, topk] (as :meth:`attend`). A DSA layer whose index keys travel with the
-        latent in the same collective uses the parts instead (``strategy.gather_packed``,
-        :func:`cpattn.write_mla_cache`, :func:`cpattn.dsa.index_topk`, :meth:`attend`)."""
-        self._check_idx(idx)
-        out, lse = self._result(out, lse, return_lse)  # checked (and allocated) before the collective and write
-        k_all, v_all = self._gather_and_write(q_local, k_local, v_local, cache, writes, group, page_table, sinks)
-        return self.attend(q_local, k_all, v_all, idx, page_table=page_table, sinks=sinks,
-                           softmax_scale=softmax_scale, out=out, lse=lse, return_lse=return_lse)
-
-
 # ----------------------------------------------------------------------------- index top-k
 class IndexTopkPlan:
     """The DSA lightning indexer's top-k selection for a rank's local rows, bound to one
