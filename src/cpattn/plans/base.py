@@ -185,8 +185,11 @@ class AttentionPlan:
                     or ks[0] != vs[0] or (self._kv_rows_exact is not None and ks[0] != self._kv_rows_exact) \
                     or ks[0] < self._kv_rows_min:
                 self._check_qkv(q, k, v)
-        paged = self.spec.paged
-        if paged:
+        self._check_table_and_sinks(page_table, sinks)
+
+    def _check_table_and_sinks(self, page_table, sinks) -> None:
+        """The page table (one compare when it holds) and sinks of a call."""
+        if self.spec.paged:
             if type(page_table) is not Tensor or page_table.dim() != 2 or page_table.dtype not in _PAGE_TABLE_DTYPES \
                     or (page_table.shape[0], page_table.device) != self._pt_expect \
                     or page_table.shape[1] < self._min_pages:
@@ -286,15 +289,7 @@ class AttentionPlan:
                     or tuple(v.shape[1:]) != self._v_tail or v.shape[0] != k.shape[0] or k.dtype != self.spec.dtype \
                     or v.dtype != self.spec.dtype or k.device != self._device or v.device != self._device:
                 self._check_kv(k, v)
-        if self.spec.paged:
-            if type(page_table) is not Tensor or page_table.dim() != 2 or page_table.dtype not in _PAGE_TABLE_DTYPES \
-                    or (page_table.shape[0], page_table.device) != self._pt_expect \
-                    or page_table.shape[1] < self._min_pages:
-                self._check_page_table(page_table)
-        elif page_table is not None:
-            raise ValueError("page_table given but the plan is for packed K/V (plan with page_size=)")
-        if sinks is not None or self.spec.has_sinks:
-            check_sinks(sinks, self.spec, self._device)
+        self._check_table_and_sinks(page_table, sinks)
 
     def _gather_and_write(self, q: Tensor, k_local: Tensor, v_local: Tensor, cache, writes, group,
                           page_table, sinks) -> tuple[Tensor, Tensor]:
