@@ -270,7 +270,7 @@ def _worker_planner_fault(rank: int, world: int, exc_name: str, use_group: bool)
             raise {"RuntimeError": RuntimeError, "MemoryError": MemoryError,
                    "KeyError": KeyError}[exc_name]("injected planner fault")
 
-        s._build = broken
+        s.plan_host = broken
     t0 = time.monotonic()
     try:
         s.build_metadata([7, 4], [3, 0], rank=rank, group=dist.group.WORLD if use_group else None)

@@ -233,8 +233,11 @@ def test_sharded_cache_over_gloo(world):
                     key.endswith("/again_equal") or key == "agree/group":
                 assert value is True, (rank, key)
             elif key.startswith("decode/") and key.endswith("/collectives"):
-                # attend: none; ONE data collective per merge (+ the plan's first check of each shape)
-                assert value == ((0, 0, 0), (1, 0, 1), (0, 1, 1), (1, 0, 0)), (rank, key, value)
+                # attend: none; ONE data collective per merge; a partials shape is checked (one tiny
+                # header all-gather) only the first time the group merges it
+                data = tuple(v[:2] for v in value)
+                assert data == ((0, 0), (1, 0), (0, 1), (1, 0)), (rank, key, value)
+                assert value[0][2] == 0 and value[1][2] <= 1 and value[2][2] <= 1 and value[3][2] == 0, (rank, key)
             elif key.startswith("extend/") and key.endswith("/collectives"):
                 expect = (1, 0) if "pass_kv" in key else (1, 1)
                 assert value == expect, (rank, key, value)
@@ -495,11 +498,14 @@ def test_one_call_plans_over_gloo(world):
                 if kind == "local":  # replicated queries over a replicated cache: no collective at all
                     assert per_layer == [[(0, 0, 0)] * LAYERS] * 2, (rank, key, per_layer)
                 else:  # (data all-gathers, all-to-alls, shape checks) per layer, per step
-                    # ONE data collective per layer; the plan's first merge also checks the partials' shape
-                    assert per_layer == [[(1, 0, 1)] + [(1, 0, 0)] * (LAYERS - 1)] * 2, (rank, key, per_layer)
+                    # ONE data collective per layer; the group's first merge of a partials shape
+                    # also checks it (one tiny header all-gather), later steps run the data alone
+                    assert [[c[:2] for c in step] for step in per_layer] == [[(1, 0)] * LAYERS] * 2, (rank, key)
+                    checks = [c[2] for step in per_layer for c in step]
+                    assert sum(checks) <= 1 and checks[0] == sum(checks), (rank, key, per_layer)
             hq = ONE_CALL_CASES[case][4]
-            if hq % world == 0:  # scatter_heads: ONE all-to-all (+ the check of the new shape)
-                assert res[f"one_call/shard_merge/case{case}/scatter_collectives"] == (0, 1, 1), (rank, case)
+            if hq % world == 0:  # scatter_heads: ONE all-to-all (+ the first check of that shape)
+                assert res[f"one_call/shard_merge/case{case}/scatter_collectives"][:2] == (0, 1), (rank, case)
         bad = {k: v for k, v in res.items() if k.startswith("bad/") and k != "bad/then_good_err"}
         assert len(bad) == 8 + 2 * 2 + 1, sorted(bad)
         for name, (outcome, calls, unchanged) in bad.items():

@@ -29,6 +29,7 @@ __all__ = [
     "all_to_all_into",
     "check_group",
     "gathered_bytes_per_token",
+    "group_device",
     "pack_rows",
     "row_layout",
     "unpack_rows",
@@ -88,7 +89,7 @@ class PlanDisagreement(ValueError):
     """The ranks of a CP group planned different batches (or one of them failed to plan)."""
 
 
-def _group_device(group) -> torch.device:
+def group_device(group) -> torch.device:
     """Where a collective over ``group`` takes its tensors: CUDA for NCCL, else the CPU."""
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend and torch.cuda.is_available():
@@ -127,7 +128,7 @@ def agree_on_plan(fingerprint: Optional[tuple[int, ...]], group, cp_size: int) -
         mine[1 : 1 + len(fingerprint)] = torch.tensor(fingerprint, dtype=torch.int64)
     mine[-1] = dist.get_rank(group)
     size = dist.get_world_size(group)
-    device = _group_device(group)
+    device = group_device(group)
     table = torch.empty(size * width, dtype=torch.int64, device=device)
     all_gather_into(table, mine.to(device), group, False)
     rows = table.view(size, width).cpu().tolist()

@@ -12,7 +12,7 @@ NaN there cannot leak); all parts empty give ``(0, -inf)``; finite LSEs of any s
 from __future__ import annotations
 
 import sys
-from typing import Optional
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -167,14 +167,18 @@ def _check_same_partials(header: tuple[int, ...], group, size: int, meta) -> Non
     """Every rank of the group passes partials of one shape / dtype and one ``scatter_heads``:
     else the same ValueError on every rank. The data collective's size depends on these, and
     collectives of different sizes abort (gloo) or hang (NCCL) before anything can be checked,
-    so a tiny fixed-size all-gather of ``header`` runs first, once per (plan, header) with a plan
-    (the plan's later merges of that shape run the data collective alone), every call without
-    one. Skipped while a CUDA graph is being captured (the check reads its result on the host)."""
-    if meta is not None and header in _checked_headers(meta):
+    so a tiny fixed-size all-gather of ``header`` runs first. With an agreed plan (``meta``: N is
+    the same on every rank) the head count, head dim, dtype and ``scatter_heads`` are checked once
+    per process group, so a decode loop's later steps run the data collective alone; without a
+    plan, every call checks. Skipped while a CUDA graph is being captured (the check reads its
+    result on the host)."""
+    key = header[1:] if meta is not None else None
+    checked = _checked_headers(group) if key is not None else None
+    if checked is not None and key in checked:
         return
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return
-    device = _collectives._group_device(group)
+    device = _collectives.group_device(group)
     table = torch.empty(size * len(header), dtype=torch.int64, device=device)
     _collectives.all_gather_into(table, torch.tensor(header, dtype=torch.int64).to(device), group, False)
     rows = table.view(size, len(header)).tolist()
@@ -182,14 +186,22 @@ def _check_same_partials(header: tuple[int, ...], group, size: int, meta) -> Non
         per_rank = "; ".join(f"rank {r}: {_describe(row)}" for r, row in enumerate(rows))
         raise ValueError("merge_partials: the ranks passed different partials (out_part shape, dtype or "
                          f"scatter_heads differ; nothing was merged): {per_rank}")
-    if meta is not None:
-        _checked_headers(meta).add(header)
+    if checked is not None:
+        checked.add(key)
 
 
-def _checked_headers(meta) -> set:
-    from .plan_cache import cached_plan
+#: Partial shapes already checked per process group (the key None: the default group).
+_CHECKED: "weakref.WeakKeyDictionary[object, set]" = weakref.WeakKeyDictionary()
+_CHECKED_DEFAULT: dict = {}
 
-    return cached_plan(meta, ("merge_partials", "checked headers"), set)
+
+def _checked_headers(group) -> set:
+    if group is None:
+        return _CHECKED_DEFAULT.setdefault("default", set())
+    try:
+        return _CHECKED.setdefault(group, set())
+    except TypeError:  # a group object without weak references: check every call
+        return set()
 
 
 def merge_partials(
@@ -216,10 +228,11 @@ def merge_partials(
     All checks run before the collective (ValueError / TypeError naming the argument). Ranks
     whose partials differ in shape, dtype or ``scatter_heads`` all raise the same ValueError
     (instead of a collective of mismatched sizes, which aborts or hangs): a tiny header
-    all-gather (5 int64 per rank) checks it before the data collective, once per plan and
-    shape when ``meta`` is given (later merges of the plan: the ONE data collective alone), on
-    every call without ``meta``. Bytes moved per
-    rank: (C - 1) N Hq (Dv itemsize + 4) received, or 1/C of that with scatter_heads.
+    all-gather (5 int64 per rank) checks it before the data collective: with ``meta`` once per
+    process group and (Hq, Dv, dtype, scatter_heads) (a decode loop's later steps run the ONE
+    data collective alone), on every call without ``meta``; never inside a CUDA-graph capture.
+    Bytes moved per rank: (C - 1) N Hq (Dv itemsize + 4) received, or 1/C of that with
+    scatter_heads.
 
     Example::
 
