@@ -520,7 +520,7 @@ def read_mla_cache(cache: Tensor, slots: Tensor, kv_lora_rank: int) -> tuple[Ten
     if r > cache.shape[-1]:
         raise ValueError(f"kv_lora_rank={r} exceeds the cache row width {cache.shape[-1]}")
     if isinstance(slots, CacheWritePlan):
-        raise TypeError("read_mla_cache takes a slot tensor (int32/int64 [N]), not a CacheWritePlan")
+        raise TypeError("slots must be a torch.Tensor (int32/int64 [N]): read_mla_cache takes raw slots, not a CacheWritePlan")
     index = _check_slot_tensor(slots, "slots").to(torch.int64)
     num_slots = cache.shape[0] if cache.dim() == 2 else cache.shape[0] * cache.shape[1]
     if slots.device != cache.device:
