@@ -10,7 +10,7 @@ import pytest
 TOOLS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def load_tool():
     """``load_tool("ring_protocol_sim.py")``: the module of a script under tools/, loaded from its
     file without putting tools/ on ``sys.path``."""
