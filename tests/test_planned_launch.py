@@ -1,9 +1,10 @@
 """Planned launches on the host (no GPU): the descriptor cache's keying, invalidation and bound,
 the direct C-launcher call against the compiled kernel's own launcher, and every fallback.
 
-The compiled kernel and Triton's launcher are stand-ins with the layout of triton 3.5 / 3.6's
-``CudaLauncher`` (``wrap_handle_tensordesc`` closing over the C ``launch``); the real triton 3.6
-layout is checked by ``tools/host_launch_offline_check.py``.
+The compiled kernel and Triton's launcher are stand-ins with the layouts of triton 3.5 / 3.6's
+``CudaLauncher`` (``wrap_handle_tensordesc`` closing over the C ``launch``, kernel arguments flat)
+and of triton 3.9's (``wrap_handle_tensordesc_impl``, kernel arguments as one tuple); the real
+layout of the installed triton is checked by ``tools/host_launch_offline_check.py``.
 """
 
 from __future__ import annotations
@@ -75,6 +76,47 @@ class CudaLauncher:
 
 CudaLauncher.__module__ = "fake.backends.nvidia.driver"
 
+#: triton 3.9's leading C-launch arguments and its two launcher attributes
+PACKED_BASE = 15
+ANNOTATIONS, KERNEL_SIGNATURE = ("ann",), b"sig"
+
+
+def make_tensordesc_arg3(arg, meta, base_args):
+    return make_tensordesc_arg(arg, meta)
+
+
+def wrap_handle_tensordesc_impl(launcher, signature, tensordesc_meta, make_tensordesc_arg):
+    """triton 3.9's layout: the kernel arguments come as the last argument, one tuple, and the
+    descriptor expander is a closure variable taking the leading arguments as well."""
+    idx = [i for i, s in enumerate(signature.values()) if s.startswith("tensordesc")]
+
+    def inner(*args):
+        base, kernel_args = args[:-1], args[-1]
+        final = []
+        for i, a in enumerate(kernel_args):
+            final.extend(make_tensordesc_arg(a, tensordesc_meta[idx.index(i)], base) if i in idx else [a])
+        return launcher(*base, tuple(final))
+
+    return inner
+
+
+class PackedCudaLauncher(CudaLauncher):
+    """triton 3.9's ``CudaLauncher``: metadata and hooks before the scratch buffers, then the
+    argument annotations, the packed signature and the kernel arguments as one tuple."""
+
+    def __init__(self, c_launch, meta, scratch=0, profile_scratch=0):
+        super().__init__(c_launch, meta, scratch, profile_scratch)
+        self.launch = wrap_handle_tensordesc_impl(c_launch, SIGNATURE, meta, make_tensordesc_arg3)
+        self.arg_annotations, self.kernel_signature, self.gsan_enabled = ANNOTATIONS, KERNEL_SIGNATURE, False
+
+    def __call__(self, gx, gy, gz, stream, function, kernel_metadata, launch_metadata, enter, exit_, *args):
+        self.runs += 1
+        self.launch(gx, gy, gz, stream, function, False, False, kernel_metadata, launch_metadata, enter, exit_,
+                    None, None, self.arg_annotations, self.kernel_signature, args)
+
+
+PackedCudaLauncher.__name__, PackedCudaLauncher.__module__ = "CudaLauncher", CudaLauncher.__module__
+
 
 class Compiled:
     def __init__(self, launcher):
@@ -107,9 +149,10 @@ class Kernel:
         return call
 
 
-def _setup(meta=({"swizzle": 128},), scratch=0, cache_size=4, hooks=None, profile_scratch=0):
+def _setup(meta=({"swizzle": 128},), scratch=0, cache_size=4, hooks=None, profile_scratch=0, launcher=CudaLauncher,
+           c_launch=None):
     c_calls = []
-    compiled = Compiled(CudaLauncher(lambda *a: c_calls.append(a), list(meta), scratch, profile_scratch))
+    compiled = Compiled(launcher(c_launch or (lambda *a: c_calls.append(a)), list(meta), scratch, profile_scratch))
     kernel = Kernel(compiled)
     seg = torch.arange(4, dtype=torch.int32)
     pl = PlannedLaunch(kernel, {"seg": seg, "FLAG": True}, ("Q", "n"), descriptors=("k_desc",), cache_size=cache_size,
@@ -331,6 +374,51 @@ def test_global_scratch_is_kept_per_stream_and_grown(monkeypatch):
     assert any(b is old for b in pl.records[key].direct._retired)
     pl((7,), (q, 3), key, (k.data_ptr(),), builds(k))  # a smaller one fits the grown buffer
     assert len(allocated) == 4
+
+
+def test_triton39_layout_packs_the_kernel_arguments_into_one_tuple():
+    calls = []
+    pl, kernel, compiled, _, seg = _setup(launcher=PackedCudaLauncher, c_launch=lambda *a: calls.append(a))
+    builds = Builds()
+    q, k = torch.zeros(8, 4), torch.zeros(16, 64)
+    key = ("a",)
+    pl((7,), (q, 3), key, (k.data_ptr(),), builds(k))
+    assert pl.direct(key) and pl.records[key].direct.packed_after == PACKED_BASE
+    jit_args = calls[-1]
+    for _ in range(2):
+        pl((7,), (q, 3), key, (k.data_ptr(),), builds(k))
+    got = calls[-1]
+    assert compiled.run.runs == 1 and builds.count == 2, "the direct path called the Python launcher"
+    assert len(got) == PACKED_BASE + 1 and isinstance(got[-1], tuple)
+    flat = _expected(q, k, 3, seg)
+    base = [7, 1, 1, 5, 99, False, False, (4, 1, 0), None, None, None, None, None, ANNOTATIONS, KERNEL_SIGNATURE]
+    assert list(got[:-1]) == base and _same(got[-1], flat[13:])
+    assert list(jit_args[:-1]) == base and _same(jit_args[-1], got[-1])
+    assert got[-1][0] == q.data_ptr() and type(got[-1][0]) is int
+
+
+def test_a_launcher_that_rejects_the_arguments_turns_the_direct_path_off():
+    """A C launch whose argument layout is not the one recorded raises TypeError before it
+    launches: that call and every later one go through the compiled kernel's run instead."""
+    calls = []
+
+    def strict_launch(*args):  # triton 3.5 / 3.6's arity for this kernel
+        if len(args) != len(_expected(torch.zeros(1), torch.zeros(1, 1), 0, None)):
+            raise TypeError(f"function takes exactly 23 arguments ({len(args)} given)")
+        calls.append(args)
+
+    pl, kernel, compiled, _, seg = _setup(c_launch=strict_launch)
+    builds = Builds()
+    q, k = torch.zeros(8, 4), torch.zeros(16, 64)
+    key = ("a",)
+    pl((7,), (q, 3), key, (k.data_ptr(),), builds(k))
+    assert pl.direct(key)
+    pl.records[key].direct.packed_after = PACKED_BASE  # as if the layout were misread
+    pl((7,), (q, 3), key, (k.data_ptr(),), builds(k))
+    assert not pl.direct(key) and compiled.run.runs == 2 and len(calls) == 2
+    assert _same(calls[-1], _expected(q, k, 3, seg))
+    pl((7,), (q, 3), key, (k.data_ptr(),), builds(k))
+    assert compiled.run.runs == 3 and len(kernel.jit_calls) == 1
 
 
 def test_per_call_values_must_match_the_names():

@@ -46,6 +46,11 @@ class _Utils:
         self.fills += 1
         return ("CUtensorMap",) + tuple(tuple(a) if isinstance(a, list) else a for a in args)
 
+    fill_tma_descriptor_tiled = fill_tma_descriptor  # triton 3.9's name
+
+    def build_signature_metadata(self, signature):
+        return ("signature",) + tuple(signature)
+
 
 class _Driver:
     """What ``make_tensordesc_arg`` and ``PlannedLaunch`` read of the active driver."""
@@ -68,15 +73,29 @@ def latent_sets(page, dt):
     return [(k, k[..., : mla.D_LATENT]) for k in (torch.zeros(*s, dtype=dt) for s in shapes)]
 
 
+#: triton 3.9's layout: the kernel arguments reach the C launch as one tuple after 15 leading ones,
+#: with the argument annotations and the packed signature
+PACKED = hasattr(nv_driver, "annotate_arguments")
+
+
 def _launcher(compiled, calls: list):
-    """A ``CudaLauncher`` of the installed triton around a recording C ``launch``."""
+    """A ``CudaLauncher`` of the installed triton around a recording C ``launch`` (the recorded
+    arguments are flat in both layouts: a packed tuple is appended as its items)."""
 
     def c_launch(*args):
-        calls.append(args)
+        calls.append(args[:-1] + tuple(args[-1]) if PACKED else args)
 
     run = nv_driver.CudaLauncher.__new__(nv_driver.CudaLauncher)
     md = compiled.metadata
     run.num_ctas = getattr(md, "num_ctas", 1)
+    if PACKED:
+        sig = dict(compiled.src.signature)
+        expanded = nv_driver.expand_signature(sig.values(), getattr(md, "tensordesc_meta", None), "nvTmaDesc")
+        if nv_driver.PyKernelArg is None:  # a C type of the driver module (not built without a GPU)
+            nv_driver.PyKernelArg = lambda **kw: ("PyKernelArg", tuple(sorted(kw.items())))
+        run.arg_annotations = nv_driver.annotate_arguments(expanded)
+        run.kernel_signature = nv_driver.make_kernel_signature(expanded)
+        run.gsan_enabled = False
     run.launch = nv_driver.wrap_handle_tensordesc(c_launch, dict(compiled.src.signature),
                                                   getattr(md, "tensordesc_meta", None))
     run.global_scratch_size, run.global_scratch_align = md.global_scratch_size, md.global_scratch_align
@@ -94,7 +113,7 @@ def _same(a, b) -> bool:
 
 
 #: Index of the global scratch address in the C launch's arguments.
-_SCRATCH_ARG = 7
+_SCRATCH_ARG = 11 if PACKED else 7
 
 
 def check(name: str, compiled, kernel, fixed: dict, names, descriptors, values_of, descs_of, key_of, kvs,
@@ -218,7 +237,7 @@ def main() -> int:
             return vals + ((k, k, k) if gather else ())
 
         check(label, compiled, ws._cp_attn_fwd_sm90, fixed, names, descriptors, values_of,
-              lambda k, v: ws.kv_descriptors(k, v, 128), ws.kv_key, kvs)
+              (lambda k, v: ()) if gather else (lambda k, v: ws.kv_descriptors(k, v, 128)), ws.kv_key, kvs)
     for label, page in (("mla packed", None), ("mla paged64", 64)):
         compiled = compile_mla_variant(4, False, False, True, page)
         w = mla.D_LATENT + mla.D_ROPE
@@ -244,7 +263,7 @@ def main() -> int:
         lm = torch.zeros(8, 128, dtype=torch.float32)
         wo, wl = torch.zeros(40, 1, 128, mla.D_LATENT), torch.zeros(40, 1, 128)
         fixed = dict(dec_tensors, rank=1, num_head_groups=2, G_PACK=64, CP_SIZE=2, INTERLEAVE=1,
-                     PairSem=torch.zeros(1, dtype=torch.int32), PairLse=torch.zeros(1, 1, 1), PAIR=False,
+                     PairSem=torch.zeros(1, dtype=torch.int32), PairLse=torch.zeros(1, 1, 1), PAIR=False, PDL=False,
                      **mla.kernel_constexprs(dt, page))
 
         def values_of(k, v, qm=qm, om=om, lm=lm, wo=wo, wl=wl):

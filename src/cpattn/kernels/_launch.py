@@ -16,9 +16,11 @@ through the JIT again.
 Host tensor descriptors (Gluon ``TensorDescriptor``, the ``descriptors`` names) are not passed
 per call: the caller gives ``make_descs`` (builds them) and ``desc_key``, a tuple of everything
 they encode that can differ between calls (K/V data pointers, shapes, strides; block shapes,
-layouts and dtype are fixed per launch). Where the installed Triton's launcher has the layout
-this module knows (triton 3.5 / 3.6 ``CudaLauncher``: ``wrap_handle_tensordesc`` around the
-compiled C ``launch``, no profiling scratch, no launch hooks registered), a call whose key matches
+layouts and dtype are fixed per launch). Where the installed Triton's launcher has a layout
+this module knows (a ``CudaLauncher`` whose descriptor wrapper closes over the compiled C
+``launch``, no profiling scratch, no launch hooks registered: triton 3.5 / 3.6 pass the kernel
+arguments flat after 13 leading ones, triton 3.9 as one tuple after 15, with the argument
+annotations and the packed signature), a call whose key matches
 is sent to the C ``launch`` directly with its arguments prepared once per ``desc_key``: the
 descriptors are built and converted into CUtensorMaps by Triton's own ``make_tensordesc_arg``
 (so the maps are bit-identical to what Triton's launcher would make) and kept in a small LRU
@@ -33,7 +35,9 @@ stream instead, grown when a larger grid needs more, none freed before the launc
 CUDA graph holds their addresses; sequential launches of one kernel on one stream may share a
 buffer: each program writes its descriptors before it reads them). Anything else
 (another Triton, registered launch hooks, profiling scratch) takes the compiled kernel's ``run``
-with descriptors built per call, and the interpreter always takes the plain JIT call. Calls that
+with descriptors built per call, and the interpreter always takes the plain JIT call; a C launch
+that rejects the argument list (TypeError, raised before anything runs) turns the direct path off
+for that kernel and takes its ``run`` from then on. Calls that
 do not go direct run inside :class:`scratch_allocator` when the launch was made with
 ``device_scratch=True``.
 """
@@ -54,9 +58,14 @@ logger = logging.getLogger("cpattn")
 #: Prepared argument sets (one per distinct K/V descriptor set) kept per launch: a model's layers
 #: with their own K/V buffers each take one.
 DESCRIPTOR_CACHE_SIZE = 256
-#: Leading arguments of Triton's C ``launch`` (grid x3, stream, function, cooperative, pdl, two
-#: scratch buffers, kernel metadata, launch metadata, enter / exit hooks).
+#: Leading arguments of triton 3.5 / 3.6's C ``launch`` (grid x3, stream, function, cooperative,
+#: pdl, two scratch buffers, kernel metadata, launch metadata, enter / exit hooks); the kernel
+#: arguments follow flat.
 _BASE_ARGS = 13
+#: Leading arguments of triton 3.9's C ``launch`` (grid x3, stream, function, cooperative, pdl,
+#: kernel metadata, launch metadata, enter / exit hooks, two scratch buffers, argument
+#: annotations, packed signature); the kernel arguments follow as one tuple.
+_PACKED_BASE_ARGS = 15
 #: What each direct call puts before its per-call values: the grid (x, y, z), the stream and the
 #: global scratch address (None when the kernel needs none).
 _HEAD = ("grid0", "grid1", "grid2", "stream", "scratch")
@@ -170,8 +179,11 @@ class _Direct:
     checked the tensors' device)."""
 
     def __init__(self, launch, make_arg, desc_meta: dict, layout: list, scratch_bytes: int = 0,
-                 scratch_align: int = 1, num_values: int = 0, ptr_values: Sequence[int] = ()) -> None:
+                 scratch_align: int = 1, num_values: int = 0, ptr_values: Sequence[int] = (),
+                 packed_after: int = 0) -> None:
         self.launch, self.make_arg, self.desc_meta = launch, make_arg, desc_meta
+        #: 0: the C launch takes every argument flat; n: its first n, then the rest as one tuple
+        self.packed_after = packed_after
         #: per C-launcher argument: ("const", x) | ("head", 0-2 grid / 3 stream / 4 scratch) |
         #: ("value", j) | ("ptr", j) (the address of value j) | ("desc", name) (expanded into several)
         self.layout = layout
@@ -209,6 +221,14 @@ class _Direct:
         ptr = -(-buf.data_ptr() // align) * align
         self.scratch[stream] = (buf, ptr, programs)
         return ptr
+
+    def fire(self, args: tuple) -> None:
+        """Call the C launch with ``args`` (the output of ``pick``) in its argument layout."""
+        n = self.packed_after
+        if n:
+            self.launch(*args[:n], args[n:])
+        else:
+            self.launch(*args)
 
     def ptrs(self, values: tuple) -> tuple:
         """The addresses of the pointer values (appended to each call's arguments)."""
@@ -310,8 +330,13 @@ class PlannedLaunch:
                         g += (1, 1)[:3 - len(g)]
                     stream = self._stream(self._device())
                     scratch = direct.scratch_ptr(g, stream) if direct.scratch_bytes else None
-                    direct.launch(*direct.pick(entry + g + (stream, scratch) + values + direct.ptrs(values)))
-                    return
+                    try:
+                        direct.fire(direct.pick(entry + g + (stream, scratch) + values + direct.ptrs(values)))
+                        return
+                    except TypeError as exc:  # the C launch parses its arguments before it launches
+                        logger.debug("cpattn: direct launch rejected by the C launcher (%s); using run", exc)
+                        rec.direct = None
+                        rec.entries.clear()
             with self._scratch_context():
                 self._run_compiled(rec, grid, values, make_descs)
             return
@@ -391,28 +416,39 @@ class PlannedLaunch:
 
 
 def _c_launch_of(run, has_descs: bool):
-    """(C launch function, make_tensordesc_arg, per-descriptor metadata list) of a triton 3.5 / 3.6
-    ``CudaLauncher``, or None when its layout is not the known one."""
+    """(C launch function, make_tensordesc_arg(desc, meta), per-descriptor metadata list, packed)
+    of a ``CudaLauncher`` whose layout is one this module knows, or None. ``packed``: triton 3.9's
+    layout (kernel arguments as one tuple after :data:`_PACKED_BASE_ARGS` leading ones)."""
     if type(run).__name__ != "CudaLauncher" or not type(run).__module__.endswith("nvidia.driver"):
         return None
     if getattr(run, "profile_scratch_size", 1) or not isinstance(getattr(run, "global_scratch_size", None), int):
         return None  # profiling scratch: left to the Python launcher
+    if getattr(run, "gsan_enabled", False):
+        return None  # the sanitizer appends its own arguments
+    packed = hasattr(run, "arg_annotations") and hasattr(run, "kernel_signature")
     launch = run.launch
     if not has_descs:  # what CudaLauncher.__call__ calls, minus the (empty) scratch allocation
-        return (launch, None, []) if callable(launch) else None
-    # triton's wrap_handle_tensordesc: ``inner`` expands each descriptor with make_tensordesc_arg
-    # and calls the compiled C launch (``launcher`` in its closure)
-    if getattr(launch, "__qualname__", "") != "wrap_handle_tensordesc.<locals>.inner":
-        return None
+        return (launch, None, [], packed) if callable(launch) else None
+    # triton's descriptor wrapper: ``inner`` expands each descriptor with make_tensordesc_arg and
+    # calls the compiled C launch (``launcher`` in its closure)
+    qualname = getattr(launch, "__qualname__", "")
     code, closure = launch.__code__, launch.__closure__ or ()
     cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure)))
     inner, meta = cells.get("launcher"), cells.get("tensordesc_meta")
-    make_arg = launch.__globals__.get("make_tensordesc_arg")
+    if not packed and qualname == "wrap_handle_tensordesc.<locals>.inner":
+        make_arg = launch.__globals__.get("make_tensordesc_arg")
+        if launch.__globals__.get("_BASE_ARGS_FORMAT_LEN") != _BASE_ARGS:
+            return None
+    elif packed and qualname == "wrap_handle_tensordesc_impl.<locals>.inner":
+        make3 = cells.get("make_tensordesc_arg")  # (desc, meta, base args: unused by nvidia's)
+        if make3 is None or getattr(getattr(make3, "__code__", None), "co_argcount", 0) != 3:
+            return None
+        make_arg = lambda desc, m: make3(desc, m, None)  # noqa: E731
+    else:
+        return None
     if not callable(inner) or meta is None or make_arg is None:
         return None
-    if launch.__globals__.get("_BASE_ARGS_FORMAT_LEN") != _BASE_ARGS:
-        return None
-    return inner, make_arg, list(meta)
+    return inner, make_arg, list(meta), packed
 
 
 def _direct_launch(compiled, arg_names: list, merged: dict, where: dict, descs: set,
@@ -428,18 +464,22 @@ def _direct_launch(compiled, arg_names: list, merged: dict, where: dict, descs: 
     found = _c_launch_of(compiled.run, bool(sig_descs))
     if found is None:
         return None
-    launch, make_arg, meta = found
+    launch, make_arg, meta, packed = found
     if len(meta) != len(sig_descs):
         return None
     k = compiled
     run = k.run
     # what CudaLauncher.__call__ allocates per call: global_scratch_size bytes per program of each CTA
     scratch_bytes = run.global_scratch_size * getattr(run, "num_ctas", 1)
+    scratch = ("head", 4) if scratch_bytes else ("const", None)
     layout: list = [("head", 0), ("head", 1), ("head", 2), ("head", 3), ("const", k.function),
-                    ("const", run.launch_cooperative_grid), ("const", run.launch_pdl),
-                    ("head", 4) if scratch_bytes else ("const", None),
-                    ("const", None), ("const", k.packed_metadata), ("const", None), ("const", None),
-                    ("const", None)]
+                    ("const", run.launch_cooperative_grid), ("const", run.launch_pdl)]
+    if packed:  # metadata, launch metadata, hooks, scratch x2, annotations, signature
+        layout += [("const", k.packed_metadata), ("const", None), ("const", None), ("const", None), scratch,
+                   ("const", None), ("const", run.arg_annotations), ("const", run.kernel_signature)]
+    else:  # scratch x2, metadata, launch metadata, hooks
+        layout += [scratch, ("const", None), ("const", k.packed_metadata), ("const", None), ("const", None),
+                   ("const", None)]
     ptr_values: list = []
     for name in arg_names:
         if name in descs:
@@ -458,7 +498,8 @@ def _direct_launch(compiled, arg_names: list, merged: dict, where: dict, descs: 
                 x = x.data_ptr()  # the plan keeps the tensor (fixed); device memory: same address
             layout.append(("const", x))
     return _Direct(launch, make_arg, dict(zip(sig_descs, meta)), layout, scratch_bytes,
-                   getattr(run, "global_scratch_align", 1), len(where), ptr_values)
+                   getattr(run, "global_scratch_align", 1), len(where), ptr_values,
+                   _PACKED_BASE_ARGS if packed else 0)
 
 
 def new_scratch(nbytes: int) -> Tensor:
