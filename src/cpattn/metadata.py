@@ -28,6 +28,8 @@ tensors a caller passes (``num_token_rows`` etc.), which equal the batch counts 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -286,9 +288,20 @@ def _lengths_hashes(ext: Tensor, pre: Tensor) -> list[int]:
     in [0, 2**31 - 1): ``sum_i term_i * w_i mod p`` with ``w_i = (i * mult + salt) mod p`` for the
     two (mult, salt) of :data:`_HASH_WEIGHTS`, computed together (numpy: host arithmetic)."""
     e, p = ext.numpy(), pre.numpy()
-    w = (np.arange(e.size, dtype=np.int64) * _HASH_WEIGHTS[:, :1] + _HASH_WEIGHTS[:, 1:]) % _HASH_P  # [2, B]
     term = ((e % _HASH_P) * 40503 + (p % _HASH_P) * 65599 + 1) % _HASH_P
-    return (((term * w) % _HASH_P).sum(1) % _HASH_P).tolist()
+    return (((term * _hash_weights(e.size)) % _HASH_P).sum(1) % _HASH_P).tolist()
+
+
+@functools.lru_cache(maxsize=16)
+def _hash_weights(size: int) -> np.ndarray:
+    """The [2, size] position weights of :func:`_lengths_hashes` (read-only; batch sizes repeat)."""
+    w = (np.arange(size, dtype=np.int64) * _HASH_WEIGHTS[:, :1] + _HASH_WEIGHTS[:, 1:]) % _HASH_P
+    w.flags.writeable = False
+    return w
+
+
+#: the capacity part of a dynamic plan's fingerprint
+_NO_CAPACITY = (0,) * len(dataclasses.fields(Capacity))
 
 
 def plan_fingerprint(
@@ -301,14 +314,20 @@ def plan_fingerprint(
     capacity...). Strategies and :class:`cpattn.StaticPlanner` exchange it over the group. A
     KV sharding joins the strategy code (ranks must shard the cache the same way).
     """
-    import zlib
-
-    cap = dataclasses.astuple(capacity) if capacity is not None else (0,) * len(dataclasses.fields(Capacity))
+    cap = dataclasses.astuple(capacity) if capacity is not None else _NO_CAPACITY
     code = strategy if kv is None else f"{strategy}/kv{kv.cp_size}x{kv.interleave}"
+    e, p = ext.numpy(), pre.numpy()
+    num_tokens = int(e.sum())
     return (
-        zlib.crc32(code.encode()) & 0x7FFFFFFF, cp_size, pad_multiple, ext.numel(), int(ext.sum()),
-        int(ext.sum() + pre.sum()), *_lengths_hashes(ext, pre), *cap, rank,
+        _code_hash(code), cp_size, pad_multiple, e.size, num_tokens, num_tokens + int(p.sum()),
+        *_lengths_hashes(ext, pre), *cap, rank,
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _code_hash(code: str) -> int:
+    """A stable 31-bit hash of a strategy / KV-layout code (CRC-32)."""
+    return zlib.crc32(code.encode()) & 0x7FFFFFFF
 
 
 # ---------------------------------------------------------------------------- build
@@ -465,7 +484,7 @@ def _build_replicated(strategy: str, cp_size: int, rank: int, pad_multiple: int,
     t = int(cu_ext[-1])
     seq = np.repeat(np.arange(num_seqs, dtype=np.int64), e)
     positions = p[seq] + np.arange(t, dtype=np.int64) - cu_ext[seq]
-    physical = padding.physical_rows((t,) * cp_size, pad_multiple)
+    physical = -(-t // pad_multiple) * pad_multiple  # padding.physical_rows of (t,) * cp_size
     if physical_rows is not None:
         if physical > physical_rows:
             raise ValueError(f"batch over capacity: a rank owns {t} rows, more than the {physical_rows} physical "
@@ -476,13 +495,17 @@ def _build_replicated(strategy: str, cp_size: int, rank: int, pad_multiple: int,
     segs = np.empty((5, s + 1), dtype=np.int32)  # seq, row0, len, pos0, stride; then the pad segment
     segs[0, :s], segs[1, :s], segs[2, :s], segs[3, :s], segs[4, :s] = live, cu_ext[live], e[live], p[live], 1
     segs[:, s] = 0, t, physical - t, -1, 0
-    seg = dict(zip(("seg_seq", "seg_row0", "seg_len", "seg_pos0", "seg_stride"), segs))
-    shard_index = np.zeros(physical, dtype=np.int64)
-    shard_index[:t] = np.arange(t)
-    row_valid = np.zeros(physical, dtype=bool)
-    row_valid[:t] = True
-    work = int((positions + 1).sum())
     as_t = torch.from_numpy
+    seg = dict(zip(("seg_seq", "seg_row0", "seg_len", "seg_pos0", "seg_stride"), as_t(segs).unbind(0)))
+    rows = as_t(np.arange(t, dtype=np.int64))  # local row t is logical row t (read-only, shared)
+    if physical == t:
+        shard_index, row_valid = rows, torch.ones(t, dtype=torch.bool)
+    else:
+        shard_index = torch.zeros(physical, dtype=torch.int64)
+        shard_index[:t] = rows
+        row_valid = torch.zeros(physical, dtype=torch.bool)
+        row_valid[:t] = True
+    work = int((positions + 1).sum())
     return CPMetadata(
         strategy=strategy, cp_size=cp_size, rank=rank, pad_multiple=pad_multiple, num_seqs=num_seqs,
         num_tokens=t, num_kv_tokens=int(cu_kv[-1]), num_local_tokens=t, num_local_tokens_per_rank=(t,) * cp_size,
@@ -490,21 +513,20 @@ def _build_replicated(strategy: str, cp_size: int, rank: int, pad_multiple: int,
         max_seg_len=int(e.max()) if num_seqs else 0, max_seg_keys=int(kv_np[live].max()) if s else 0,
         has_strided_segments=False, causal_work_per_rank=(work,) * cp_size,
         extend_lens=ext, prefix_lens=pre, kv_lens=as_t(kv_np), cu_extend_lens=as_t(cu_ext), cu_kv_lens=as_t(cu_kv),
-        local_token_indices=as_t(np.arange(t, dtype=np.int64)), local_positions=as_t(positions),
-        local_seq_ids=as_t(seq), shard_index=as_t(shard_index), row_valid=as_t(row_valid),
-        gather_index=as_t(np.arange(t, dtype=np.int64)), kv_extend_index=as_t(cu_kv[seq] + positions),
-        **{name: as_t(v) for name, v in seg.items()},
-        counts=torch.tensor([t, t, int(cu_kv[-1]), s], dtype=torch.int32),
+        local_token_indices=rows, local_positions=as_t(positions),
+        local_seq_ids=as_t(seq), shard_index=shard_index, row_valid=row_valid,
+        gather_index=rows, kv_extend_index=as_t(cu_kv[seq] + positions), **seg,
+        counts=as_t(np.array([t, t, cu_kv[-1], s], dtype=np.int32)),
         fingerprint=plan_fingerprint(strategy, cp_size, rank, pad_multiple, ext, pre, kv=kv),
         max_q_len=int(e.max()) if num_seqs else 0,
-        **_sharded_cache_fields(kv, cp_size, rank, as_t(positions), pre, as_t(kv_np), replicated=True),
+        **_sharded_cache_fields(kv, cp_size, rank, positions, p, kv_np, replicated=True),
     )
 
 
-def _sharded_cache_fields(kv, cp_size: int, rank: int, positions: Tensor, pre: Tensor,
-                          kv_lens: Tensor, replicated: bool = False) -> dict:
+def _sharded_cache_fields(kv, cp_size: int, rank: int, positions, pre, kv_lens, replicated: bool = False) -> dict:
     """The sharded-cache write plan of a batch (store rows and local indices, O(T)) and the
-    rank's local key counts (O(B C)); empty fields without a sharding."""
+    rank's local key counts (O(B C)); empty fields without a sharding. ``positions`` [T],
+    ``pre`` [B], ``kv_lens`` [B]: int CPU tensors or numpy arrays."""
     empty = torch.zeros(0, dtype=torch.int64)
     if kv is None:
         return dict(store_rows=empty, store_index=empty, local_prefix_lens=empty, local_kv_lens=empty,
@@ -515,9 +537,10 @@ def _sharded_cache_fields(kv, cp_size: int, rank: int, positions: Tensor, pre: T
     from .kv_sharding import local_key_counts, local_key_index
 
     c, inter = kv.cp_size, kv.interleave
-    pos = positions.numpy().astype(np.int64, copy=False)
+    as_np = lambda x: x if isinstance(x, np.ndarray) else x.numpy()  # noqa: E731
+    pos = as_np(positions).astype(np.int64, copy=False)
     store_rows = np.flatnonzero((pos // inter) % c == rank)
-    pre_np, kv_np = pre.numpy(), kv_lens.numpy()
+    pre_np, kv_np = as_np(pre), as_np(kv_lens)
     if replicated:  # only this rank's prefix keys (the per-rank totals serve pass-KV's cost model)
         prefix_per_rank = None
         local_pre = local_key_counts(pre_np, rank, c, inter)
