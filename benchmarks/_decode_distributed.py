@@ -7,7 +7,7 @@ step ms of the slowest rank (CUDA events, ranks started together by a barrier), 
 bytes the merge moves. Crossover: an extend of T tokens over a sharded prefix of Np keys with
 ``plan_attention(..., algorithm="pass_kv")`` and ``"pass_q"``, per-layer ``run`` timed on every
 rank (real collectives); the measured crossover prefix is compared with
-:class:`cpattn.ExtendCostModel` using the link bandwidth measured by an all-gather and the kernel
+:class:`cpattn.CostModel` using the link bandwidth measured by an all-gather and the kernel
 throughputs measured on rank 0. Rank 0 writes the JSON / PNG.
 
 CPU smoke run (gloo, tiny shapes, torch reference; bench-out/decode-cpu-smoke-dist-c2.*)::
@@ -187,8 +187,8 @@ def main(args: argparse.Namespace) -> int:
         crossover = None
         if not args.no_crossover:
             link = _link_bandwidth(device, c)
-            base = cpattn.ExtendCostModel()
-            model = cpattn.ExtendCostModel(link_bytes_per_s=link, dense_flops_per_s=base.dense_flops_per_s,
+            base = cpattn.CostModel()
+            model = cpattn.CostModel(link_bytes_per_s=link, dense_flops_per_s=base.dense_flops_per_s,
                                            shard_flops_per_s=base.shard_flops_per_s,
                                            hbm_bytes_per_s=base.hbm_bytes_per_s,
                                            collective_latency_s=base.collective_latency_s)

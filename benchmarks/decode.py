@@ -19,7 +19,7 @@ Np keys at C ranks. On one GPU the compute of each algorithm is measured (pass-K
 kernel for one rank's local queries over prefix + extend; pass-Q: the shard kernel for all T
 queries over one rank's 1/C of the keys, plus the merge of C partials) and the collectives are
 charged at ``--link-gbps`` with the cost model's byte counts; the smallest Np where pass-Q wins
-is compared with :class:`cpattn.ExtendCostModel`'s prediction, and the model constants that the
+is compared with :class:`cpattn.CostModel`'s prediction, and the model constants that the
 measured kernel times imply are printed. ``--distributed`` (``torchrun --nproc_per_node C``)
 runs both parts with real collectives (:mod:`._decode_distributed`).
 
@@ -320,7 +320,7 @@ def sweep_configs(args, device, dtype, shapes) -> list[dict]:
 
 # ----------------------------------------------------------------------------- crossover
 def crossover_case(device, dtype, time_fn, *, c: int, tokens: int, prefix: int, shape, ps: int, iters: int,
-                   model: cpattn.ExtendCostModel, backend: str) -> dict:
+                   model: cpattn.CostModel, backend: str) -> dict:
     """Measured compute of pass-KV and pass-Q for rank 0 of an extend over a sharded prefix."""
     hq, hkv, d, dv, _ = shape
     s = cpattn.ZigzagStrategy(c)
@@ -382,7 +382,7 @@ def crossover_point(rows: list[dict], kv_key: str, q_key: str) -> Optional[float
 
 
 def run_crossover(args, device, dtype, shapes) -> dict:
-    base = cpattn.ExtendCostModel()
+    base = cpattn.CostModel()
     link = args.link_gbps * 1e9 if args.link_gbps else base.link_bytes_per_s
     model = dataclasses.replace(base, link_bytes_per_s=link)
     time_fn = timer(device)

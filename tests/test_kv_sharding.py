@@ -298,11 +298,11 @@ def test_cost_model_prefers_pass_q_for_few_new_tokens_over_long_prefixes():
     long = [s.build_metadata([256], [262144], rank=r, kv=sh) for r in range(4)]
     assert {cpattn.choose_extend_algorithm(m, **kw) for m in short} == {"pass_kv"}
     assert {cpattn.choose_extend_algorithm(m, **kw) for m in long} == {"pass_q"}
-    est = cpattn.ExtendCostModel().estimate(long[0], **kw)
+    est = cpattn.CostModel().estimate(long[0], **kw)
     assert est["bytes_pass_kv"] > 10 * est["bytes_pass_q"]
     none = s.build_metadata([4096], rank=0, kv=sh)
     assert cpattn.choose_extend_algorithm(none, **kw) == "pass_kv"
     with pytest.raises(ValueError, match="link_bytes_per_s"):
-        cpattn.ExtendCostModel(link_bytes_per_s=0)
+        cpattn.CostModel(link_bytes_per_s=0)
     with pytest.raises(ValueError, match="no sharded KV cache"):
         cpattn.choose_extend_algorithm(s.build_metadata([5], rank=0), **kw)

@@ -58,7 +58,7 @@ def test_default_outputs_are_under_bench_out(family, tmp_path, monkeypatch):
         assert mla.default_out_path("cpu").endswith("mla-cpu-smoke.json")
         assert mla.default_out_path("cuda").endswith("mla.json")
         paths += [mla.default_out_path("cpu"), mla.default_out_path("cuda")]
-    if family in ("decode", "sparse"):  # resolved in main: GPU run, CPU smoke run
+    if family in ("decode", "sparse", "placement"):  # resolved in main: GPU run, CPU smoke run
         assert args.out is None
         paths += [common.default_out(family), common.default_out(family, smoke=True)]
     assert paths, f"{family}: no default output path found"
@@ -87,7 +87,7 @@ def test_runs_write_only_into_bench_out(tmp_path, monkeypatch):
 
 
 def test_cpu_smoke_runs_say_so_and_check_no_targets(tmp_path, monkeypatch, capsys):
-    """sparse and mla on the CPU: ``*-cpu-smoke`` files, ``smoke`` in the JSON, no verdicts printed."""
+    """sparse, mla and placement on the CPU: ``*-cpu-smoke`` files, ``smoke`` in the JSON, no verdicts printed."""
     pytest.importorskip("matplotlib")
     monkeypatch.setattr(common, "OUT_DIR", str(tmp_path))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -95,8 +95,13 @@ def test_cpu_smoke_runs_say_so_and_check_no_targets(tmp_path, monkeypatch, capsy
                      "--warmup", "0"]) == 0
     assert run.main(["mla", "--small", "--device", "cpu", "--tokens", "64", "--iters", "1", "--warmup", "0",
                      "--no-gather"]) == 0
+    assert run.main(["placement", "--cp", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+                     "--lengths", "64,256"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mla-cpu-smoke.json", "mla-cpu-smoke.png",
+                                                          "placement-cpu-smoke.json", "placement-cpu-smoke.png",
                                                           "sparse-cpu-smoke.json", "sparse-cpu-smoke.png"]
+    placement = json.loads((tmp_path / "placement-cpu-smoke.json").read_text())
+    assert placement["smoke"] and {r["batch"] for r in placement["rows"]} >= {"1 x 64", "1 x 256"}
     sparse = json.loads((tmp_path / "sparse-cpu-smoke.json").read_text())
     mla = json.loads((tmp_path / "mla-cpu-smoke.json").read_text())
     assert sparse["smoke"] and mla["smoke"] and "targets_tflops" not in sparse and mla["targets"] == []

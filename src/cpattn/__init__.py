@@ -32,7 +32,8 @@ from .cache import (
 from .collectives import PendingGather, PlanDisagreement, gathered_bytes_per_token
 from .kernels import KernelFamilyWarning, available_backends
 from .kv import pack_kv
-from .kv_sharding import ExtendCostModel, KVSharding, choose_extend_algorithm
+from .cost import CostModel, PlacementChoice, choose_extend_algorithm, choose_placement
+from .kv_sharding import KVSharding
 from .merge import merge_partials, merge_states
 from .metadata import Capacity, CPMetadata
 from .overlap import GatherHandle, start_gather_kv, start_gather_mla_latent
@@ -59,13 +60,14 @@ __all__ = [
     "CacheWritePlan",
     "Capacity",
     "ContiguousStrategy",
-    "ExtendCostModel",
+    "CostModel",
     "GatherHandle",
     "IndexTopkPlan",
     "InterleaveStrategy",
     "KVSharding",
     "KernelFamilyWarning",
     "PendingGather",
+    "PlacementChoice",
     "PlanDisagreement",
     "ReplicatedStrategy",
     "STRATEGIES",
@@ -73,6 +75,7 @@ __all__ = [
     "ZigzagStrategy",
     "available_backends",
     "choose_extend_algorithm",
+    "choose_placement",
     "dsa",
     "gathered_bytes_per_token",
     "get_strategy",

@@ -41,7 +41,7 @@ from . import padding
 from ._validation import as_lengths
 from ._buffers import move_packed
 
-__all__ = ["CPMetadata", "Capacity", "LengthsLike", "as_lengths", "build_metadata", "plan_fingerprint"]
+__all__ = ["CPMetadata", "Capacity", "LengthsLike", "as_lengths", "build_metadata", "plan_fingerprint", "token_owners"]
 
 LengthsLike = Union[Sequence[int], Tensor]
 
@@ -371,15 +371,9 @@ def build_metadata(
     cu_ext = _exclusive_cumsum(ext)
     cu_kv = _exclusive_cumsum(kv_lens)
     num_tokens = int(cu_ext[-1])
-
-    # Per logical token: sequence, offset in the extend part, position, owner. Token-level math
-    # runs in int32 when it fits (about twice as fast on the host as int64).
-    tok = torch.int32 if int(cu_kv[-1]) < 2**31 - 1 else torch.int64
-    seq_ids = torch.repeat_interleave(torch.arange(num_seqs, dtype=tok), ext, output_size=num_tokens)
-    offsets = torch.arange(num_tokens, dtype=tok) - cu_ext.to(tok)[seq_ids]
-    positions = pre.to(tok)[seq_ids] + offsets
+    seq_ids, positions, owner = token_owners(owner_fn, ext, pre, cu_ext, int(cu_kv[-1]))
+    tok = seq_ids.dtype
     # Local rows of every rank: its tokens in increasing logical order.
-    owner = owner_fn(seq_ids, offsets, ext.to(tok))
     per_rank = torch.bincount(owner, minlength=cp_size)
     rank_start = _exclusive_cumsum(per_rank)
     small_keys = owner.to(torch.int16 if cp_size < 2**15 else torch.int32)  # narrow keys sort ~5x faster
@@ -468,6 +462,24 @@ def build_metadata(
         max_q_len=int(ext.max()) if num_seqs else 0,
         **sharded,
     )
+
+
+def token_owners(owner_fn: OwnerFn, ext: Tensor, pre: Tensor, cu_ext: Optional[Tensor] = None,
+                 num_kv_tokens: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(sequence, position, owning rank) of every logical new token [T] (O(T), vectorized):
+    ``ext`` / ``pre`` int64 [B]; ``cu_ext`` their exclusive cumsum and ``num_kv_tokens`` the
+    batch's keys when the caller has them. Token-level math runs in int32 when the batch's keys
+    fit (about twice as fast on the host as int64)."""
+    if cu_ext is None:
+        cu_ext = _exclusive_cumsum(ext)
+    if num_kv_tokens is None:
+        num_kv_tokens = int(ext.sum() + pre.sum())
+    num_tokens = int(cu_ext[-1])
+    tok = torch.int32 if num_kv_tokens < 2**31 - 1 else torch.int64
+    seq_ids = torch.repeat_interleave(torch.arange(ext.numel(), dtype=tok), ext, output_size=num_tokens)
+    offsets = torch.arange(num_tokens, dtype=tok) - cu_ext.to(tok)[seq_ids]
+    positions = pre.to(tok)[seq_ids] + offsets
+    return seq_ids, positions, owner_fn(seq_ids, offsets, ext.to(tok))
 
 
 def _build_replicated(strategy: str, cp_size: int, rank: int, pad_multiple: int, ext: Tensor, pre: Tensor,

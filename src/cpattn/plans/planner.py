@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .._validation import check_int
 from ..kernels import select_backend
-from ..kv_sharding import ExtendCostModel, choose_extend_algorithm
+from ..cost import CostModel, choose_extend_algorithm
 from ..metadata import CPMetadata
 from ..spec import AttentionSpec
 from .base import ALGORITHMS, AttentionPlan, check_group_rank
@@ -50,7 +50,7 @@ def plan_attention(
     backend_options: Optional[Mapping] = None,
     page_table: Optional[Tensor] = None,
     num_pages: Optional[int] = None,
-    cost_model: Optional[ExtendCostModel] = None,
+    cost_model: Optional[CostModel] = None,
 ) -> AttentionPlan:
     """Plan one layer kind's attention over ``meta`` (host, once per forward; may copy once).
 
@@ -66,7 +66,7 @@ def plan_attention(
         page_table, num_pages: this rank's page table [B, max_pages] and page count, for an
             extend over a sharded cache ("pass_kv" / "pass_q": they plan its cache writes and
             prefix reads; read once here).
-        cost_model: an :class:`cpattn.ExtendCostModel` choosing pass-KV or pass-Q ("auto").
+        cost_model: a :class:`cpattn.CostModel` choosing pass-KV or pass-Q ("auto").
 
     Returns:
         an :class:`cpattn.AttentionPlan`; ``plan.algorithm``, ``plan.backend``, ``plan.family``
@@ -121,9 +121,9 @@ def _plan_sharded_extend(meta, spec, backend, algorithm, options, page_table, nu
         raise ValueError("an extend over a sharded cache (pass_kv / pass_q) needs page_table= and num_pages= "
                          "(this rank's pages)")
     check_int(num_pages, "num_pages", 1)
-    model = cost_model or ExtendCostModel()
-    if not isinstance(model, ExtendCostModel):
-        raise TypeError(f"cost_model must be an ExtendCostModel, got {type(model).__name__}")
+    model = cost_model or CostModel()
+    if not isinstance(model, CostModel):
+        raise TypeError(f"cost_model must be a cpattn.CostModel, got {type(model).__name__}")
     dims = dict(num_q_heads=spec.num_q_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                 head_dim_v=spec.head_dim_v, dtype=spec.dtype)
     estimate = model.estimate(meta, **dims)

@@ -17,7 +17,7 @@ the sharded cache write, attention):
   exact merge finishes it. Moves ``(C - 1) P (q_row + kv_row + part_row)`` bytes: proportional
   to the new tokens, not to the prefix.
 
-``algorithm="auto"`` picks the one :class:`cpattn.ExtendCostModel` estimates faster (the same
+``algorithm="auto"`` picks the one :class:`cpattn.CostModel` estimates faster (the same
 on every rank: only batch-wide numbers enter); "pass_kv" / "pass_q" force one. Both write this
 rank's share of the extend K/V into its cache (validated at plan time; nothing is written when
 planning fails) and return the local rows' output [P, Hq, Dv], pad rows 0.

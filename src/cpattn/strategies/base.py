@@ -14,13 +14,14 @@ import dataclasses
 from abc import ABC, abstractmethod
 from typing import ClassVar, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .._validation import check_bool, check_int, check_process_group, check_tensor
 from ..collectives import PendingGather, agree_on_plan, all_gather_rows, check_group
-from ..metadata import CPMetadata, LengthsLike, build_metadata
+from ..metadata import CPMetadata, LengthsLike, as_lengths, build_metadata, token_owners
 from ..plan_cache import cached_plan
 from ..plans import AttentionPlan, plan_attention
 from ..plans.base import check_qkv
@@ -49,6 +50,15 @@ def rotation_offsets(extend_lens: Tensor, num_blocks: int, cp_size: int) -> Tens
     the next sequence's remainder rows start on the rank after the previous one's."""
     rem = (extend_lens % num_blocks).long()
     return ((torch.cumsum(rem, 0) - rem) % cp_size).to(extend_lens.dtype)
+
+
+def _keys_seen(n: np.ndarray, cap: Optional[int]) -> np.ndarray:
+    """``sum_{x=1..n} min(x, cap)`` per entry (float64): the (query, key) pairs of queries at
+    positions ``0 .. n - 1``."""
+    n = n.astype(np.float64)
+    if cap is None:
+        return n * (n + 1) / 2
+    return np.where(n <= cap, n * (n + 1) / 2, cap * (cap + 1) / 2 + (n - cap) * cap)
 
 
 def _check_same(tensors: dict[str, Tensor], what: str) -> None:
@@ -98,6 +108,34 @@ class CPStrategy(ABC):
         return max_seqs
 
     # ------------------------------------------------------------------ plan (host, per forward)
+    def rank_loads(self, extend_lens: LengthsLike, prefix_lens: Optional[LengthsLike] = None, *,
+                   keys_cap: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
+        """What each rank would compute for a batch, without planning it (host; O(B) for the
+        replicated placement, O(T) otherwise).
+
+        Returns ``(rows, pairs)``: int64 [C] new tokens each rank computes (before padding) and
+        float64 [C] (query, key) pairs they attend: a query at position ``p`` sees
+        ``min(p + 1, keys_cap)`` keys (``keys_cap``: None, or the window / top-k bound).
+        :func:`cpattn.choose_placement` prices placements with it.
+        """
+        ext = as_lengths(extend_lens, "extend_lens")
+        pre = torch.zeros_like(ext) if prefix_lens is None else as_lengths(prefix_lens, "prefix_lens")
+        if pre.numel() != ext.numel():
+            raise ValueError(f"extend_lens and prefix_lens must have the same size, got {ext.numel()} and "
+                             f"{pre.numel()}")
+        cap = None if keys_cap is None else check_int(keys_cap, "keys_cap", 1)
+        c = self.cp_size
+        if self.replicated:
+            e, p = ext.numpy(), pre.numpy()
+            pairs = float((_keys_seen(p + e, cap) - _keys_seen(p, cap)).sum())
+            return np.full(c, int(e.sum()), dtype=np.int64), np.full(c, pairs)
+        _, positions, owner = token_owners(self._token_owner, ext, pre)
+        seen = (positions.long() + 1).double()
+        if cap is not None:
+            seen = seen.clamp(max=cap)
+        rows = torch.bincount(owner, minlength=c).numpy().astype(np.int64)
+        return rows, torch.bincount(owner, weights=seen, minlength=c).numpy()
+
     def build_metadata(
         self,
         extend_lens: LengthsLike,
