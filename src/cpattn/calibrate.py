@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import statistics
 import sys
 import time
@@ -186,7 +187,6 @@ def main(argv=None) -> int:
         return 2
     else:
         device = torch.device("cuda", torch.cuda.current_device())
-    import os
 
     group = None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
