@@ -339,10 +339,16 @@ def _resolve(writes, name: str, rows: int, rows_of: str, num_slots: int, cache_n
     return CacheWritePlan(index, None, rows, rows, num_slots, None, name)
 
 
-def _scatter(cache: Tensor, page_size: Optional[int], plan: CacheWritePlan, src: Tensor) -> None:
-    """Rows ``plan.rows`` of ``src`` into ``cache`` at ``plan.slots`` (device-only, any strides)."""
+def _scatter(cache: Tensor, page_size: Optional[int], plan: CacheWritePlan, src: Tensor,
+             scale: Optional[Tensor] = None) -> None:
+    """Rows ``plan.rows`` of ``src`` into ``cache`` at ``plan.slots`` (device-only, any strides);
+    with ``scale``, quantized to the FP8 cache's dtype first (only the rows written)."""
     if plan.rows is not None:
         src = src.index_select(0, plan.rows)
+    if scale is not None:
+        from .quant import quantize_fp8
+
+        src = quantize_fp8(src, scale, cache.dtype)
     if cache.element_size() == 1 and cache.dtype != torch.uint8:  # fp8: copied as bytes, bit for bit
         cache, src = cache.view(torch.uint8), src.view(torch.uint8)
     if page_size is None:
@@ -351,32 +357,58 @@ def _scatter(cache: Tensor, page_size: Optional[int], plan: CacheWritePlan, src:
         cache.index_put_((plan.slots // page_size, plan.slots % page_size), src)
 
 
-def _kv_pools(k, v, pools) -> list:
-    """Check every (k_cache, v_cache, writes) pool of a K/V write -> the writes to run."""
+def _store_dtype(k: Tensor, v: Tensor, pools, k_scale, v_scale) -> Optional[torch.dtype]:
+    """The FP8 dtype the rows are quantized to (None: written as they are), after the scale
+    checks: scales go with an FP8 cache (of every pool) and rows in a wider float dtype."""
+    if k_scale is None and v_scale is None:
+        return None
+    from .quant import check_kv_scale
+
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if sc is None:
+            raise ValueError("k_scale and v_scale must be given together (an FP8 cache has both)")
+        check_kv_scale(sc, name, k.shape[1], k.device)
+    dtype = pools[0][1].dtype if isinstance(pools[0][1], Tensor) else None
+    if dtype != torch.float8_e4m3fn:
+        raise ValueError(f"k_scale / v_scale quantize rows into a float8_e4m3fn cache; k_cache is "
+                         f"{dtype if dtype is not None else type(pools[0][1]).__name__}")
+    for name, t in (("k", k), ("v", v)):
+        if not t.dtype.is_floating_point or t.element_size() == 1:
+            raise TypeError(f"{name} must be the unquantized rows (a 16/32-bit float dtype) when scales are given, "
+                            f"got {t.dtype}")
+    return dtype
+
+
+def _kv_pools(k, v, pools, k_scale=None, v_scale=None) -> list:
+    """Check every (k_cache, v_cache, writes) pool of a K/V write -> the writes to run: (cache,
+    page size, plan, source rows, scale or None: quantized into an FP8 cache)."""
     for name, t in (("k", k), ("v", v)):
         check_tensor(t, name)
         if t.dim() != 3:
             raise ValueError(f"{name} must be [rows, Hkv, dim], got shape {tuple(t.shape)}")
     if k.shape[:2] != v.shape[:2]:
         raise ValueError(f"k shape {tuple(k.shape)} and v shape {tuple(v.shape)} differ before the last dim")
+    store = _store_dtype(k, v, pools, k_scale, v_scale)
+    k_dtype, v_dtype = (k.dtype, v.dtype) if store is None else (store, store)
     todo = []
     for prefix, kc, vc, plan in pools:
-        ps_k, n_k = _cache_layout(kc, f"{prefix}k_cache", tuple(k.shape[1:]), k.dtype, k.device)
-        ps_v, n_v = _cache_layout(vc, f"{prefix}v_cache", tuple(v.shape[1:]), v.dtype, v.device)
+        ps_k, n_k = _cache_layout(kc, f"{prefix}k_cache", tuple(k.shape[1:]), k_dtype, k.device)
+        ps_v, n_v = _cache_layout(vc, f"{prefix}v_cache", tuple(v.shape[1:]), v_dtype, v.device)
         if n_k != n_v:
             raise ValueError(f"{prefix}v_cache {list(vc.shape)} and {prefix}k_cache {list(kc.shape)} differ in "
                              f"pages / slots ({n_v} vs {n_k} slots)")
         plan = _resolve(plan, f"{prefix}slots", k.shape[0], "k", n_k, f"{prefix}k_cache", kc.device)
-        todo += [(kc, ps_k, plan, k), (vc, ps_v, plan, v)]
+        todo += [(kc, ps_k, plan, k, k_scale), (vc, ps_v, plan, v, v_scale)]
     return todo
 
 
-def check_kv_writes(writes, k_cache: Tensor, v_cache: Tensor, rows: int, k: Tensor, v: Tensor) -> None:
+def check_kv_writes(writes, k_cache: Tensor, v_cache: Tensor, rows: int, k: Tensor, v: Tensor, *,
+                    k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None) -> None:
     """The checks of :func:`write_kv_cache` for ``rows`` source rows shaped like ``k`` / ``v``
     (plans call it before their collective, so a bad cache raises on every rank first)."""
     like_k = k.new_empty((rows, *k.shape[1:])) if k.shape[0] != rows else k
     like_v = v.new_empty((rows, *v.shape[1:])) if v.shape[0] != rows else v
-    _kv_pools(like_k, like_v, [("", k_cache, v_cache, writes)])
+    _kv_pools(like_k, like_v, [("", k_cache, v_cache, writes)], k_scale, v_scale)
 
 
 def write_kv_cache(
@@ -389,6 +421,8 @@ def write_kv_cache(
     swa_writes: Optional[Union[CacheWritePlan, Tensor]] = None,
     swa_k_cache: Optional[Tensor] = None,
     swa_v_cache: Optional[Tensor] = None,
+    k_scale: Optional[Tensor] = None,
+    v_scale: Optional[Tensor] = None,
 ) -> None:
     """Write this forward's new K/V into this rank's K/V caches (in place, all or nothing).
 
@@ -402,6 +436,11 @@ def write_kv_cache(
             raw int32/int64 slot tensor with exactly one slot per row (validated here: one sync).
         swa_writes, swa_k_cache, swa_v_cache: a separate sliding-window pool (all three or none),
             with its own plan; the same rows are written there too.
+        k_scale, v_scale: FP8 caches (float8_e4m3fn, every pool) from rows in a 16/32-bit float
+            dtype: float32 ``[]`` (per tensor) or ``[Hkv]`` (per KV head) device tensors; the
+            written rows are quantized here, on the rank that writes (:func:`cpattn.quant.quantize_fp8`:
+            round to nearest, saturate to +-448, NaN / inf -> NaN). Without them, rows are copied
+            in their own dtype (FP8 rows already quantized included, bit for bit).
 
     Device-only with a plan (graph-safe with a static one). On a ValueError / TypeError no cache
     changes.
@@ -412,10 +451,10 @@ def write_kv_cache(
     pools = [("", k_cache, v_cache, writes)]
     if swa_writes is not None:
         pools.append(("swa_", swa_k_cache, swa_v_cache, swa_writes))
-    todo = _kv_pools(k, v, pools)  # every pool checked before any is written
-    for cache, ps, plan, src in todo:
+    todo = _kv_pools(k, v, pools, k_scale, v_scale)  # every pool checked before any is written
+    for cache, ps, plan, src, scale in todo:
         if plan.slots.numel():
-            _scatter(cache, ps, plan, src)
+            _scatter(cache, ps, plan, src, scale)
 
 
 def _as_bytes(x: Tensor) -> Tensor:

@@ -2,7 +2,8 @@
 
 One spec type for every algorithm and kernel family: dense or sparse (``topk``), packed or
 paged K/V (``page_size``), sliding window, attention sinks, GQA / MQA / absorbed MLA (by heads and
-head dims). Validated once, at construction (TypeError / ValueError naming the argument).
+head dims), the K/V cache dtype (``kv_dtype``: FP8 e4m3 caches with per-tensor or per-KV-head scales).
+Validated once, at construction (TypeError / ValueError naming the argument).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ __all__ = ["AttentionSpec", "window_left"]
 
 #: Largest page the kernels take (tokens per page).
 MAX_PAGE_SIZE = 256
+
+#: Quantized K/V cache dtypes a spec's ``kv_dtype`` may name (besides the query dtype itself).
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 
 
 def window_left(window_size) -> int:
@@ -54,6 +58,11 @@ class AttentionSpec:
             softmax denominator).
         topk: sparse (DSA) attention: columns of the per-row key-position index each row
             attends (None: dense attention). Sparse attention takes no window.
+        kv_dtype: dtype of the K/V caches the kernels read: None (the default) or ``dtype``: the
+            same as q; ``torch.float8_e4m3fn``: an FP8 cache holding ``x / scale`` rounded to
+            nearest and saturated to +-448, read with float32 scales (per tensor ``[]`` or per KV
+            head ``[Hkv]``, one for K and one for V) passed per call as device tensors
+            (``plan.run(..., k_scale=, v_scale=)``, :mod:`cpattn.quant`).
 
     Example::
 
@@ -70,6 +79,7 @@ class AttentionSpec:
     page_size: Optional[int] = None
     has_sinks: bool = False
     topk: Optional[int] = None
+    kv_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:
         hq = check_int(self.num_q_heads, "num_q_heads", 1)
@@ -92,6 +102,15 @@ class AttentionSpec:
             if left != -1:
                 raise ValueError(f"sparse attention (topk={self.topk}) takes no window, got window_size="
                                  f"{tuple(self.window_size)}")
+        kv_dtype = self.dtype if self.kv_dtype is None else self.kv_dtype
+        if not isinstance(kv_dtype, torch.dtype):
+            raise TypeError(f"kv_dtype must be a torch.dtype or None, got {type(kv_dtype).__name__}")
+        if kv_dtype != self.dtype and kv_dtype not in FP8_KV_DTYPES:
+            raise ValueError(f"kv_dtype must be None, dtype ({self.dtype}) or one of {list(FP8_KV_DTYPES)}, got "
+                             f"{kv_dtype}")
+        if kv_dtype in FP8_KV_DTYPES and self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"an FP8 kv_dtype needs dtype bfloat16, float16 or float32, got {self.dtype}")
+        object.__setattr__(self, "kv_dtype", kv_dtype)
         object.__setattr__(self, "head_dim_v", dv)
         object.__setattr__(self, "window_size", (left, 0))
 
@@ -111,6 +130,11 @@ class AttentionSpec:
     @property
     def sparse(self) -> bool:
         return self.topk is not None
+
+    @property
+    def kv_quantized(self) -> bool:
+        """The K/V caches hold FP8 values read with scales (``kv_dtype`` is an FP8 dtype)."""
+        return self.kv_dtype in FP8_KV_DTYPES
 
     @property
     def group_size(self) -> int:

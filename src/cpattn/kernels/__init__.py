@@ -278,6 +278,8 @@ def triton_unsupported_reason(spec: "AttentionSpec", device, kernel_module: str)
     reason = triton_device_reason(device, kernel_module)
     if reason is not None:
         return reason
+    if spec.kv_quantized:
+        return f"FP8 K/V caches (kv_dtype={spec.kv_dtype}) are read by the torch reference only"
     from .triton_attn import shape_unsupported_reason
 
     reason = shape_unsupported_reason(spec.head_dim, spec.head_dim_v, spec.dtype)

@@ -176,6 +176,8 @@ class TritonSparseBackend:
         reason = _device_reason(meta, _SPARSE_MODULE)
         if reason is not None:
             return reason
+        if spec.kv_quantized:
+            return f"the sparse kernels do not read FP8 K/V caches (kv_dtype={spec.kv_dtype}) yet"
         if spec.dtype not in (*_HALF, torch.float32):
             return f"dtype {spec.dtype} not supported (bf16, fp16; fp32 under the interpreter)"
         if spec.dtype == torch.float32 and meta.device.type == "cuda":

@@ -6,6 +6,9 @@ optimized backends are compared with and the fallback on machines without Triton
 the one backend whose per-layer call loops over segments on the host (from the plan's host copy;
 no device sync), and so the one that a CUDA graph cannot replay for another batch.
 
+FP8 caches (``spec.kv_dtype``): the rows a segment reads are dequantized (``x * scale``, float32,
+:func:`cpattn.quant.dequantize_fp8`) before the same math.
+
 NaN semantics: a NaN in q, in a visible key or value, or in a sink reaches exactly the rows that
 see it (their out and lse are NaN); masked keys never contribute, not even as 0 * NaN. Rows that
 see no key (pad rows) are 0 / -inf.
@@ -21,6 +24,7 @@ from torch import Tensor
 from . import AttentionSpec, IndexTopkSpec
 from ._dsa_rows import device_rows
 from ..metadata import CPMetadata
+from ..quant import dequantize_fp8
 
 _ROW_CHUNK = 512  # query rows per score matrix (bounds memory to chunk * keys * Hq floats)
 
@@ -41,6 +45,13 @@ def _keys_of(k: Tensor, v: Tensor, page_table: Optional[Tensor], kv_start: int, 
     # index (page, slot) of the un-flattened caches: only these rows are read, whatever the caches'
     # strides (k.flatten(0, 1) would copy a whole strided pool, e.g. FlashInfer's buf[:, 0])
     return k[pages, slot], v[pages, slot]
+
+
+def _dequantized(keys: Tensor, values: Tensor, k_scale: Optional[Tensor], v_scale: Optional[Tensor], work):
+    """FP8 rows times their scales in ``work`` (rows in the query dtype: unchanged)."""
+    if k_scale is None:
+        return keys, values
+    return dequantize_fp8(keys, k_scale, work), dequantize_fp8(values, v_scale, work)
 
 
 def segment_attention(
@@ -92,8 +103,9 @@ class _TorchRun:
         #: the lse dtype the plan hands out: float64 math for float64 inputs keeps a float64 lse
         self.lse_dtype = torch.float64 if spec.dtype == torch.float64 else torch.float32
 
-    def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse) -> None:
+    def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse, k_scale=None, v_scale=None) -> None:
         n = self.num_local
+        work = torch.float64 if q.dtype == torch.float64 else torch.float32
         out[n:].zero_()
         if lse is not None:
             lse[n:].fill_(float("-inf"))
@@ -104,6 +116,7 @@ class _TorchRun:
                 first, last = pos0 + c0 * stride, pos0 + (c1 - 1) * stride
                 lo = max(0, first - w) if w >= 0 else 0
                 keys, values = _keys_of(k, v, page_table, self.cu_kv[seq], seq, lo, last + 1)
+                keys, values = _dequantized(keys, values, k_scale, v_scale, work)
                 pos = torch.arange(first, last + 1, stride, device=q.device)
                 key_pos = torch.arange(lo, last + 1, device=q.device)
                 o, l = segment_attention(q[row0 + c0 : row0 + c1], pos, keys, values, key_pos, softmax_scale, w, sinks)
@@ -150,7 +163,8 @@ class _TorchShardRun:
         self.sinks_used = spec.has_sinks and dmeta.rank == 0
         self.family = "torch"
 
-    def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse) -> None:
+    def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse, k_scale=None, v_scale=None) -> None:
+        work = torch.float64 if q.dtype == torch.float64 else torch.float32
         out[self.num_rows :].zero_()
         lse[self.num_rows :].fill_(float("-inf"))
         sinks = sinks if self.sinks_used else None
@@ -159,6 +173,7 @@ class _TorchShardRun:
                 continue
             n_local = self.local[b]
             keys, values = _keys_of(k, v, page_table, self.cu_local[b], b, 0, n_local)
+            keys, values = _dequantized(keys, values, k_scale, v_scale, work)
             key_pos = self.sharding.global_position(torch.arange(n_local, device=q.device), self.rank)
             pos = torch.arange(sl - ql, sl, device=q.device)
             r0 = self.cu_q[b]
@@ -217,7 +232,7 @@ class _TorchSparseRun:
         self.num_rows = meta.num_physical_tokens
         self.lse_dtype = torch.float64 if spec.dtype == torch.float64 else torch.float32  # as _TorchRun
 
-    def __call__(self, q, k, v, idx, page_table, sinks, softmax_scale, out, lse) -> None:
+    def __call__(self, q, k, v, idx, page_table, sinks, softmax_scale, out, lse, k_scale=None, v_scale=None) -> None:
         spec = self.spec
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
         hq, hkv, g = spec.num_q_heads, spec.num_kv_heads, spec.group_size
@@ -241,7 +256,8 @@ class _TorchSparseRun:
             scores = torch.empty(r1 - r0, hkv, g, topk, dtype=work, device=q.device)
             for c0 in range(0, topk, key_chunk):
                 c1 = min(topk, c0 + key_chunk)
-                keys = take(k, flat[:, c0:c1]).to(work)  # [r, kc, Hkv, D]
+                keys = take(k, flat[:, c0:c1])  # [r, kc, Hkv, D]
+                keys = keys.to(work) if k_scale is None else dequantize_fp8(keys, k_scale, work)
                 scores[..., c0:c1] = torch.einsum("rhgd,rkhd->rhgk", qr, keys) * softmax_scale
             scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
             if sinks is not None:
@@ -254,7 +270,8 @@ class _TorchSparseRun:
             acc = torch.zeros(r1 - r0, hkv, g, spec.head_dim_v, dtype=work, device=q.device)
             for c0 in range(0, topk, key_chunk):
                 c1 = min(topk, c0 + key_chunk)
-                vals = take(v, flat[:, c0:c1]).to(work)  # [r, kc, Hkv, Dv]
+                vals = take(v, flat[:, c0:c1])  # [r, kc, Hkv, Dv]
+                vals = vals.to(work) if v_scale is None else dequantize_fp8(vals, v_scale, work)
                 vals = vals.masked_fill(~valid[:, c0:c1, None, None], 0.0)  # masked keys: not even 0 * NaN
                 acc += torch.einsum("rhgk,rkhd->rhgd", probs[..., c0:c1], vals)
             pad = (pos < 0)[:, None]

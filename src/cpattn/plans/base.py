@@ -150,9 +150,9 @@ class AttentionPlan:
         self._v_tail = ((spec.page_size,) if spec.paged else ()) + (hkv, dv)
         self._kv_rows_exact = None if spec.paged else kv_rows_exact
         self._kv_rows_min = 0 if spec.paged else kv_rows_min
-        size, dtype = torch.Size, spec.dtype
+        size, dtype, kv_dtype = torch.Size, spec.dtype, spec.kv_dtype
         # what a valid call's q shape, k / v shapes past dim 0, dtypes and devices compare equal to
-        self._expect = (size(self._q_shape), size(self._k_tail), size(self._v_tail), dtype, dtype, dtype, device,
+        self._expect = (size(self._q_shape), size(self._k_tail), size(self._v_tail), dtype, kv_dtype, kv_dtype, device,
                         device, device)
         self._pt_expect = (meta.num_seq_rows, device)
         self._max_keys = max_keys
@@ -216,8 +216,9 @@ class AttentionPlan:
         spec, device = self.spec, self._device
         for name, t in (("k", k), ("v", v)):
             check_tensor(t, name)
-            if t.dtype != spec.dtype:
-                raise TypeError(f"{name} dtype {t.dtype} != the plan's dtype {spec.dtype}")
+            if t.dtype != spec.kv_dtype:
+                what = "kv_dtype" if spec.kv_quantized else "dtype"
+                raise TypeError(f"{name} dtype {t.dtype} != the plan's {what} {spec.kv_dtype}")
             if t.device != device:
                 raise ValueError(f"{name} is on {t.device} but the plan is on {device} (use meta.to(device))")
         k_tail, v_tail = self._k_tail, self._v_tail
@@ -250,6 +251,38 @@ class AttentionPlan:
         if page_table.shape[1] * ps < self._max_keys:
             raise ValueError(f"page_table holds {page_table.shape[1]} pages of {ps} = {page_table.shape[1] * ps} "
                              f"keys, fewer than {self._keys_what} ({self._max_keys})")
+
+    def _check_scales(self, k_scale, v_scale) -> Optional[tuple[Tensor, Tensor]]:
+        """The K/V scales of a call: None for a cache in the query dtype (both must be None), the
+        checked (k_scale, v_scale) pair for an FP8 cache (float32 ``[]`` or ``[Hkv]`` on the
+        plan's device; device tensors, read by the kernels: graph-safe)."""
+        if not self.spec.kv_quantized:
+            if k_scale is not None or v_scale is not None:
+                raise ValueError(f"k_scale / v_scale are for an FP8 cache (AttentionSpec(kv_dtype=)); this plan's "
+                                 f"kv_dtype is {self.spec.kv_dtype}")
+            return None
+        if type(k_scale) is not Tensor or type(v_scale) is not Tensor or k_scale.dtype != torch.float32 \
+                or v_scale.dtype != torch.float32 or k_scale.device != self._device or v_scale.device != self._device \
+                or k_scale.shape not in self._scale_shapes or v_scale.shape not in self._scale_shapes:
+            from ..quant import check_kv_scale
+
+            for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+                if sc is None:
+                    raise ValueError(f"the plan's kv_dtype is {self.spec.kv_dtype}: pass {name}= (float32 [] or "
+                                     f"[Hkv={self.spec.num_kv_heads}])")
+                check_kv_scale(sc, name, self.spec.num_kv_heads, self._device)
+        return k_scale, v_scale
+
+    @property
+    def _scale_shapes(self) -> tuple:
+        return (torch.Size(()), torch.Size((self.spec.num_kv_heads,)))
+
+    def _launch(self, *args, scales: Optional[tuple[Tensor, Tensor]]) -> None:
+        """The backend's call, with ``k_scale`` / ``v_scale`` for an FP8 cache."""
+        if scales is None:
+            self._impl(*args)
+        else:
+            self._impl(*args, k_scale=scales[0], v_scale=scales[1])
 
     def _softmax_scale(self, softmax_scale) -> float:
         if softmax_scale is None:
@@ -286,16 +319,18 @@ class AttentionPlan:
             k, v = cache
             n = len(self._k_tail) + 1
             if k.dim() != n or tuple(k.shape[1:]) != self._k_tail or v.dim() != n \
-                    or tuple(v.shape[1:]) != self._v_tail or v.shape[0] != k.shape[0] or k.dtype != self.spec.dtype \
-                    or v.dtype != self.spec.dtype or k.device != self._device or v.device != self._device:
+                    or tuple(v.shape[1:]) != self._v_tail or v.shape[0] != k.shape[0] or k.dtype != self.spec.kv_dtype \
+                    or v.dtype != self.spec.kv_dtype or k.device != self._device or v.device != self._device:
                 self._check_kv(k, v)
         self._check_table_and_sinks(page_table, sinks)
 
     def _gather_and_write(self, q: Tensor, k_local: Tensor, v_local: Tensor, cache, writes, group,
-                          page_table, sinks) -> tuple[Tensor, Tensor]:
+                          page_table, sinks, scales=None) -> tuple[Tensor, Tensor]:
         """``run``'s steps before the kernel over a replicated cache: checks (before any
         collective or write), ONE all-gather of the new K/V (none for "local"), the cache write
-        (paged) or the packing after the cached prefix (packed) -> the K/V ``attend`` reads."""
+        (paged) or the packing after the cached prefix (packed) -> the K/V ``attend`` reads.
+        ``scales`` (an FP8 cache, checked): the new rows are quantized on this rank first, so the
+        all-gather moves FP8 bytes."""
         from ..cache import check_kv_writes, write_kv_cache
         from ..collectives import all_gather_rows, check_group
         from ..kv import pack_kv
@@ -307,15 +342,26 @@ class AttentionPlan:
             if writes is None:
                 raise ValueError("writes= is required with a paged cache (cpattn.plan_cache_writes); engines that "
                                  "write the cache themselves call plan.attend")
-            check_kv_writes(writes, k_cache, v_cache, meta.num_token_rows, k_local, v_local)
+            like_k, like_v = ((k_local, v_local) if scales is None else
+                              (k_local.new_empty(k_local.shape, dtype=self.spec.kv_dtype),
+                               v_local.new_empty(v_local.shape, dtype=self.spec.kv_dtype)))
+            check_kv_writes(writes, k_cache, v_cache, meta.num_token_rows, like_k, like_v)
             self._check_before_write(page_table, sinks, (k_cache, v_cache))
         else:
             if writes is not None:
                 raise ValueError("writes= is for a paged cache; a packed plan reads the prefix from cache=")
             k_pre, v_pre = (None, None) if cache is None else self._cache_pair(cache, "the packed prefix K/V")
+            if k_pre is not None and (k_pre.dtype != self.spec.kv_dtype or v_pre.dtype != self.spec.kv_dtype):
+                raise TypeError(f"the packed prefix K/V must be {self.spec.kv_dtype} (the plan's kv_dtype), got "
+                                f"{k_pre.dtype} / {v_pre.dtype}")
             self._check_before_write(page_table, sinks)
         if self.algorithm != "local":
             check_group(meta, group)
+        if scales is not None:  # quantized where computed: the gather moves FP8 bytes
+            from ..quant import quantize_fp8
+
+            k_local = quantize_fp8(k_local, scales[0], self.spec.kv_dtype)
+            v_local = quantize_fp8(v_local, scales[1], self.spec.kv_dtype)
         k_ext, v_ext = all_gather_rows([k_local, v_local], meta, group)  # ONE all-gather ("local": none)
         if self.spec.paged:
             write_kv_cache(k_ext, v_ext, k_cache, v_cache, writes)

@@ -56,6 +56,8 @@ class ReplicatedKVPlan(AttentionPlan):
         out: Optional[Tensor] = None,
         lse: Optional[Tensor] = None,
         return_lse: bool = False,
+        k_scale: Optional[Tensor] = None,
+        v_scale: Optional[Tensor] = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """The kernel alone: local queries over K/V every key of which is given (device-only).
 
@@ -75,6 +77,9 @@ class ReplicatedKVPlan(AttentionPlan):
             out: [P, Hq, Dv] buffer (q's dtype, contiguous last dim); lse: [P, Hq] float32.
             return_lse: also return lse (natural log, float32, sinks counted; a sparse row with
                 no valid key has lse = its sink, or -inf without sinks).
+            k_scale, v_scale: an FP8 spec (``kv_dtype``) only, required there: float32 ``[]``
+                (per tensor) or ``[Hkv]`` (per KV head) device tensors; K/V hold ``x / scale``
+                (:mod:`cpattn.quant`).
 
         Returns:
             out [P, Hq, Dv] (pad rows, and sparse rows with no valid key, exactly 0), or
@@ -82,12 +87,13 @@ class ReplicatedKVPlan(AttentionPlan):
         """
         self._check_call(q_local, k, v, page_table, sinks)
         self._check_idx(idx)
+        scales = self._check_scales(k_scale, v_scale)
         out, lse = self._result(out, lse, return_lse)
         scale = self._softmax_scale(softmax_scale)
         if self._idx_shape is None:
-            self._impl(q_local, k, v, page_table, sinks, scale, out, lse)
+            self._launch(q_local, k, v, page_table, sinks, scale, out, lse, scales=scales)
         else:
-            self._impl(q_local, k, v, idx, page_table, sinks, scale, out, lse)
+            self._launch(q_local, k, v, idx, page_table, sinks, scale, out, lse, scales=scales)
         return (out, lse) if return_lse else out
 
     def run(
@@ -106,6 +112,8 @@ class ReplicatedKVPlan(AttentionPlan):
         out: Optional[Tensor] = None,
         lse: Optional[Tensor] = None,
         return_lse: bool = False,
+        k_scale: Optional[Tensor] = None,
+        v_scale: Optional[Tensor] = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """One layer: gather the new K/V (one collective; none for "local"), write them, attend.
 
@@ -123,15 +131,20 @@ class ReplicatedKVPlan(AttentionPlan):
             writes: paged spec: :func:`cpattn.plan_cache_writes` of this forward (required).
             group: the CP group (None: the default group; unused by "local").
             page_table, sinks, softmax_scale, out, lse, return_lse: as :meth:`attend`.
+            k_scale, v_scale: an FP8 spec: the scales of the caches (as :meth:`attend`); the new
+                K/V (in the plan's dtype) are quantized on this rank before the all-gather, which
+                then moves FP8 bytes; a packed plan's cached prefix is FP8 too.
 
         Every check runs before the collective and the write (ValueError / TypeError naming the
         argument; the caches are unchanged when one fails).
         """
         self._check_idx(idx)
+        scales = self._check_scales(k_scale, v_scale)
         out, lse = self._result(out, lse, return_lse)  # checked (and allocated) before the collective and write
-        k_all, v_all = self._gather_and_write(q_local, k_local, v_local, cache, writes, group, page_table, sinks)
+        k_all, v_all = self._gather_and_write(q_local, k_local, v_local, cache, writes, group, page_table, sinks,
+                                              scales)
         return self.attend(q_local, k_all, v_all, idx, page_table=page_table, sinks=sinks, softmax_scale=softmax_scale,
-                           out=out, lse=lse, return_lse=return_lse)
+                           out=out, lse=lse, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
 
     def _check_idx(self, idx) -> None:
         if self._idx_shape is None:

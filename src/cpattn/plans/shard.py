@@ -51,6 +51,8 @@ class ShardMergePlan(AttentionPlan):
         softmax_scale: Optional[float] = None,
         out: Optional[Tensor] = None,
         lse: Optional[Tensor] = None,
+        k_scale: Optional[Tensor] = None,
+        v_scale: Optional[Tensor] = None,
     ) -> tuple[Tensor, Tensor]:
         """The kernel alone: this rank's partial attention over its key shard (device-only).
 
@@ -66,14 +68,18 @@ class ShardMergePlan(AttentionPlan):
             sinks: [Hq] float when the spec has sinks (joins rank 0's partial only).
             softmax_scale: default D ** -0.5.
             out, lse: optional [Nq, Hq, Dv] (q's dtype) / [Nq, Hq] float32 buffers.
+            k_scale, v_scale: an FP8 spec (``kv_dtype``) only, required there: float32 ``[]`` or
+                ``[Hkv]`` device tensors (:mod:`cpattn.quant`).
 
         Returns:
             (out_part [Nq, Hq, Dv] in q's dtype, lse_part [Nq, Hq] float32, natural log; rows
             with no visible key on this rank 0 / -inf; pad rows 0 / -inf).
         """
         self._check_call(q, k_cache, v_cache, page_table, sinks)
+        scales = self._check_scales(k_scale, v_scale)
         out, lse = self._result(out, lse, True)
-        self._impl(q, k_cache, v_cache, page_table, sinks, self._softmax_scale(softmax_scale), out, lse)
+        self._launch(q, k_cache, v_cache, page_table, sinks, self._softmax_scale(softmax_scale), out, lse,
+                     scales=scales)
         return out, lse
 
     def run(
@@ -90,6 +96,8 @@ class ShardMergePlan(AttentionPlan):
         softmax_scale: Optional[float] = None,
         scatter_heads: bool = False,
         return_lse: bool = False,
+        k_scale: Optional[Tensor] = None,
+        v_scale: Optional[Tensor] = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """One layer: write this rank's share of the new K/V, attend the shard, merge (ONE collective).
 
@@ -102,19 +110,23 @@ class ShardMergePlan(AttentionPlan):
             group: the CP group (None: the default group).
             page_table, sinks, softmax_scale: as :meth:`attend`.
             scatter_heads, return_lse: as :func:`cpattn.merge_partials`.
+            k_scale, v_scale: an FP8 spec: the caches' scales (as :meth:`attend`); the rows this
+                rank stores are quantized as they are written.
 
         Returns:
             out [Nq, Hq, Dv] (or this rank's heads with scatter_heads), or (out, lse).
         """
         meta = self.meta
         self._check_new_rows(q, k, v, meta.num_physical_tokens)
+        scales = self._check_scales(k_scale, v_scale)
         k_cache, v_cache = self._cache_pair(cache, "this rank's caches")
         if writes is not None:
-            check_kv_writes(writes, k_cache, v_cache, meta.num_physical_tokens, k, v)
+            check_kv_writes(writes, k_cache, v_cache, meta.num_physical_tokens, k, v, k_scale=k_scale,
+                            v_scale=v_scale)
         self._check_before_write(page_table, sinks, (k_cache, v_cache))
         check_group(meta, group)  # local checks, before any write or collective
         if writes is not None:
-            write_kv_cache(k, v, k_cache, v_cache, writes)
+            write_kv_cache(k, v, k_cache, v_cache, writes, k_scale=k_scale, v_scale=v_scale)
         out_p, lse_p = self.attend(q, k_cache, v_cache, page_table=page_table, sinks=sinks,
-                                   softmax_scale=softmax_scale)
+                                   softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
         return merge_partials(out_p, lse_p, group, scatter_heads=scatter_heads, meta=meta, return_lse=return_lse)

@@ -36,6 +36,7 @@ from ..cache import write_kv_cache
 from ..collectives import all_gather_rows, check_group, pack_rows, row_layout, unpack_rows
 from ..merge import merge_states
 from ..metadata import CPMetadata, build_metadata
+from ..quant import quantize_fp8
 from .base import AttentionPlan, check_sinks
 
 __all__ = ["ShardedExtendPlan", "build_sharded_extend", "replicated_view"]
@@ -76,6 +77,8 @@ class ShardedExtendPlan(AttentionPlan):
         sinks: Optional[Tensor] = None,
         softmax_scale: Optional[float] = None,
         return_lse: bool = False,
+        k_scale: Optional[Tensor] = None,
+        v_scale: Optional[Tensor] = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """One layer: collectives, this rank's cache write, attention (device-only).
 
@@ -90,12 +93,16 @@ class ShardedExtendPlan(AttentionPlan):
             group: the CP group (None: default group; no collective at C = 1).
             sinks: [Hq] float when the spec has sinks. softmax_scale: default D ** -0.5.
             return_lse: also return lse [P, Hq] float32.
+            k_scale, v_scale: an FP8 spec (``kv_dtype``): float32 ``[]`` or ``[Hkv]`` device
+                tensors. The new K/V are quantized on this rank before the collective, which
+                moves FP8 bytes (pass-KV: the prefix rows too, as cached).
 
         Returns:
             out [P, Hq, Dv] in q's dtype (pad rows 0), with return_lse (out, lse).
         """
         meta, spec = self.meta, self.spec
         self._check_new_rows(q_local, k_local, v_local, meta.num_physical_tokens)
+        scales = self._check_scales(k_scale, v_scale)
         if writes is not None and writes is not self.writes:
             raise ValueError("writes= of a pass-KV / pass-Q plan are planned from its page table at plan time; "
                              "pass None")
@@ -105,20 +112,27 @@ class ShardedExtendPlan(AttentionPlan):
                     t.shape[0] * spec.page_size != self.writes.num_slots:
                 raise ValueError(f"{name} must be [num_pages, {spec.page_size}, {spec.num_kv_heads}, {d}] with "
                                  f"num_pages * page_size = {self.writes.num_slots}, got {list(t.shape)}")
-            if t.dtype != spec.dtype or t.device != meta.device:
-                raise ValueError(f"{name} must be {spec.dtype} on {meta.device}, got {t.dtype} on {t.device}")
+            if t.dtype != spec.kv_dtype or t.device != meta.device:
+                raise ValueError(f"{name} must be {spec.kv_dtype} on {meta.device}, got {t.dtype} on {t.device}")
         if sinks is not None or spec.has_sinks:
             check_sinks(sinks, spec, meta.device)
         check_group(meta, group)  # local checks, before any collective
+        kv_scales = {}
+        if scales is not None:  # quantized where computed: the collective moves FP8 bytes
+            k_local = quantize_fp8(k_local, scales[0], spec.kv_dtype)
+            v_local = quantize_fp8(v_local, scales[1], spec.kv_dtype)
+            kv_scales = {"k_scale": scales[0], "v_scale": scales[1]}
         if self.algorithm == "pass_kv":
             out, lse = self._pass_kv(q_local, k_local, v_local, k_cache, v_cache, group, sinks, softmax_scale,
-                                     return_lse)
+                                     return_lse, kv_scales)
         else:
-            out, lse = self._pass_q(q_local, k_local, v_local, k_cache, v_cache, group, sinks, softmax_scale)
+            out, lse = self._pass_q(q_local, k_local, v_local, k_cache, v_cache, group, sinks, softmax_scale,
+                                    kv_scales)
         return (out, lse) if return_lse else out
 
     # ------------------------------------------------------------------ pass-KV
-    def _pass_kv(self, q_local, k_local, v_local, k_cache, v_cache, group, sinks, softmax_scale, return_lse):
+    def _pass_kv(self, q_local, k_local, v_local, k_cache, v_cache, group, sinks, softmax_scale, return_lse,
+                 kv_scales):
         meta, spec, x = self.meta, self.spec, self._extra
         p, c = meta.num_physical_tokens, meta.cp_size
         hkv, d, dv = spec.num_kv_heads, spec.head_dim, spec.head_dim_v
@@ -142,11 +156,11 @@ class ShardedExtendPlan(AttentionPlan):
         k_all, v_all = unpack_rows(packed, layout, [(k_local.dtype, (hkv, d)), (v_local.dtype, (hkv, dv))])
         write_kv_cache(k_all, v_all, k_cache, v_cache, x["packed_writes"])
         res = self.attention.attend(q_local, k_all, v_all, sinks=sinks, softmax_scale=softmax_scale,
-                                 return_lse=return_lse)
+                                    return_lse=return_lse, **kv_scales)
         return res if return_lse else (res, None)
 
     # ------------------------------------------------------------------ pass-Q
-    def _pass_q(self, q_local, k_local, v_local, k_cache, v_cache, group, sinks, softmax_scale):
+    def _pass_q(self, q_local, k_local, v_local, k_cache, v_cache, group, sinks, softmax_scale, kv_scales):
         meta, x = self.meta, self._extra
         p, c = meta.num_physical_tokens, meta.cp_size
         if p == 0:  # an empty batch: nothing to gather, write or attend
@@ -155,7 +169,7 @@ class ShardedExtendPlan(AttentionPlan):
         q_all, k_ext, v_ext = all_gather_rows([q_local, k_local, v_local], meta, group)  # ONE all-gather
         write_kv_cache(k_ext, v_ext, k_cache, v_cache, self.writes)
         out_p, lse_p = self.attention.attend(q_all, k_cache, v_cache, page_table=self.page_table, sinks=sinks,
-                                          softmax_scale=softmax_scale)
+                                             softmax_scale=softmax_scale, **kv_scales)
         idx = x["send_index"]
         send, layout = pack_rows([out_p.index_select(0, idx), lse_p.index_select(0, idx)], c * p)
         if c == 1:
@@ -213,8 +227,9 @@ def _device_index_plans(meta: CPMetadata, page_table: Tensor, page_size: int) ->
 
 
 def _kv_row_layout(spec) -> tuple[list[tuple[int, int]], int]:
-    """(offset, bytes) of K and V inside one gathered row (16-byte aligned parts), row bytes."""
-    item = torch.empty((), dtype=spec.dtype).element_size()
+    """(offset, bytes) of K and V inside one gathered row (16-byte aligned parts), row bytes: in
+    the cache dtype (``spec.kv_dtype``: an FP8 cache moves half the bytes of a bf16 one)."""
+    item = spec.kv_dtype.itemsize
     widths = [spec.num_kv_heads * spec.head_dim * item, spec.num_kv_heads * spec.head_dim_v * item]
     offsets, row_bytes = row_layout(widths)
     return list(zip(offsets, widths)), row_bytes

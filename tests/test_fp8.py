@@ -1,0 +1,460 @@
+"""FP8 (e4m3) K/V caches: the spec option, quantization, quantizing cache writes, plans over FP8
+caches (replicated and sharded), the gather of FP8 bytes.
+
+Accuracy: attention over an FP8 cache is compared with the fp64 oracle of tests/oracle.py run on
+the DEQUANTIZED cache values (the FP8 values the cache holds times their scales, computed here in
+fp64), at the tolerance of the query dtype (``oracle.TOLERANCE``): quantization error is the
+cache's, not the kernel's. The written FP8 rows are compared bit for bit with an independent
+quantization written here (float32 divide, clamp to +-448, round to nearest by the cast).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cpattn
+from cpattn.quant import FP8_E4M3_MAX, dequantize_fp8, quantize_fp8
+from dist_utils import CountCollectives, run_distributed
+from oracle import TOLERANCE, attention_oracle
+
+FP8 = torch.float8_e4m3fn
+
+
+# ---------------------------------------------------------------------------------------- helpers
+def _quantize_here(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The test's own e4m3 quantization of x [..., Hkv, D] (finite inputs)."""
+    s = scale.view(-1, 1) if scale.dim() == 1 else scale
+    return (x.float() / s).clamp(-448.0, 448.0).to(FP8)
+
+
+def _dequantize_here(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    s = scale.double().view(-1, 1) if scale.dim() == 1 else scale.double()
+    return x.double() * s
+
+
+def _scales(x: torch.Tensor, per_head: bool, g: torch.Generator) -> torch.Tensor:
+    """Scales putting x's amax (per head or overall) at 448 times a random factor in [0.3, 1.3]
+    (values past the range saturate for factors < 1)."""
+    amax = x.abs().amax(dim=(0, 2)) if per_head else x.abs().amax()
+    factor = 0.3 + torch.rand(amax.shape, generator=g)
+    return (amax.float() / FP8_E4M3_MAX * factor).clamp_min(1e-3)
+
+
+def _paged_layout(kv_lens, ps, g):
+    """A page table [B, max_pages] with distinct random pages per sequence, and the page count."""
+    need = [-(-n // ps) for n in kv_lens]
+    num_pages = sum(need) + 2
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    width = max([1, *need])
+    table = torch.zeros(len(kv_lens), width, dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(need):
+        table[b, :n] = torch.tensor(perm[i : i + n], dtype=torch.int32)
+        i += n
+    return table, num_pages
+
+
+def _slot(table, b, j, ps):
+    return int(table[b, j // ps]) * ps + j % ps
+
+
+# ---------------------------------------------------------------------------------------- spec
+def test_spec_kv_dtype():
+    base = dict(num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
+    plain = cpattn.AttentionSpec(**base)
+    assert plain.kv_dtype == torch.bfloat16 and not plain.kv_quantized
+    assert cpattn.AttentionSpec(**base, kv_dtype=torch.bfloat16) == plain
+    fp8 = cpattn.AttentionSpec(**base, kv_dtype=FP8)
+    assert fp8.kv_quantized and fp8.kv_dtype == FP8
+    assert fp8 != plain and hash(fp8) != hash(plain)  # plan-cache keys differ
+    assert fp8.replace(page_size=16).kv_dtype == FP8
+    with pytest.raises(TypeError, match="kv_dtype"):
+        cpattn.AttentionSpec(**base, kv_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_dtype"):
+        cpattn.AttentionSpec(**base, kv_dtype=torch.float16)
+    with pytest.raises(ValueError, match="kv_dtype"):
+        cpattn.AttentionSpec(**base, kv_dtype=torch.float8_e5m2)
+    with pytest.raises(ValueError, match="FP8 kv_dtype needs dtype"):
+        cpattn.AttentionSpec(**dict(base, dtype=torch.float64), kv_dtype=FP8)
+
+
+# ---------------------------------------------------------------------------------------- quantization
+_finite = st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False, width=32)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_finite, min_size=1, max_size=64), st.floats(1e-3, 1e3))
+def test_round_trip_within_half_an_e4m3_step(values, scale):
+    x = torch.tensor(values, dtype=torch.float32).view(-1, 1, 1)
+    s = torch.tensor(scale, dtype=torch.float32)
+    scale = s.item()
+    q = quantize_fp8(x, s)
+    assert q.dtype == FP8 and q.shape == x.shape
+    assert not q.float().isnan().any()  # never NaN from overflow
+    back = dequantize_fp8(q, s).double()
+    y = x.double() / scale
+    inside = y.abs() <= FP8_E4M3_MAX
+    # e4m3: 3 mantissa bits -> relative half-step 2^-4 for normals, absolute 2^-10 below 2^-6
+    bound = torch.maximum(y.abs() * 2.0**-4, torch.full_like(y, 2.0**-10)) * scale
+    err = (back - x.double()).abs()
+    assert bool((err[inside] <= bound[inside] * (1 + 1e-6)).all()), (err[inside] - bound[inside]).max()
+    # saturation: past the range, +-448 with the input's sign
+    out = q.float().double()
+    assert bool((out[~inside] == FP8_E4M3_MAX * torch.sign(y[~inside])).all())
+    # idempotent on representable values, monotone
+    assert torch.equal(quantize_fp8(dequantize_fp8(q, s), s).view(torch.uint8), q.view(torch.uint8))
+    order = torch.argsort(x.view(-1))
+    assert bool((q.float().view(-1)[order].diff() >= 0).all())
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 8), st.integers(0, 2**31 - 1))
+def test_per_head_scales_apply_along_the_head_dim(hkv, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, hkv, d, generator=g) * 100
+    s = torch.rand(hkv, generator=g) + 0.05
+    q = quantize_fp8(x, s)
+    for h in range(hkv):
+        assert torch.equal(q[:, h].view(torch.uint8), quantize_fp8(x[:, h : h + 1], s[h]).view(torch.uint8)[:, 0])
+        assert torch.equal(dequantize_fp8(q, s)[:, h], q[:, h].float() * s[h])
+    assert torch.equal(q.view(torch.uint8), _quantize_here(x, s).view(torch.uint8))
+
+
+def test_nonfinite_inputs_become_nan_and_overflow_saturates():
+    s = torch.tensor(0.5)
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -1e30, 3e38, 0.0, -0.0]).view(-1, 1, 1)
+    q = quantize_fp8(x, s).float().view(-1)
+    assert q[:3].isnan().all()  # propagated (e4m3fn has no infinity)
+    assert q[3:].tolist() == [448.0, -448.0, 448.0, 0.0, -0.0]
+    # a finite x over a tiny scale overflows float32 in the divide: still saturates, not NaN
+    tiny = torch.tensor(1e-39)
+    assert quantize_fp8(torch.tensor([[[1e3]]]), tiny).float().item() == 448.0
+    assert math.copysign(1, quantize_fp8(torch.tensor([[[-1e-30]]]), s).float().item()) == -1.0
+
+
+def test_quantize_rejects_bad_scales():
+    x = torch.randn(3, 2, 4)
+    with pytest.raises(TypeError, match="scale must be a float32"):
+        quantize_fp8(x, torch.tensor(1.0, dtype=torch.float64))
+    with pytest.raises(ValueError, match="per KV head"):
+        quantize_fp8(x, torch.ones(3))
+    with pytest.raises(TypeError, match="scale must be a torch.Tensor"):
+        quantize_fp8(x, 1.0)
+
+
+# ---------------------------------------------------------------------------------------- cache writes
+def _write_setup(per_head, g):
+    meta = cpattn.get_strategy("replicated", 1).build_metadata([3, 0, 2], [4, 1, 0], rank=0)
+    table, num_pages = _paged_layout([7, 1, 2], 4, g)
+    writes = cpattn.plan_cache_writes(meta, table, page_size=4, num_pages=num_pages)
+    k = torch.randn(5, 2, 8, generator=g, dtype=torch.bfloat16) * 30
+    v = torch.randn(5, 2, 8, generator=g, dtype=torch.bfloat16)
+    kc = torch.randint(0, 255, (num_pages, 4, 2, 8), generator=g, dtype=torch.uint8).view(FP8)
+    vc = torch.randint(0, 255, (num_pages, 4, 2, 8), generator=g, dtype=torch.uint8).view(FP8)
+    ks, vs = _scales(k, per_head, g), _scales(v, per_head, g)
+    return meta, table, writes, k, v, kc, vc, ks, vs
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_write_kv_cache_quantizes_the_written_rows(per_head):
+    g = torch.Generator().manual_seed(1)
+    meta, table, writes, k, v, kc, vc, ks, vs = _write_setup(per_head, g)
+    before_k, before_v = kc.view(torch.uint8).clone(), vc.view(torch.uint8).clone()
+    cpattn.write_kv_cache(k, v, kc, vc, writes, k_scale=ks, v_scale=vs)
+    written = torch.zeros(kc.shape[0] * 4, dtype=torch.bool)
+    row = 0
+    for b, (e, p) in enumerate(zip([3, 0, 2], [4, 1, 0])):
+        for j in range(p, p + e):
+            slot = _slot(table, b, j, 4)
+            assert torch.equal(kc.view(-1, 2, 8)[slot].view(torch.uint8), _quantize_here(k[row : row + 1], ks)[0]
+                               .view(torch.uint8))
+            assert torch.equal(vc.view(-1, 2, 8)[slot].view(torch.uint8), _quantize_here(v[row : row + 1], vs)[0]
+                               .view(torch.uint8))
+            written[slot] = True
+            row += 1
+    assert torch.equal(kc.view(torch.uint8).view(-1, 16)[~written], before_k.view(-1, 16)[~written])
+    assert torch.equal(vc.view(torch.uint8).view(-1, 16)[~written], before_v.view(-1, 16)[~written])
+
+
+def test_write_kv_cache_fp8_checks_everything_before_writing():
+    g = torch.Generator().manual_seed(2)
+    meta, table, writes, k, v, kc, vc, ks, vs = _write_setup(True, g)
+    before = (kc.view(torch.uint8).clone(), vc.view(torch.uint8).clone())
+    bad = {
+        "k_scale must be a float32": (TypeError, dict(k_scale=ks.double(), v_scale=vs)),
+        "v_scale must be per tensor": (ValueError, dict(k_scale=ks, v_scale=torch.ones(3))),
+        "given together": (ValueError, dict(k_scale=ks)),
+        "v_scale must be a torch.Tensor": (TypeError, dict(k_scale=ks, v_scale=1.0)),
+    }
+    for match, (exc, kwargs) in bad.items():
+        with pytest.raises(exc, match=match):
+            cpattn.write_kv_cache(k, v, kc, vc, writes, **kwargs)
+    with pytest.raises(TypeError, match="unquantized rows"):
+        cpattn.write_kv_cache(k.to(FP8), v.to(FP8), kc, vc, writes, k_scale=ks, v_scale=vs)
+    with pytest.raises(ValueError, match="float8_e4m3fn cache"):
+        cpattn.write_kv_cache(k, v, kc.view(torch.uint8), vc.view(torch.uint8), writes, k_scale=ks, v_scale=vs)
+    with pytest.raises(TypeError, match="k_cache dtype"):  # an FP8 cache without scales: rows must be FP8
+        cpattn.write_kv_cache(k, v, kc, vc, writes)
+    with pytest.raises(ValueError, match="swa_v_cache rows"):  # a second pool checked before the first is written
+        cpattn.write_kv_cache(k, v, kc, vc, writes, k_scale=ks, v_scale=vs, swa_writes=writes, swa_k_cache=kc.clone(),
+                              swa_v_cache=vc[..., :4].clone())
+    assert torch.equal(kc.view(torch.uint8), before[0]) and torch.equal(vc.view(torch.uint8), before[1])
+
+
+# ---------------------------------------------------------------------------------------- plans
+BATCHES = [
+    ([3, 0, 1, 5], [4, 6, 0, 9]),  # a sequence with no new rows, one with no prefix
+    ([1, 1, 1], [0, 17, 40]),  # decode
+    ([9], [0]),
+]
+
+
+def _plan_inputs(ext, pre, hq, hkv, d, dtype, per_head, g):
+    kv_lens = [e + p for e, p in zip(ext, pre)]
+    keys = torch.randn(sum(kv_lens), hkv, d, generator=g) * 4
+    vals = torch.randn(sum(kv_lens), hkv, d, generator=g)
+    q = torch.randn(sum(ext), hq, d, generator=g).to(dtype)
+    ks, vs = _scales(keys, per_head, g), _scales(vals, per_head, g)
+    starts = [sum(kv_lens[:b]) for b in range(len(kv_lens))]
+    pre_rows = torch.cat([torch.arange(o, o + p) for o, p in zip(starts, pre)]).long()
+    new_rows = torch.cat([torch.arange(o + p, o + p + e) for o, p, e in zip(starts, pre, ext)]).long()
+    return kv_lens, keys.to(dtype), vals.to(dtype), q, ks, vs, pre_rows, new_rows
+
+
+def _paged_fp8_prefix(keys, vals, kv_lens, pre, ps, ks, vs, g):
+    table, num_pages = _paged_layout(kv_lens, ps, g)
+    hkv, d = keys.shape[1:]
+    kc = torch.full((num_pages, ps, hkv, d), float("nan")).to(FP8)  # unwritten slots: NaN (never read)
+    vc = torch.full((num_pages, ps, hkv, d), float("nan")).to(FP8)
+    row = 0
+    for b, (n, p) in enumerate(zip(kv_lens, pre)):
+        for j in range(p):
+            slot = _slot(table, b, j, ps)
+            kc.view(-1, hkv, d)[slot] = _quantize_here(keys[row + j : row + j + 1], ks)[0]
+            vc.view(-1, hkv, d)[slot] = _quantize_here(vals[row + j : row + j + 1], vs)[0]
+        row += n
+    return kc, vc, table, num_pages
+
+
+def _read_paged(cache, table, kv_lens, ps):
+    flat = cache.view(-1, *cache.shape[2:])
+    return torch.cat([flat[[_slot(table, b, j, ps) for j in range(n)]] for b, n in enumerate(kv_lens)])
+
+
+@pytest.mark.parametrize("paged", [True, False])
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", BATCHES)
+def test_local_plan_over_fp8_cache_equals_oracle_on_dequantized_values(batch, dtype, per_head, paged):
+    """plan.run writes (quantizes) the new rows, then attends the FP8 cache; the cache equals the
+    test's quantization and the output the oracle over the dequantized cache."""
+    ext, pre = batch
+    g = torch.Generator().manual_seed(len(ext) * 7 + per_head)
+    hq, hkv, d, ps = 4, 2, 16, 4
+    kv_lens, keys, vals, q, ks, vs, pre_rows, new_rows = _plan_inputs(ext, pre, hq, hkv, d, dtype, per_head, g)
+    meta = cpattn.get_strategy("replicated", 1).build_metadata(ext, pre, rank=0)
+    spec = cpattn.AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, kv_dtype=FP8,
+                                page_size=ps if paged else None)
+    plan = cpattn.plan_attention(meta, spec, backend="torch")
+    assert plan.algorithm == "local"
+    q_local = torch.cat([q, q.new_zeros(meta.num_physical_tokens - q.shape[0], hq, d)])
+    k_new = torch.cat([keys[new_rows], keys.new_zeros(meta.num_physical_tokens - len(new_rows), hkv, d)])
+    v_new = torch.cat([vals[new_rows], vals.new_zeros(meta.num_physical_tokens - len(new_rows), hkv, d)])
+    if paged:
+        kc, vc, table, num_pages = _paged_fp8_prefix(keys, vals, kv_lens, pre, ps, ks, vs, g)
+        writes = cpattn.plan_cache_writes(meta, table, page_size=ps, num_pages=num_pages)
+        out, lse = plan.run(q_local, k_new, v_new, (kc, vc), writes=writes, page_table=table, k_scale=ks, v_scale=vs,
+                            return_lse=True)
+        k_all, v_all = _read_paged(kc, table, kv_lens, ps), _read_paged(vc, table, kv_lens, ps)
+    else:
+        k_pre, v_pre = _quantize_here(keys[pre_rows], ks), _quantize_here(vals[pre_rows], vs)
+        out, lse = plan.run(q_local, k_new, v_new, (k_pre, v_pre), k_scale=ks, v_scale=vs, return_lse=True)
+        k_all = torch.empty(sum(kv_lens), hkv, d, dtype=FP8)
+        v_all = torch.empty_like(k_all)
+        k_all[pre_rows], v_all[pre_rows] = k_pre, v_pre
+        k_all[new_rows], v_all[new_rows] = _quantize_here(k_new[: len(new_rows)], ks), \
+            _quantize_here(v_new[: len(new_rows)], vs)
+    assert torch.equal(k_all.view(torch.uint8), _quantize_here(keys, ks).view(torch.uint8))
+    assert torch.equal(v_all.view(torch.uint8), _quantize_here(vals, vs).view(torch.uint8))
+    ref, ref_lse = attention_oracle(q, _dequantize_here(k_all, ks), _dequantize_here(v_all, vs), ext, pre)
+    t = q.shape[0]
+    tol = TOLERANCE[dtype]
+    assert (out[:t].double() - ref).abs().max().item() < tol
+    assert (lse[:t].double() - ref_lse).abs().max().item() < tol
+    assert (out[t:] == 0).all() and torch.isneginf(lse[t:]).all()
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_shard_merge_plan_over_fp8_cache(per_head):
+    """Replicated decode queries over a sharded FP8 cache (C = 1 here, C = 2 over gloo below)."""
+    ext, pre = [1, 2, 1], [5, 11, 0]
+    g = torch.Generator().manual_seed(5)
+    hq, hkv, d, ps = 4, 2, 16, 4
+    kv_lens, keys, vals, q, ks, vs, pre_rows, new_rows = _plan_inputs(ext, pre, hq, hkv, d, torch.bfloat16,
+                                                                      per_head, g)
+    meta = cpattn.get_strategy("replicated", 1).build_metadata(ext, pre, rank=0, kv=cpattn.KVSharding(1))
+    spec = cpattn.AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16, kv_dtype=FP8,
+                                page_size=ps)
+    plan = cpattn.plan_attention(meta, spec, backend="torch")
+    assert plan.algorithm == "shard_merge"
+    kc, vc, table, num_pages = _paged_fp8_prefix(keys, vals, kv_lens, pre, ps, ks, vs, g)
+    writes = cpattn.plan_cache_writes(meta, table, page_size=ps, num_pages=num_pages)
+    out = plan.run(q, keys[new_rows], vals[new_rows], (kc, vc), writes=writes, page_table=table, k_scale=ks,
+                   v_scale=vs)
+    k_all, v_all = _read_paged(kc, table, kv_lens, ps), _read_paged(vc, table, kv_lens, ps)
+    assert torch.equal(k_all.view(torch.uint8), _quantize_here(keys, ks).view(torch.uint8))
+    ref, _ = attention_oracle(q, _dequantize_here(k_all, ks), _dequantize_here(v_all, vs), ext, pre)
+    assert (out.double() - ref).abs().max().item() < TOLERANCE[torch.bfloat16]
+
+
+def test_fp8_plans_check_scales_before_writing():
+    ext, pre = [2, 1], [3, 0]
+    g = torch.Generator().manual_seed(9)
+    hq, hkv, d, ps = 4, 2, 8, 4
+    kv_lens, keys, vals, q, ks, vs, _, new_rows = _plan_inputs(ext, pre, hq, hkv, d, torch.float32, True, g)
+    meta = cpattn.get_strategy("replicated", 1).build_metadata(ext, pre, rank=0)
+    spec = cpattn.AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.float32, kv_dtype=FP8,
+                                page_size=ps)
+    plan = cpattn.plan_attention(meta, spec, backend="torch")
+    kc, vc, table, num_pages = _paged_fp8_prefix(keys, vals, kv_lens, pre, ps, ks, vs, g)
+    writes = cpattn.plan_cache_writes(meta, table, page_size=ps, num_pages=num_pages)
+    before = (kc.view(torch.uint8).clone(), vc.view(torch.uint8).clone())
+    args = (q, keys[new_rows], vals[new_rows], (kc, vc))
+    cases = {
+        "pass k_scale": (ValueError, dict(v_scale=vs)),
+        "pass v_scale": (ValueError, dict(k_scale=ks)),
+        "k_scale must be a float32": (TypeError, dict(k_scale=ks.half(), v_scale=vs)),
+        r"v_scale must be per tensor \[\] or per KV head \[Hkv=2\]": (ValueError, dict(k_scale=ks, v_scale=vs[:1])),
+    }
+    for match, (exc, kwargs) in cases.items():
+        with pytest.raises(exc, match=match):
+            plan.run(*args, writes=writes, page_table=table, **kwargs)
+    with pytest.raises(TypeError, match="k dtype torch.float32 != the plan's kv_dtype"):
+        plan.attend(q, kc.float(), vc, page_table=table, k_scale=ks, v_scale=vs)
+    with pytest.raises(TypeError, match="k_cache dtype torch.float32 != the rows' dtype torch.float8_e4m3fn"):
+        plan.run(q, keys[new_rows], vals[new_rows], (kc.float(), vc), writes=writes, page_table=table, k_scale=ks,
+                 v_scale=vs)
+    assert torch.equal(kc.view(torch.uint8), before[0]) and torch.equal(vc.view(torch.uint8), before[1])
+    plain = cpattn.plan_attention(meta, spec.replace(kv_dtype=None), backend="torch")
+    with pytest.raises(ValueError, match="k_scale / v_scale are for an FP8 cache"):
+        plain.attend(q, kc.float(), vc.float(), page_table=table, k_scale=ks, v_scale=vs)
+
+
+def test_backends_without_fp8_support_say_so(interp):
+    """Sparse (DSA) kernels do not read FP8 caches yet: naming the triton backend raises, naming
+    the reason (auto picks the torch reference)."""
+    meta = cpattn.get_strategy("replicated", 1).build_metadata([1], [3], rank=0)
+    spec = cpattn.AttentionSpec(num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16, kv_dtype=FP8,
+                                topk=4, page_size=4)
+    with pytest.raises(NotImplementedError, match="do not read FP8 K/V caches"):
+        cpattn.plan_attention(meta, spec, backend="triton")
+    assert cpattn.plan_attention(meta, spec).backend == "torch"
+
+
+# ---------------------------------------------------------------------------------------- over gloo
+def _gloo_worker(rank, world):
+    """Zigzag gather_kv into a replicated FP8 cache, pass-KV / pass-Q into a sharded one, and
+    shard_merge decode: max errors vs the oracle on dequantized values, and the gathered bytes
+    of the FP8 plan vs the same plan with a bf16 cache."""
+    g = torch.Generator().manual_seed(11)
+    ext, pre = [13, 0, 1, 6], [9, 5, 0, 2 * world - 1]
+    hq, hkv, d, ps = 4, 2, 16, 4
+    group = torch.distributed.group.WORLD
+    kv_lens, keys, vals, q, ks, vs, pre_rows, new_rows = _plan_inputs(ext, pre, hq, hkv, d, torch.bfloat16, True, g)
+    deq_k = _dequantize_here(_quantize_here(keys, ks), ks)
+    deq_v = _dequantize_here(_quantize_here(vals, vs), vs)
+    ref, _ = attention_oracle(q, deq_k, deq_v, ext, pre)
+    res = {}
+    s = cpattn.ZigzagStrategy(world, pad_multiple=4)
+    # replicated cache: gather_kv (ONE all-gather of FP8 rows)
+    meta = s.build_metadata(ext, pre, rank=rank, group=group)
+    for kv_dtype in (FP8, None):
+        spec = cpattn.AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16,
+                                    kv_dtype=kv_dtype, page_size=ps)
+        plan = cpattn.plan_attention(meta, spec, backend="torch")
+        g2 = torch.Generator().manual_seed(3)
+        if kv_dtype is None:
+            kc, vc, table, num_pages = _paged_fp8_prefix(keys, vals, kv_lens, pre, ps, ks, vs, g2)
+            kc, vc = kc.float().to(torch.bfloat16), vc.float().to(torch.bfloat16)
+            scales = {}
+        else:
+            kc, vc, table, num_pages = _paged_fp8_prefix(keys, vals, kv_lens, pre, ps, ks, vs, g2)
+            scales = dict(k_scale=ks, v_scale=vs)
+        writes = cpattn.plan_cache_writes(meta, table, page_size=ps, num_pages=num_pages)
+        k_ext, v_ext = keys[new_rows], vals[new_rows]
+        with CountCollectives() as ag:
+            out = plan.run(s.shard(q, meta), s.shard(k_ext, meta), s.shard(v_ext, meta), (kc, vc), writes=writes,
+                           group=group, page_table=table, **scales)
+        name = "fp8" if kv_dtype else "bf16"
+        res[f"gather_kv/{name}/bytes"] = [math.prod(c) for c in ag.calls]
+        if kv_dtype is not None:
+            full = s.gather(out, meta, group)
+            res["gather_kv/fp8/err"] = (full.double() - ref).abs().max().item()
+    # sharded cache: pass-KV / pass-Q extend
+    sh = cpattn.KVSharding(world)
+    meta = s.build_metadata(ext, pre, rank=rank, kv=sh, group=group)
+    for algo in ("pass_kv", "pass_q"):
+        local_lens = [len([p for p in range(n) if p % world == rank]) for n in kv_lens]
+        table, num_pages = _paged_layout(local_lens, ps, torch.Generator().manual_seed(rank))
+        kc = torch.full((num_pages, ps, hkv, d), float("nan")).to(FP8)
+        vc = kc.clone()
+        row = 0
+        for b, (n, p) in enumerate(zip(kv_lens, pre)):
+            for j, pos in enumerate(x for x in range(n) if x % world == rank):
+                if pos < p:
+                    kc.view(-1, hkv, d)[_slot(table, b, j, ps)] = _quantize_here(keys[row + pos : row + pos + 1], ks)[0]
+                    vc.view(-1, hkv, d)[_slot(table, b, j, ps)] = _quantize_here(vals[row + pos : row + pos + 1], vs)[0]
+            row += n
+        spec = cpattn.AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16,
+                                    kv_dtype=FP8, page_size=ps)
+        plan = cpattn.plan_attention(meta, spec, page_table=table, num_pages=num_pages, algorithm=algo,
+                                     backend="torch")
+        out = plan.run(s.shard(q, meta), s.shard(keys[meta.kv_extend_index], meta),
+                       s.shard(vals[meta.kv_extend_index], meta), (kc, vc), group=group, k_scale=ks, v_scale=vs)
+        full = s.gather(out, meta, group)
+        res[f"{algo}/err"] = (full.double() - ref).abs().max().item()
+        if algo == "pass_kv":
+            res["pass_kv/row_bytes"] = plan._extra["row_bytes"]
+    # shard_merge decode over the sharded cache
+    dec_ext, dec_pre = [1, 1, 2], [6, 0, 9]
+    kv_lens2, keys2, vals2, q2, ks2, vs2, _, new2 = _plan_inputs(dec_ext, dec_pre, hq, hkv, d, torch.bfloat16,
+                                                                 False, torch.Generator().manual_seed(4))
+    dmeta = cpattn.get_strategy("replicated", world).build_metadata(dec_ext, dec_pre, rank=rank, kv=sh, group=group)
+    local_lens = [len([p for p in range(n) if p % world == rank]) for n in kv_lens2]
+    table, num_pages = _paged_layout(local_lens, ps, torch.Generator().manual_seed(rank))
+    kc = torch.full((num_pages, ps, hkv, d), float("nan")).to(FP8)
+    vc = kc.clone()
+    row = 0
+    for b, (n, p) in enumerate(zip(kv_lens2, dec_pre)):
+        for j, pos in enumerate(x for x in range(n) if x % world == rank):
+            if pos < p:
+                kc.view(-1, hkv, d)[_slot(table, b, j, ps)] = _quantize_here(keys2[row + pos : row + pos + 1], ks2)[0]
+                vc.view(-1, hkv, d)[_slot(table, b, j, ps)] = _quantize_here(vals2[row + pos : row + pos + 1], vs2)[0]
+        row += n
+    spec = cpattn.AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16, kv_dtype=FP8,
+                                page_size=ps)
+    plan = cpattn.plan_attention(dmeta, spec, backend="torch")
+    writes = cpattn.plan_cache_writes(dmeta, table, page_size=ps, num_pages=num_pages)
+    out = plan.run(q2, keys2[new2], vals2[new2], (kc, vc), writes=writes, group=group, page_table=table,
+                   k_scale=ks2, v_scale=vs2)
+    ref2, _ = attention_oracle(q2, _dequantize_here(_quantize_here(keys2, ks2), ks2),
+                               _dequantize_here(_quantize_here(vals2, vs2), vs2), dec_ext, dec_pre)
+    res["shard_merge/err"] = (out.double() - ref2).abs().max().item()
+    return res
+
+
+@pytest.mark.slow
+def test_fp8_caches_over_gloo():
+    world = 2
+    for rank, res in enumerate(run_distributed(_gloo_worker, world)):
+        for key in ("gather_kv/fp8/err", "pass_kv/err", "pass_q/err", "shard_merge/err"):
+            assert res[key] < TOLERANCE[torch.bfloat16], (rank, key, res[key])
+        fp8, bf16 = res["gather_kv/fp8/bytes"], res["gather_kv/bf16/bytes"]
+        assert len(fp8) == len(bf16) == 1 and 2 * fp8[0] == bf16[0], (fp8, bf16)  # one collective, half the bytes
+        hkv, d = 2, 16
+        assert res["pass_kv/row_bytes"] == 2 * hkv * d  # K and V, one byte per element
