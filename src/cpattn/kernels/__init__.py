@@ -271,15 +271,16 @@ def triton_device_reason(device, kernel_module: str) -> Optional[str]:
     return None
 
 
-def triton_unsupported_reason(spec: "AttentionSpec", device, kernel_module: str) -> Optional[str]:
+def triton_unsupported_reason(spec: "AttentionSpec", device, kernel_module: str, fp8: bool = False) -> Optional[str]:
     """Why the Triton kernels of ``kernel_module`` (dense or shard plans) cannot take ``spec`` on
     ``device`` (None if they can): the process's interpreter / GPU mode, the head dims and dtypes
-    the kernels accept, fp32 only under the interpreter."""
+    the kernels accept, fp32 only under the interpreter, FP8 caches only where ``fp8`` (kernels
+    that dequantize them)."""
     reason = triton_device_reason(device, kernel_module)
     if reason is not None:
         return reason
-    if spec.kv_quantized:
-        return f"FP8 K/V caches (kv_dtype={spec.kv_dtype}) are read by the torch reference only"
+    if spec.kv_quantized and not fp8:
+        return f"these kernels do not read FP8 K/V caches (kv_dtype={spec.kv_dtype})"
     from .triton_attn import shape_unsupported_reason
 
     reason = shape_unsupported_reason(spec.head_dim, spec.head_dim_v, spec.dtype)

@@ -265,6 +265,8 @@ class _TritonShardRun:
             PAGE_SIZE=spec.page_size or 1, HAS_WINDOW=spec.window_left >= 0, HAS_SINKS=apply_sinks,
             PDL=self.pdl, **triton_attn.dot_settings(spec.dtype),
         )
+        if spec.kv_quantized:  # else the constexpr keeps its default: the bf16 kernel is unchanged
+            self.plan_args["KV_FP8"] = True
         self.combine_args = dict(row_ws0=dev["row_ws0"], row_nsplit=dev["row_nsplit"], row_ti=dev["row_ti"],
                                  HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv,
                                  HAS_SINKS=apply_sinks, ONE_PASS=max_splits <= block_s,
@@ -284,7 +286,7 @@ class _TritonShardRun:
             self._ws, self._mla.ws = workspaces(dmeta, ("shard-ws", key), [self.ws_shape, self._mla.ws_shape])
             self.split, self.num_items, self.num_ws = self._mla.split, self._mla.num_items, self._mla.num_ws
 
-    def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse) -> None:
+    def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse, k_scale=None, v_scale=None) -> None:
         if not softmax_scale > 0:
             raise ValueError(f"softmax_scale must be > 0 for the triton kernels, got {softmax_scale}")
         if self.grid[0] == 0 and not self.run_combine:
@@ -302,17 +304,18 @@ class _TritonShardRun:
         sinks = sinks if self.sinks_used else None
         if q.is_cuda and q.device.index != torch.cuda.current_device():
             with torch.cuda.device(q.device):  # tensors on a non-current GPU
-                self._launch(q, k, v, page_table, sinks, softmax_scale, out, lse, v_from_k)
+                self._launch(q, k, v, page_table, sinks, softmax_scale, out, lse, v_from_k, k_scale, v_scale)
         else:
-            self._launch(q, k, v, page_table, sinks, softmax_scale, out, lse, v_from_k)
+            self._launch(q, k, v, page_table, sinks, softmax_scale, out, lse, v_from_k, k_scale, v_scale)
 
-    def _launch(self, q, k, v, page_table, sinks, softmax_scale, out, lse, v_from_k) -> None:
+    def _launch(self, q, k, v, page_table, sinks, softmax_scale, out, lse, v_from_k, k_scale, v_scale) -> None:
         if self._mla is not None and self._mla(q, k, v, page_table, sinks, softmax_scale, out, lse, self._combine):
             return
         ws = self._ws
         if self.grid[0]:
             self._split(q, k, v, out, lse, sinks, page_table, ws, grid=self.grid, plan_args=self.plan_args,
-                        softmax_scale=softmax_scale, v_from_k=v_from_k, config=self.config, state=self._state)
+                        softmax_scale=softmax_scale, v_from_k=v_from_k, config=self.config, state=self._state,
+                        k_scale=k_scale, v_scale=v_scale)
         if self.run_combine and self.combine_grid[0]:
             self._combine(out, lse, sinks, ws, grid=self.combine_grid, combine_args=self.combine_args,
                           state=self._state)
@@ -339,6 +342,8 @@ def mla_unsupported_reason(spec: AttentionSpec, dmeta, interpreted: bool, option
 
     if interpreted:
         return "the CPU interpreter"
+    if spec.kv_quantized:
+        return f"an FP8 cache (kv_dtype={spec.kv_dtype}): the split-KV kernel dequantizes it"
     if spec.window_left >= 0:
         return "a sliding window (the local window bound is not a fixed key offset)"
     if options.get("config") is not None or options.get("block_m") is not None:
@@ -428,7 +433,7 @@ class TritonShardBackend:
         return triton_available()
 
     def unsupported_reason(self, spec: AttentionSpec, dmeta) -> Optional[str]:
-        return triton_unsupported_reason(spec, dmeta.device, _KERNEL_MODULE)
+        return triton_unsupported_reason(spec, dmeta.device, _KERNEL_MODULE, fp8=True)
 
     def plan(self, spec: AttentionSpec, dmeta, options: Mapping) -> _TritonShardRun:
         return _TritonShardRun(spec, dmeta, options)

@@ -193,18 +193,18 @@ class _DecodeRun:
         #: the plan's GPU (None on the CPU): the pad-row launch runs under a device guard off it
         self._device_index = meta.device.index if meta.device.type == "cuda" else None
 
-    def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse) -> None:
+    def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse, k_scale=None, v_scale=None) -> None:
         index = self._device_index
         if index is not None and index != torch.cuda.current_device():
             with torch.cuda.device(index):  # tensors on a non-current GPU: again, with it current
-                self(q, k, v, page_table, sinks, softmax_scale, out, lse)
+                self(q, k, v, page_table, sinks, softmax_scale, out, lse, k_scale, v_scale)
             return
         n = self.num_local
         if self.pad_grid[0]:
             self._pad(out, lse, n, grid=self.pad_grid, pad_args=self.pad_args, state=self._pad_state)
         if n:
             self._impl(q[:n], k, v, page_table, sinks, softmax_scale, out[:n], lse[:n] if lse is not None else
-                       self._lse_rows)
+                       self._lse_rows, k_scale, v_scale)
 
 
 class _TritonRun:

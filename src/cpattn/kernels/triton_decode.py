@@ -21,6 +21,12 @@ contiguous. ``V_FROM_K``: V is a view of K's first ``HEAD_DIM_V`` columns (MLA's
 ``v = k[..., :512]``); the kernel reuses the K block instead of loading V. Softmax in base 2,
 fp32 accumulation, natural-log LSE.
 
+FP8 caches (``KV_FP8``, e4m3 K/V with float32 scales per tensor or per KV head, read from device
+memory): each K/V block is converted to the query dtype in registers after its load (exact: every
+e4m3 value is a bf16 / fp16 / fp32 value) and the scales are applied outside the dots: the K scale
+of the program's KV head multiplies the softmax scale, the V scale the normalized output (the
+combine is linear in the partials). With ``KV_FP8`` False the branches compile away.
+
 A work item whose tile has one split writes the final ``out`` / ``lse`` (sinks included);
 otherwise it writes its normalized partial and LSE (fp32) into a workspace, and the combine
 kernel merges a tile's splits (sinks included once) into ``out`` / ``lse``. Counts come from
@@ -120,6 +126,7 @@ def _key_range(
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     CP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
     V_FROM_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, BLOCK_N: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     """Online softmax (base 2) over local key blocks [lo, hi); MASKED masks by global position
     and bounds loads at key_end. Paged: the next block's page is loaded one iteration ahead (a
@@ -136,14 +143,20 @@ def _key_range(
         k_off, v_off, in_range = _kv_offsets(start, kv_row_base, page, key_end, stride_kp, stride_kn,
                                              stride_vp, stride_vn, offs_n, PAGED, PAGE_SIZE, BLOCK_N)
         k1 = _load_block(k_base, k_off, in_range, offs_d1, MASKED, DOT_UPCAST)
+        if KV_FP8:  # dequantized in registers: e4m3 -> q's dtype (exact), scales outside the dots
+            k1 = k1.to(q1.dtype)
         s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
         if BLOCK_D2 > 0:
             k2 = _load_block(k_base + BLOCK_D1, k_off, in_range, offs_d2, MASKED, DOT_UPCAST)
+            if KV_FP8:
+                k2 = k2.to(q2.dtype)
             s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
         if V_FROM_K:
             v = k1
         else:
             v = _load_block(v_base, v_off, in_range, offs_dv, MASKED, DOT_UPCAST)
+            if KV_FP8:
+                v = v.to(q1.dtype)
         if MASKED:
             kpos = _global_pos(start + offs_n, rank, CP_SIZE, INTERLEAVE)
             visible = in_range[None, :] & (kpos[None, :] <= pos[:, None])
@@ -168,19 +181,20 @@ def _key_range(
 # ----------------------------------------------------------------------------- split kernel
 @triton.jit
 def _shard_attn_split(
-    Q, K, V, Out, Lse, Sinks, PageTable, WsO, WsLse,
+    Q, K, V, Out, Lse, Sinks, PageTable, WsO, WsLse, KScale, VScale,
     item_seq, item_r0, item_k0, item_k1, item_ws, NumItems,
     q_lens, seq_lens, cu_q_lens, cu_local_kv,
     qk_scale, window, rank, num_head_groups, group_size,
     stride_qm, stride_qh, stride_sink,
     stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh,
     stride_om, stride_oh, stride_lm, stride_lh, stride_pt,
-    stride_wi, stride_wr, stride_wh, stride_li, stride_lr,
+    stride_wi, stride_wr, stride_wh, stride_li, stride_lr, stride_ks, stride_vs,
     HEAD_DIM_V: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
     ROWS: tl.constexpr, G_PACK: tl.constexpr, BLOCK_M: tl.constexpr,
     CP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, V_FROM_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False,
 ):
     if PDL:  # the combine (programmatic dependent launch) may start; it waits for this grid's end
         gdc_launch_dependents()
@@ -223,6 +237,8 @@ def _shard_attn_split(
 
     k_base = K + kvh.to(tl.int64) * stride_kh
     v_base = V + kvh.to(tl.int64) * stride_vh
+    if KV_FP8:  # the K scale joins the softmax scale (scores are linear in K)
+        qk_scale = qk_scale * tl.load(KScale + kvh * stride_ks)
     if PAGED:
         pt_row = PageTable + seq.to(tl.int64) * stride_pt
         kv_row_base = 0
@@ -258,21 +274,23 @@ def _shard_attn_split(
         acc, l_i, m_i, q1, q2, pos, rank, k_base, v_base, kv_row_base, pt_row, k0, a_lo, k1_end, window,
         qk_scale, stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2, offs_dv,
         True, HAS_WINDOW, PAGED, PAGE_SIZE, CP_SIZE, INTERLEAVE, BLOCK_D1, BLOCK_D2, V_FROM_K, DOT_PRECISION,
-        DOT_UPCAST, BLOCK_N)
+        DOT_UPCAST, BLOCK_N, KV_FP8)
     acc, l_i, m_i = _key_range(
         acc, l_i, m_i, q1, q2, pos, rank, k_base, v_base, kv_row_base, pt_row, a_lo, a_hi, k1_end, window,
         qk_scale, stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2, offs_dv,
         False, HAS_WINDOW, PAGED, PAGE_SIZE, CP_SIZE, INTERLEAVE, BLOCK_D1, BLOCK_D2, V_FROM_K, DOT_PRECISION,
-        DOT_UPCAST, BLOCK_N)
+        DOT_UPCAST, BLOCK_N, KV_FP8)
     acc, l_i, m_i = _key_range(
         acc, l_i, m_i, q1, q2, pos, rank, k_base, v_base, kv_row_base, pt_row, a_hi, k1_end, k1_end, window,
         qk_scale, stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2, offs_dv,
         True, HAS_WINDOW, PAGED, PAGE_SIZE, CP_SIZE, INTERLEAVE, BLOCK_D1, BLOCK_D2, V_FROM_K, DOT_PRECISION,
-        DOT_UPCAST, BLOCK_N)
+        DOT_UPCAST, BLOCK_N, KV_FP8)
 
     # l_i == 0: no visible key (0 / -inf); NaN (from q, a visible k / v, or a sink) stays NaN
     has_mass = l_i != 0.0
     out = acc * tl.where(has_mass, 1.0 / tl.where(has_mass, l_i, 1.0), 0.0)[:, None]
+    if KV_FP8:  # the V scale: the output (and each partial, which the combine mixes linearly) is linear in V
+        out = out * tl.load(VScale + kvh * stride_vs)
     lse = tl.where(has_mass, (m_i + tl.math.log2(tl.where(has_mass, l_i, 1.0))) * _LN2, float("-inf"))
     if single:
         o_ptrs = Out + qrow[:, None] * stride_om + head[:, None] * stride_oh + offs_dv[None, :]
@@ -425,10 +443,11 @@ def _merge_parts(
 
 # ----------------------------------------------------------------------------- host launchers
 #: Per-call arguments of the split kernel, in the order of a planned launch's ``values``.
-_SPLIT_PER_CALL = ("Q", "K", "V", "Out", "Lse", "Sinks", "PageTable", "WsO", "WsLse", "qk_scale", "stride_qm",
-                   "stride_qh", "stride_sink", "stride_kp", "stride_kn", "stride_kh", "stride_vp", "stride_vn",
-                   "stride_vh", "stride_om", "stride_oh", "stride_lm", "stride_lh", "stride_pt", "stride_wi",
-                   "stride_wr", "stride_wh", "stride_li", "stride_lr", "PAGED", "V_FROM_K")
+_SPLIT_PER_CALL = ("Q", "K", "V", "Out", "Lse", "Sinks", "PageTable", "WsO", "WsLse", "KScale", "VScale", "qk_scale",
+                   "stride_qm", "stride_qh", "stride_sink", "stride_kp", "stride_kn", "stride_kh", "stride_vp",
+                   "stride_vn", "stride_vh", "stride_om", "stride_oh", "stride_lm", "stride_lh", "stride_pt",
+                   "stride_wi", "stride_wr", "stride_wh", "stride_li", "stride_lr", "stride_ks", "stride_vs", "PAGED",
+                   "V_FROM_K")
 #: Per-call arguments of the combine kernel.
 _COMBINE_PER_CALL = ("Out", "Lse", "Sinks", "WsO", "WsLse", "num_heads", "stride_om", "stride_oh", "stride_lm",
                      "stride_lh", "stride_sink", "stride_wi", "stride_wr", "stride_wh", "stride_li", "stride_lr")
@@ -478,10 +497,12 @@ class Workspace:
 
 def launch_split(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sinks: Optional[Tensor],
                  page_table: Optional[Tensor], ws: Workspace, *, grid: tuple[int], plan_args: dict,
-                 softmax_scale: float, v_from_k: bool, config: tuple[int, int, int], state=None) -> None:
+                 softmax_scale: float, v_from_k: bool, config: tuple[int, int, int], state=None,
+                 k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None) -> None:
     """Launch the split kernel; ``plan_args`` holds the planned keyword arguments (work items,
-    counts, per-sequence arrays, geometry constexprs, ``PDL``), ``ws`` the plan's :class:`Workspace`, the
-    rest is per layer. ``state``: the plan's :class:`~cpattn.kernels._launch.LaunchState`
+    counts, per-sequence arrays, geometry constexprs, ``PDL``, ``KV_FP8``), ``ws`` the plan's
+    :class:`Workspace`, the rest is per layer (``k_scale`` / ``v_scale``: float32 ``[]`` or
+    ``[Hkv]`` scales of FP8 K/V). ``state``: the plan's :class:`~cpattn.kernels._launch.LaunchState`
     (planned launches: after the first call the compiled kernel is called directly; None: every
     call through the JIT)."""
 
@@ -489,16 +510,23 @@ def launch_split(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sink
     skp, skn, skh, svp, svn, svh = kv_strides(k, v, paged)
     pt, stride_pt = (page_table, page_table.stride(0)) if paged else (plan_args["cu_local_kv"], 0)
     sk = sinks if sinks is not None else out
+    ks = k_scale if k_scale is not None else ws.lse  # never read without KV_FP8
+    vs = v_scale if v_scale is not None else ws.lse
     qs, os_, ls = q.stride(), out.stride(), lse.stride()
-    values = (q, k, v, out, lse, sk, pt, ws.o, ws.lse, float(softmax_scale) * LOG2E, qs[0], qs[1],
+    values = (q, k, v, out, lse, sk, pt, ws.o, ws.lse, ks, vs, float(softmax_scale) * LOG2E, qs[0], qs[1],
               sinks.stride(0) if sinks is not None else 0, skp, skn, skh, svp, svn, svh, os_[0], os_[1], ls[0], ls[1],
-              stride_pt) + ws.strides + (paged, v_from_k)
-    key = _align_key(q, k, v, out, lse, sk, pt) + ws.key + values[10:]
+              stride_pt) + ws.strides + (_scale_stride(k_scale), _scale_stride(v_scale), paged, v_from_k)
+    key = _align_key(q, k, v, out, lse, sk, pt, ks, vs) + ws.key + values[12:]
     block_n, warps, stages = config
     launcher = _planned(state or LaunchState(enabled=False), "split", _shard_attn_split,
                         lambda: dict(plan_args, BLOCK_N=block_n, num_warps=warps, num_stages=stages),
                         _SPLIT_PER_CALL)
     launcher(grid, values, key)
+
+
+def _scale_stride(scale: Optional[Tensor]) -> int:
+    """Stride of a K/V scale over the KV heads: 1 per head ([Hkv]), 0 per tensor ([]) or none."""
+    return scale.stride(0) if scale is not None and scale.dim() == 1 else 0
 
 
 def merge_blocks(parts: int, heads: int, dv: int, rows: int, num_sms: int, budget: int = 8192,
