@@ -511,3 +511,66 @@ def test_split_kv_kernel_fp8_window_and_sinks(interp):
                                                 window=20, sinks=True)
     assert (out.double() - ref).abs().max().item() < TOLERANCE[torch.float32]
     assert (lse.double() - ref_lse).abs().max().item() < TOLERANCE[torch.float32]
+
+
+def _fp8_dense_case(dtype, per_head, paged, ext, pre, options=None, window=-1, sinks=False, hq=8, hkv=2, d=32,
+                    seed=17):
+    """A replicated-cache plan (C = 1) over an FP8 cache through ``plan.run`` (quantizing write)
+    with the triton backend, and the oracle over the dequantized cache."""
+    g = torch.Generator().manual_seed(seed)
+    ps = 16
+    kv_lens, keys, vals, q, ks, vs, pre_rows, new_rows = _plan_inputs(ext, pre, hq, hkv, d, dtype, per_head, g)
+    sk = torch.randn(hq, generator=g) if sinks else None
+    meta = cpattn.get_strategy("replicated", 1).build_metadata(ext, pre, rank=0)
+    spec = cpattn.AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, kv_dtype=FP8,
+                                page_size=ps if paged else None, window_size=(window, 0), has_sinks=sinks)
+    plan = cpattn.plan_attention(meta, spec, backend="triton", backend_options=options)
+    n_pad = meta.num_physical_tokens - q.shape[0]
+    q_local = torch.cat([q, q.new_zeros(n_pad, hq, d)])
+    k_new = torch.cat([keys[new_rows], keys.new_zeros(n_pad, hkv, d)])
+    v_new = torch.cat([vals[new_rows], vals.new_zeros(n_pad, hkv, d)])
+    if paged:
+        kc, vc, table, num_pages = _paged_fp8_prefix(keys, vals, kv_lens, pre, ps, ks, vs, g)
+        writes = cpattn.plan_cache_writes(meta, table, page_size=ps, num_pages=num_pages)
+        out, lse = plan.run(q_local, k_new, v_new, (kc, vc), writes=writes, page_table=table, sinks=sk, k_scale=ks,
+                            v_scale=vs, return_lse=True)
+    else:
+        k_pre, v_pre = _quantize_here(keys[pre_rows], ks), _quantize_here(vals[pre_rows], vs)
+        out, lse = plan.run(q_local, k_new, v_new, (k_pre, v_pre), sinks=sk, k_scale=ks, v_scale=vs, return_lse=True)
+    kq, vq = _quantize_here(keys, ks), _quantize_here(vals, vs)
+    ref, ref_lse = attention_oracle(q, _dequantize_here(kq, ks), _dequantize_here(vq, vs), ext, pre,
+                                    window_left=window, sinks=sk)
+    t = q.shape[0]
+    assert (out[t:] == 0).all() and torch.isneginf(lse[t:]).all()
+    return out[:t], lse[:t], ref, ref_lse, plan
+
+
+@pytest.mark.parametrize("paged", [True, False])
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_portable_kernel_reads_fp8_caches(interp, dtype, per_head, paged):
+    """Prefill-shaped batches (the portable kernel) over FP8 caches: the oracle on the
+    dequantized cache at the query dtype's tolerance."""
+    out, lse, ref, ref_lse, plan = _fp8_dense_case(dtype, per_head, paged, [20, 0, 1, 37], [5, 9, 0, 30])
+    assert plan.family == "portable"
+    tol = TOLERANCE[dtype]
+    assert (out.double() - ref).abs().max().item() < tol
+    assert (lse.double() - ref_lse).abs().max().item() < tol
+
+
+def test_portable_kernel_fp8_window_and_sinks(interp):
+    """A window, sinks, GQA 3:1, D = 64."""
+    out, lse, ref, ref_lse, _ = _fp8_dense_case(torch.float32, True, True, [19, 4], [7, 33], window=11, sinks=True,
+                                                hq=6, hkv=2, d=64)
+    assert (out.double() - ref).abs().max().item() < TOLERANCE[torch.float32]
+    assert (lse.double() - ref_lse).abs().max().item() < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_dense_decode_plan_runs_split_kv_over_fp8(interp, per_head):
+    """A decode-shaped dense plan runs the split-KV family over the FP8 cache."""
+    out, lse, ref, ref_lse, plan = _fp8_dense_case(torch.bfloat16, per_head, True, [1, 1, 2], [300, 77, 150],
+                                                   options={"decode": {"num_sms": 64, "min_split": 16}})
+    assert plan.family == "decode"
+    assert (out.double() - ref).abs().max().item() < TOLERANCE[torch.bfloat16]
+    assert (lse.double() - ref_lse).abs().max().item() < TOLERANCE[torch.bfloat16]

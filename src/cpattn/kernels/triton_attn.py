@@ -11,6 +11,10 @@ and masked blocks at the causal diagonal; fully masked blocks are never loaded.
 K/V are either packed (key ``p`` of sequence ``b`` at row ``cu_kv_lens[b] + p``) or paged
 (page ``page_table[b, p // PAGE_SIZE]``, slot ``p % PAGE_SIZE``); any row strides work (last dim
 contiguous). Softmax runs in base 2 with fp32 accumulation; LSE is converted to natural log.
+FP8 caches (``KV_FP8``: e4m3 K/V, float32 scales per tensor or per KV head read from device
+memory): every K/V block is converted to the query dtype in registers after its load (exact), the
+K scale of the program's KV head multiplies the softmax scale and the V scale the output; pointer
+loads only (no TMA). With ``KV_FP8`` False the branches compile away.
 
 The launch geometry (tile map, GQA packing, L2 sections) is planned by the backend
 (:mod:`.triton_backend`); this module holds the kernel and :func:`launch`, which only passes
@@ -201,15 +205,19 @@ def _load_rows(base, off, in_seq, offs_d, desc, desc_row, MASKED: tl.constexpr, 
 def _block_scores(
     q1, q2, k_base, k_off, in_seq, k_desc1, k_desc2, desc_row, offs_d1, offs_d2,
     MASKED: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, USE_DESC: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, USE_DESC: tl.constexpr, KV_FP8: tl.constexpr = False,
 ):
     """Unscaled scores ``q @ K_block.T`` [BLOCK_M, BLOCK_N] (fp32); a split head dim
-    (``BLOCK_D2 > 0``) accumulates two dots."""
+    (``BLOCK_D2 > 0``) accumulates two dots. KV_FP8: e4m3 blocks converted to q's dtype."""
     k1 = _load_rows(k_base, k_off, in_seq, offs_d1, k_desc1, desc_row, MASKED, USE_DESC, DOT_UPCAST)
+    if KV_FP8:
+        k1 = k1.to(q1.dtype)
     s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
     if BLOCK_D2 > 0:
         k2 = _load_rows(k_base + BLOCK_D1, k_off, in_seq, offs_d2, k_desc2, desc_row, MASKED, USE_DESC,
                         DOT_UPCAST)
+        if KV_FP8:
+            k2 = k2.to(q2.dtype)
         s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
     return s
 
@@ -253,7 +261,7 @@ def _attn_key_range(
     offs_n, offs_d1, offs_d2, offs_dv,
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr, KV_FP8: tl.constexpr = False,
 ):
     """Online softmax over key blocks [n_lo, n_hi) (BLOCK_N-aligned); MASKED adds the causal /
     window mask and bounds loads at key_end. USE_DESC loads K/V blocks through the tensor
@@ -264,8 +272,10 @@ def _attn_key_range(
                                                  stride_vp, stride_vn, offs_n, MASKED, PAGED, PAGE_SIZE, BLOCK_N)
         desc_row = (kv_row_base + start).to(tl.int32)
         s = _block_scores(q1, q2, k_base, k_off, in_seq, k_desc1, k_desc2, desc_row, offs_d1, offs_d2,
-                          MASKED, BLOCK_D1, BLOCK_D2, DOT_PRECISION, DOT_UPCAST, USE_DESC)
+                          MASKED, BLOCK_D1, BLOCK_D2, DOT_PRECISION, DOT_UPCAST, USE_DESC, KV_FP8)
         v = _load_rows(v_base, v_off, in_seq, offs_dv, v_desc, desc_row, MASKED, USE_DESC, DOT_UPCAST)
+        if KV_FP8:
+            v = v.to(q1.dtype)
         acc, l_i, m_i = _softmax_update(acc, l_i, m_i, s, v, start, pos, window, qk_scale, offs_n,
                                         MASKED, HAS_WINDOW, DOT_PRECISION, DOT_UPCAST)
     return acc, l_i, m_i
@@ -284,20 +294,20 @@ def _tile_and_head_group(pid, num_tiles, num_head_groups, heads_per_section):
 
 @triton.jit
 def _cp_attn_fwd(
-    Q, K, V, Out, Lse, Sinks, PageTable,
+    Q, K, V, Out, Lse, Sinks, PageTable, KScale, VScale,
     tile_segment, tile_row_offset, NumTiles,
     seg_seq, seg_row0, seg_len, seg_pos0, seg_stride, cu_kv_lens,
     qk_scale, window, num_head_groups, heads_per_section, group_size, num_kv_rows,
     stride_qm, stride_qh, stride_sink,
     stride_kp, stride_kn, stride_kh,
     stride_vp, stride_vn, stride_vh,
-    stride_om, stride_oh, stride_lm, stride_lh, stride_pt,
+    stride_om, stride_oh, stride_lm, stride_lh, stride_pt, stride_ks, stride_vs,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
     BLOCK_M: tl.constexpr, G_PACK: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr = False,
 ):
     ROWS: tl.constexpr = BLOCK_M // G_PACK
     num_tiles = tl.load(NumTiles)  # from device memory: a capacity-sized grid replays for any batch
@@ -343,6 +353,8 @@ def _cp_attn_fwd(
 
     k_base = K + kvh.to(tl.int64) * stride_kh
     v_base = V + kvh.to(tl.int64) * stride_vh
+    if KV_FP8:  # the K scale joins the softmax scale (scores are linear in K)
+        qk_scale = qk_scale * tl.load(KScale + kvh * stride_ks)
     if PAGED:
         pt_row = PageTable + seq.to(tl.int64) * stride_pt
         kv_row_base = 0
@@ -388,7 +400,7 @@ def _cp_attn_fwd(
             k_desc1, k_desc2, v_desc, n_lo, f_lo, key_end, window, qk_scale,
             stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2, offs_dv,
             True, HAS_WINDOW, PAGED, PAGE_SIZE, BLOCK_D1, BLOCK_D2, DOT_PRECISION, DOT_UPCAST, BLOCK_N,
-            False,
+            False, KV_FP8,
         )
     # interior: every key visible to every row of the tile
     acc, l_i, m_i = _attn_key_range(
@@ -396,7 +408,7 @@ def _cp_attn_fwd(
         k_desc1, k_desc2, v_desc, f_lo, f_hi, key_end, window, qk_scale,
         stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2, offs_dv,
         False, HAS_WINDOW, PAGED, PAGE_SIZE, BLOCK_D1, BLOCK_D2, DOT_PRECISION, DOT_UPCAST, BLOCK_N,
-        USE_TMA,
+        USE_TMA, KV_FP8,
     )
     # the causal diagonal
     acc, l_i, m_i = _attn_key_range(
@@ -404,13 +416,15 @@ def _cp_attn_fwd(
         k_desc1, k_desc2, v_desc, f_hi, key_end, key_end, window, qk_scale,
         stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2, offs_dv,
         True, HAS_WINDOW, PAGED, PAGE_SIZE, BLOCK_D1, BLOCK_D2, DOT_PRECISION, DOT_UPCAST, BLOCK_N,
-        False,
+        False, KV_FP8,
     )
 
     # l_i == 0: no visible key (0 / -inf); NaN (from q, k, v or a sink) stays NaN in out and lse
     has_mass = l_i != 0.0
     inv_l = tl.where(has_mass, 1.0 / tl.where(has_mass, l_i, 1.0), 0.0)
     out = acc * inv_l[:, None]
+    if KV_FP8:  # the V scale: the output is linear in V
+        out = out * tl.load(VScale + kvh * stride_vs)
     o_ptrs = Out + row[:, None] * stride_om + head[:, None] * stride_oh + offs_dv[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=valid[:, None])
     if RETURN_LSE:
@@ -422,7 +436,7 @@ def _cp_attn_fwd(
 
 _cp_attn_fwd_tuned = triton.autotune(
     configs=_configs(),
-    key=["HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "G_PACK", "PAGED", "PAGE_SIZE", "HAS_WINDOW", "USE_TMA"],
+    key=["HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "G_PACK", "PAGED", "PAGE_SIZE", "HAS_WINDOW", "USE_TMA", "KV_FP8"],
     prune_configs_by={"early_config_prune": _prune_configs},
     do_bench=_bench_config,
 )(_cp_attn_fwd)
@@ -444,9 +458,10 @@ def dot_settings(dtype: torch.dtype) -> dict:
 
 
 #: Per-call arguments of the portable kernel, in the order of a launch's ``values``.
-_PER_CALL = ("Q", "K", "V", "Out", "Lse", "Sinks", "PageTable", "qk_scale", "num_kv_rows", "stride_qm", "stride_qh",
-             "stride_sink", "stride_kp", "stride_kn", "stride_kh", "stride_vp", "stride_vn", "stride_vh", "stride_om",
-             "stride_oh", "stride_lm", "stride_lh", "stride_pt", "HAS_SINKS", "RETURN_LSE", "USE_TMA")
+_PER_CALL = ("Q", "K", "V", "Out", "Lse", "Sinks", "PageTable", "KScale", "VScale", "qk_scale", "num_kv_rows",
+             "stride_qm", "stride_qh", "stride_sink", "stride_kp", "stride_kn", "stride_kh", "stride_vp", "stride_vn",
+             "stride_vh", "stride_om", "stride_oh", "stride_lm", "stride_lh", "stride_pt", "stride_ks", "stride_vs",
+             "HAS_SINKS", "RETURN_LSE", "USE_TMA")
 
 
 def make_launch(plan_args: dict, config: Optional[tuple[int, int, int]] = None, enabled: bool = True):
@@ -467,17 +482,19 @@ def kv_facts(k: Tensor, v: Tensor, paged: bool) -> tuple:
     """``(use_tma, K/V ints, their key part)`` of a portable launch over these K/V (ints and
     flags only: a plan caches them per K/V address, shape, strides and dtype)."""
     ints = kv_strides(k, v, paged)
-    use_tma = not paged and not INTERPRETED and _tma_ok(k, v)
+    use_tma = not paged and not INTERPRETED and k.element_size() > 1 and _tma_ok(k, v)  # FP8: pointer loads
     return use_tma, ints, (k.data_ptr() & 15, v.data_ptr() & 15, k.shape[0]) + ints + (use_tma,)
 
 
 def launch(
     launcher, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tensor], sinks: Optional[Tensor],
     page_table: Optional[Tensor], cu_kv_lens: Tensor, *, grid: tuple[int], softmax_scale: float, kv_cache=None,
+    k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None,
 ) -> None:
     """Launch the portable kernel through its planned launcher (:func:`make_launch`).
     ``kv_cache``: the plan's :class:`~cpattn.kernels._launch.LRU` of :func:`kv_facts` (None:
-    computed per call)."""
+    computed per call). ``k_scale`` / ``v_scale``: float32 ``[]`` or ``[Hkv]`` scales of FP8
+    K/V (a plan with ``KV_FP8``)."""
     paged = page_table is not None
     key_kv = (k.data_ptr(), v.data_ptr(), k.shape, v.shape, k.stride(), v.stride(), k.dtype, paged)
     facts = kv_cache.get(key_kv) if kv_cache is not None else None
@@ -491,10 +508,16 @@ def launch(
     qs, os_ = q.stride(), out.stride()
     slm, slh = lse.stride() if has_lse else (0, 0)
     ssink = sinks.stride(0) if has_sinks else 0
-    values = (q, k, v, out, lse if has_lse else out, sinks if has_sinks else out, pt, float(softmax_scale) * LOG2E,
-              k.shape[0], qs[0], qs[1], ssink) + kv_ints + (os_[0], os_[1], slm, slh, stride_pt, has_sinks, has_lse,
-                                                           use_tma)
+    ks = k_scale if k_scale is not None else pt  # never read without KV_FP8
+    vs = v_scale if v_scale is not None else pt
+    sks = k_scale.stride(0) if k_scale is not None and k_scale.dim() == 1 else 0
+    svs = v_scale.stride(0) if v_scale is not None and v_scale.dim() == 1 else 0
+    values = (q, k, v, out, lse if has_lse else out, sinks if has_sinks else out, pt, ks, vs,
+              float(softmax_scale) * LOG2E, k.shape[0], qs[0], qs[1], ssink) + kv_ints + (
+                  os_[0], os_[1], slm, slh, stride_pt, sks, svs, has_sinks, has_lse, use_tma)
     key = (q.dtype, q.data_ptr() & 15, out.data_ptr() & 15, lse.data_ptr() & 15 if has_lse else -1,
            (sinks.dtype, sinks.data_ptr() & 15) if has_sinks else None, (pt.dtype, pt.data_ptr() & 15),
            qs[0], qs[1], ssink, os_[0], os_[1], slm, slh, stride_pt) + kv_part
+    if k_scale is not None:  # (FP8 plans only: a bf16 plan's key is unchanged)
+        key += (ks.data_ptr() & 15, vs.data_ptr() & 15, sks, svs)
     launcher(grid, values, key)  # USE_TMA: device-side descriptors in the launch's global scratch

@@ -245,6 +245,8 @@ class _TritonRun:
              triton_mla.BLOCK_M),
         ):
             reason = "the CPU interpreter" if triton_attn.INTERPRETED else fam_reason
+            if reason is None and spec.kv_quantized:
+                reason = f"an FP8 cache (kv_dtype={spec.kv_dtype}): the portable kernel dequantizes it"
             if reason is None and block_m != fam_block:
                 reason = f"block_m={block_m} (the {name} kernel covers {fam_block})"
             if reason is None and self.config is not None:
@@ -287,6 +289,8 @@ class _TritonRun:
             common, HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D1=d1, BLOCK_D2=d2, BLOCK_M=block_m,
             PAGED=spec.paged, PAGE_SIZE=spec.page_size or 1, **triton_attn.dot_settings(spec.dtype),
         )
+        if spec.kv_quantized:  # else the constexpr keeps its default: the bf16 kernel is unchanged
+            self.portable_args["KV_FP8"] = True
         planned = bool(options.get("planned_launch", True))
         from ._launch import LaunchState
 
@@ -335,7 +339,7 @@ class _TritonRun:
         else:
             self._fast = None
 
-    def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse) -> None:
+    def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse, k_scale=None, v_scale=None) -> None:
         if not softmax_scale > 0:
             raise ValueError(f"softmax_scale must be > 0 for the triton kernels, got {softmax_scale}")
         if k.stride(-1) != 1:
@@ -349,7 +353,7 @@ class _TritonRun:
         index = self._device_index  # plan.run checked that the tensors are on the plan's device
         if index is not None and index != torch.cuda.current_device():
             with torch.cuda.device(index):  # tensors on a non-current GPU: again, with it current
-                self(q, k, v, page_table, sinks, softmax_scale, out, lse)
+                self(q, k, v, page_table, sinks, softmax_scale, out, lse, k_scale, v_scale)
             return
         fast = self._fast
         if fast is not None and fast(q, k, v, out, lse, sinks, page_table, grid=self.fast_grid,
@@ -357,7 +361,7 @@ class _TritonRun:
                                      **self._fast_options):
             return
         self._portable(self._portable_launch, q, k, v, out, lse, sinks, page_table, self.cu_kv_lens, grid=self.grid,
-                       softmax_scale=softmax_scale, kv_cache=self._portable_state.kv)
+                       softmax_scale=softmax_scale, kv_cache=self._portable_state.kv, k_scale=k_scale, v_scale=v_scale)
 
 
 class TritonBackend:
@@ -367,7 +371,7 @@ class TritonBackend:
         return triton_available()
 
     def unsupported_reason(self, spec: AttentionSpec, meta: CPMetadata) -> Optional[str]:
-        return triton_unsupported_reason(spec, meta.device, _KERNEL_MODULE)
+        return triton_unsupported_reason(spec, meta.device, _KERNEL_MODULE, fp8=True)
 
     def plan(self, spec: AttentionSpec, meta: CPMetadata, options: Mapping):
         family = options.get("family", "auto")
