@@ -61,13 +61,14 @@ class ShardedMiniEngine:
         self.sharding.check_page_size(cfg.page_size)
         # [cpattn] The layer kind, once (GQA over the paged cache; page_size a multiple of I).
         self.spec = cpattn.AttentionSpec(num_q_heads=cfg.q_heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-                                         dtype=cfg.dtype, page_size=cfg.page_size)
+                                         dtype=cfg.dtype, page_size=cfg.page_size, kv_dtype=cfg.kv_dtype)
         # [cpattn] Decode steps place their queries with the "replicated" strategy (every rank
         # computes every query) over the same C ranks; the keys stay sharded.
         self.decode_strategy = cpattn.get_strategy("replicated", strategy.cp_size)
         self.extend_algorithm = extend_algorithm
         self.cached_requests: list[Request] = []
         self.extend_algorithms_used: list[str] = []
+        self.logits: list[Tensor] = []  # every forward's next-token logits (float32, CPU)
 
     # ------------------------------------------------------------------ scheduling (host)
     def _local(self, n: int) -> int:
@@ -154,13 +155,16 @@ class ShardedMiniEngine:
             q, k, v = self._qkv(h, pos_local, w)
             # [cpattn] One call per layer: its collectives (pass-KV: 1, pass-Q: 2), the write of
             # this rank's share of the new K/V into its cache, attention -> [P, Hq, D].
-            o = plan.run(q, k, v, (self.cache.k[layer], self.cache.v[layer]), group=self.group)
+            o = plan.run(q, k, v, (self.cache.k[layer], self.cache.v[layer]), group=self.group,
+                         **self.cache.layer_scales(layer))
             h = self._layer_tail(h, o, w)
         h_full = s.gather(h, meta, self.group)  # [cpattn] [P, hidden] -> [T, hidden]
         last = h_full[meta.cu_extend_lens[1:] - 1]
         for r, n in zip(reqs, extend_lens):
             r.cached += n
-        return rms_norm(last, m.final_norm) @ m.lm_head
+        logits = rms_norm(last, m.final_norm) @ m.lm_head
+        self.logits.append(logits.float().cpu())
+        return logits
 
     # ------------------------------------------------------------------ decode with CP
     @torch.no_grad()
@@ -189,12 +193,14 @@ class ShardedMiniEngine:
             # the owner stores a new key), attend over this rank's keys, and merge the ranks'
             # partial outputs exactly in ONE collective -> [P, Hq, D], the same on every rank.
             o = plan.run(q, k, v, (self.cache.k[layer], self.cache.v[layer]), writes=writes, group=self.group,
-                         page_table=table)
+                         page_table=table, **self.cache.layer_scales(layer))
             h = self._layer_tail(h, o, w)
         h = s.gather(h, dmeta, self.group)  # [cpattn] replicated rows: [P, hidden] -> [B, hidden], no collective
         for r in reqs:
             r.cached += 1
-        return rms_norm(h, m.final_norm) @ m.lm_head
+        logits = rms_norm(h, m.final_norm) @ m.lm_head
+        self.logits.append(logits.float().cpu())
+        return logits
 
     # ------------------------------------------------------------------ public steps
     def prefill(self, reqs: list[Request]) -> list[int]:
@@ -217,15 +223,16 @@ class ShardedMiniEngine:
         for r in reqs:
             j = torch.arange(self._local(r.cached))
             pages = torch.tensor(r.pages, dtype=torch.int64)[j // ps] if j.numel() else j
-            out[r.rid] = (self.cache.k[:, pages, j % ps].cpu(), self.cache.v[:, pages, j % ps].cpu())
+            out[r.rid] = (mini_engine.portable_cache(self.cache.k[:, pages, j % ps]),
+                          mini_engine.portable_cache(self.cache.v[:, pages, j % ps]))
         return out
 
 
 def run_sharded_engine(strategy_name: str, cp_size: int, rank: int, group, device, decode_steps: int = 4,
                        pad_multiple: int = 8, interleave: int = 1, extend_algorithm: str = "auto",
-                       dtype: torch.dtype = torch.float32) -> dict:
+                       dtype: torch.dtype = torch.float32, kv_dtype: Optional[torch.dtype] = None) -> dict:
     """The mini engine scenario with a sharded cache on one rank."""
-    cfg = EngineConfig(dtype=dtype)
+    cfg = EngineConfig(dtype=dtype, kv_dtype=kv_dtype)
     strategy = cpattn.get_strategy(strategy_name, cp_size, pad_multiple=pad_multiple)
     engine = ShardedMiniEngine(cfg, strategy, rank, group, device, interleave, extend_algorithm)
     batch1, batch2 = make_requests(cfg)
@@ -242,13 +249,14 @@ def run_sharded_engine(strategy_name: str, cp_size: int, rank: int, group, devic
         "local_cache": engine.local_cache_contents(everyone),
         "cached": {r.rid: r.cached for r in everyone},
         "used_pages": used_pages,
+        "logits": engine.logits,
     }
 
 
 def run_rank(rank: int, world_size: int, device, strategy_name: str, decode_steps: int, interleave: int,
-             extend_algorithm: str) -> dict:
+             extend_algorithm: str, kv_dtype: Optional[torch.dtype] = None) -> dict:
     return run_sharded_engine(strategy_name, world_size, rank, None, device, decode_steps, interleave=interleave,
-                              extend_algorithm=extend_algorithm)
+                              extend_algorithm=extend_algorithm, kv_dtype=kv_dtype)
 
 
 def main(args) -> int:
@@ -256,11 +264,13 @@ def main(args) -> int:
     engine at C = 1 (exit 1 if any rank's greedy tokens differ)."""
     use_cuda = torch.cuda.is_available() and not args.cpu
     algorithm = getattr(args, "extend", "auto")
+    kv_dtype = mini_engine.KV_DTYPES[getattr(args, "kv_dtype", "auto")]
     results = launch(run_rank, args.spawn, args.strategy, args.decode_steps, getattr(args, "interleave", 1),
-                     algorithm, use_cuda=use_cuda)
+                     algorithm, kv_dtype, use_cuda=use_cuda)
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.spawn
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    reference = mini_engine.run_engine(args.strategy, 1, 0, None, device, decode_steps=args.decode_steps)["tokens"]
+    reference = mini_engine.run_engine(args.strategy, 1, 0, None, device, decode_steps=args.decode_steps,
+                                       kv_dtype=kv_dtype)["tokens"]
     ok = True
     for i, res in enumerate(results):
         rank = int(os.environ["RANK"]) if under_torchrun() else i

@@ -65,3 +65,51 @@ def test_spawn_cli():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "equal to the C = 1 engine" in proc.stdout
+
+
+# ------------------------------------------------------------------ FP8 (e4m3) KV cache
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.fixture(scope="module")
+def fp8_reference() -> dict:
+    return mini_engine.run_engine("zigzag", 1, 0, None, CPU, kv_dtype=FP8)
+
+
+def test_fp8_cache_logits_within_bound_of_unquantized_engine(reference, fp8_reference):
+    """--kv-dtype fp8 at C = 1: an FP8 cache, and logits within the documented bound of the
+    unquantized engine's (and not equal: the cache really is quantized)."""
+    # the FP8 caches' bytes (uint8 views): they hold e4m3 values, not the model's
+    assert fp8_reference["k_cache"].dtype == torch.uint8 and fp8_reference["v_cache"].dtype == torch.uint8
+    assert not torch.equal(fp8_reference["k_cache"].view(FP8).float(), reference["k_cache"])
+    err = mini_engine.logit_error(fp8_reference["logits"], reference["logits"])
+    assert 0 < err < mini_engine.FP8_LOGIT_BOUND, err
+    assert len(fp8_reference["logits"]) == len(reference["logits"]) == 6
+
+
+def _sharded_fp8_rank(rank, world, device):
+    import _sharded_engine
+
+    return _sharded_engine.run_sharded_engine("zigzag", world, rank, None, device, kv_dtype=FP8)
+
+
+def test_fp8_cache_under_cp_replicated_and_sharded(reference, fp8_reference):
+    """C = 2 with an FP8 cache, replicated (gather of FP8 rows) and sharded (pass-KV / pass-Q
+    extends, shard_merge decode): the greedy tokens of the FP8 engine at C = 1, logits within the
+    bound of the unquantized engine."""
+    rep = [r["zigzag"] for r in run_distributed(mini_engine.run_rank, 2, CPU, ("zigzag",), 4, 8, FP8)]
+    sharded = run_distributed(_sharded_fp8_rank, 2, CPU)
+    for res in rep + sharded:
+        assert res["tokens"] == fp8_reference["tokens"]
+        assert mini_engine.logit_error(res["logits"], reference["logits"]) < mini_engine.FP8_LOGIT_BOUND
+    assert torch.equal(rep[0]["k_cache"], rep[1]["k_cache"]) and torch.equal(rep[0]["v_cache"], rep[1]["v_cache"])
+
+
+def test_fp8_spawn_cli():
+    for kv in ("replicated", "sharded"):
+        proc = subprocess.run(
+            [sys.executable, os.path.join(EXAMPLES, "mini_engine.py"), "--spawn", "2", "--kv", kv, "--kv-dtype", "fp8",
+             "--cpu"], capture_output=True, text=True, timeout=180,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "equal to the" in proc.stdout
