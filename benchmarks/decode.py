@@ -27,6 +27,15 @@ GPU targets (checked in the summary of a GPU run): q_len-1 GQA attention >= 3.5 
 time at C = 8 <= 0.15x of C = 1 at L = 1M, KV bytes per rank <= 1/C of replicated + one page per
 sequence, measured crossover within 25% of the model's.
 
+FP8 caches (``--kv-dtype fp8``, or ``both`` for bf16 and FP8 side by side in one run): the same
+grid over float8_e4m3fn caches with float32 per-KV-head scales (``AttentionSpec(kv_dtype=)``);
+rows carry ``kv_dtype``. On the GPU each run also measures the device-copy bandwidth (a large
+device-to-device copy, read + write bytes / time) and reports every row's attention bandwidth as
+a fraction of it (``copy_fraction``), and, with both cache dtypes, each FP8 row's token-rate gain
+over the bf16 row of the same config (``speedup_vs_bf16``).
+
+    python benchmarks/run.py decode --shapes gqa --q-lens 1 --keys 32k,128k --batches 8,64 --kv-dtype both
+
 CPU smoke run (tiny shapes, torch reference or the Triton interpreter; no targets checked;
 bench-out/decode-cpu-smoke.*)::
 
@@ -94,6 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link-gbps", type=float, default=None,
                    help="per-rank link bandwidth (GB/s) charged for the collectives (default: the cost model's)")
     p.add_argument("--distributed", action="store_true", help="under torchrun: real collectives (C = world size)")
+    p.add_argument("--kv-dtype", default="model", choices=("model", "fp8", "both"),
+                   help="cache dtype: the model's (bf16 on the GPU), fp8 (e4m3, per-head scales), or both side by side")
     p.add_argument("--tiny", action="store_true", help="tiny shapes for a CPU smoke run")
     p.add_argument("--out", default=None,
                    help="output path without extension (default bench-out/decode, with --tiny bench-out/decode-cpu-smoke)")
@@ -129,7 +140,8 @@ def timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
 
 
 class Pool:
-    """One reusable random K (and V) buffer, viewed as a paged cache for each config."""
+    """One reusable random K (and V) buffer, viewed as a paged cache for each config (an FP8
+    ``dtype``: e4m3 values of N(0, 1) samples)."""
 
     def __init__(self, device, dtype):
         self.device, self.dtype, self.buf, self.key = device, dtype, None, None
@@ -144,7 +156,10 @@ class Pool:
             self.buf = torch.empty(need, dtype=self.dtype, device=self.device)
             g = torch.Generator(device=self.device).manual_seed(0)
             for chunk in self.buf.split(1 << 28):
-                chunk.normal_(generator=g)
+                if self.dtype.itemsize == 1:  # FP8: quantized samples (no normal_ for fp8)
+                    chunk.copy_(torch.randn(chunk.shape, device=self.device, generator=g))
+                else:
+                    chunk.normal_(generator=g)
         flat = self.buf[:need].view(num_pages, ps, row)
         k = flat[..., : hkv * d].view(num_pages, ps, hkv, d)
         v = k[..., :dv] if v_from_k else flat[..., hkv * d :].view(num_pages, ps, hkv, dv)
@@ -183,9 +198,12 @@ def received_parts(out: torch.Tensor, lse: torch.Tensor, c: int) -> tuple[torch.
 
 # ----------------------------------------------------------------------------- decode grid
 def decode_case(pool: Pool, time_fn, *, name: str, shape, c: int, b: int, keys: int, q_len: int, ps: int, backend: str,
-                options: Optional[dict], iters: int, rank: int = 0) -> dict:
+                options: Optional[dict], iters: int, rank: int = 0, dtype: Optional[torch.dtype] = None) -> dict:
+    """One config; ``pool.dtype`` is the cache dtype, ``dtype`` the query dtype (default the same;
+    an FP8 pool needs bf16 / fp16 / fp32 queries)."""
     hq, hkv, d, dv, v_from_k = shape
-    dev, dtype = pool.device, pool.dtype
+    dev, kv_dtype = pool.device, pool.dtype
+    dtype = dtype or kv_dtype
     sh = cpattn.KVSharding(c)
     dmeta = cpattn.get_strategy("replicated", c).build_metadata([q_len] * b, [keys - q_len] * b, rank=rank,
                                                                kv=sh).to(dev)
@@ -194,13 +212,17 @@ def decode_case(pool: Pool, time_fn, *, name: str, shape, c: int, b: int, keys: 
     kc, vc = pool.paged(num_pages, ps, hkv, d, dv, v_from_k)
     q = torch.randn(b * q_len, hq, d, device=dev, dtype=dtype)
     spec = cpattn.AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=dtype,
-                                page_size=ps)
+                                page_size=ps, kv_dtype=kv_dtype)
+    scales = {}
+    if spec.kv_quantized:  # per-KV-head scales, device tensors as an engine holds them
+        g = torch.Generator().manual_seed(1)
+        scales = {name_: (0.5 + torch.rand(hkv, generator=g)).to(dev) for name_ in ("k_scale", "v_scale")}
     plan = cpattn.plan_attention(dmeta, spec, backend=backend, backend_options=options)
-    out, lse = plan.attend(q, kc, vc, page_table=table)
+    out, lse = plan.attend(q, kc, vc, page_table=table, **scales)
     outs, lses = received_parts(out, lse, c)
 
     def attn():
-        return plan.attend(q, kc, vc, page_table=table, out=out, lse=lse)
+        return plan.attend(q, kc, vc, page_table=table, out=out, lse=lse, **scales)
 
     def merge():
         return cpattn.merge_states(outs, lses)
@@ -222,14 +244,15 @@ def decode_case(pool: Pool, time_fn, *, name: str, shape, c: int, b: int, keys: 
             merge_layers_ms = time_cuda_graph(merge, iters=iters, calls=GRAPH_LAYERS) if c > 1 else 0.0
         except RuntimeError as exc:  # capture not possible here: eager numbers only
             progress(f"graph timing skipped ({exc})")
-    item = torch.empty((), dtype=dtype).element_size()
+    item = kv_dtype.itemsize
     row = kv_row_bytes(hkv, d, dv, v_from_k, item)
     read = sum(local) * row
     allocated = num_pages * ps * row
     bound = b * keys * row / c + b * ps * row
     impl = plan.launch
     return dict(
-        shape=name, cp=c, batch=b, keys=keys, q_len=q_len, backend=plan.backend, attn_ms=round(attn_ms, 5),
+        shape=name, cp=c, batch=b, keys=keys, q_len=q_len, kv_dtype=str(kv_dtype).replace("torch.", ""),
+        backend=plan.backend, attn_ms=round(attn_ms, 5),
         merge_ms=round(merge_ms, 5), rank_ms=round(attn_ms + merge_ms, 5), step_ms=round(step_ms, 5),
         attn_graph_ms=None if attn_graph_ms is None else round(attn_graph_ms, 5),
         merge_graph_ms=None if merge_graph_ms is None else round(merge_graph_ms, 5),
@@ -261,12 +284,25 @@ def shard_options(args) -> dict | None:
     return options or None
 
 
+#: ``--kv-dtype`` -> the cache dtypes of a run (None: the model dtype).
+KV_DTYPE_RUNS = {"model": (None,), "fp8": (torch.float8_e4m3fn,), "both": (None, torch.float8_e4m3fn)}
+
+
 def run_decode_grid(args, device, dtype, shapes) -> tuple[list[dict], list[str]]:
-    pool = Pool(device, dtype)
+    rows, skipped = [], []
+    for kv_dtype in KV_DTYPE_RUNS[getattr(args, "kv_dtype", "model")]:
+        r, s = _decode_grid(args, device, dtype, kv_dtype or dtype, shapes)
+        rows += r
+        skipped += s
+    return rows, skipped
+
+
+def _decode_grid(args, device, dtype, kv_dtype, shapes) -> tuple[list[dict], list[str]]:
+    pool = Pool(device, kv_dtype)
     time_fn = timer(device)
     options = shard_options(args)
     rows, skipped = [], []
-    item = torch.empty((), dtype=dtype).element_size()
+    item = kv_dtype.itemsize
     for name in args.shapes.split(","):
         shape = shapes[name]
         hq, hkv, d, dv, v_from_k = shape
@@ -279,9 +315,11 @@ def run_decode_grid(args, device, dtype, shapes) -> tuple[list[dict], list[str]]
                         continue
                     for q_len in _ints(args.q_lens):
                         r = decode_case(pool, time_fn, name=name, shape=shape, c=c, b=b, keys=keys, q_len=q_len,
-                                        ps=args.page_size, backend=args.backend, options=options, iters=args.iters)
+                                        ps=args.page_size, backend=args.backend, options=options, iters=args.iters,
+                                        dtype=dtype)
                         rows.append(r)
-                        progress(f"decode {name} C={c} B={b} L={_k(keys)} q={q_len}: attn {r['attn_ms']:.4f} ms "
+                        progress(f"decode {name} {r['kv_dtype']} C={c} B={b} L={_k(keys)} q={q_len}: attn "
+                                 f"{r['attn_ms']:.4f} ms "
                                  f"{r['hbm_gbps']:.0f} GB/s ({r['tflops']} TF/s), merge {r['merge_ms']:.4f} ms "
                                  f"({r['merge_path']}), "
                                  f"{r['splits']} items x {r['split_keys']} keys")
@@ -412,6 +450,33 @@ def _k(n: int) -> str:
     return f"{n >> 20}M" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n // 1024}k" if n >= 1024 else str(n)
 
 
+def copy_gbps(device: torch.device, nbytes: int = 1 << 30, iters: int = 20) -> Optional[float]:
+    """Device-copy bandwidth (GB/s: bytes read + written per second) of a ``nbytes`` device-to-
+    device copy, the bound a memory-bound kernel is compared with (None off the GPU)."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = time_cuda_back_to_back(lambda: dst.copy_(src), warmup=3, iters=iters)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def add_bandwidth_ratios(rows: list[dict], copy: Optional[float]) -> None:
+    """``copy_fraction`` (attention GB/s over the device copy's; graph replay where timed) and,
+    for FP8 rows with a bf16 twin, ``speedup_vs_bf16`` (the twin's attention time over this one's)."""
+    for r in rows:
+        gbps = r.get("hbm_gbps_graph") or r["hbm_gbps"]
+        r["copy_fraction"] = None if copy is None else round(gbps / copy, 3)
+    key = ("shape", "cp", "batch", "keys", "q_len")
+    for r in rows:
+        if r.get("kv_dtype") != "float8_e4m3fn":
+            continue
+        twin = next((x for x in rows if x.get("kv_dtype") != r["kv_dtype"] and all(x[k] == r[k] for k in key)), None)
+        if twin is not None:
+            t, t0 = r.get("attn_graph_ms") or r["attn_ms"], twin.get("attn_graph_ms") or twin["attn_ms"]
+            r["speedup_vs_bf16"] = round(t0 / t, 3)
+
+
 def summarize(rows: list[dict], crossover: Optional[dict], targets: bool = True) -> list[str]:
     """The summary lines: each GPU target with its verdict, or (``targets`` False, a CPU smoke run)
     only the measured crossover against the model's."""
@@ -421,6 +486,16 @@ def summarize(rows: list[dict], crossover: Optional[dict], targets: bool = True)
         m, p = crossover["measured_crossover_prefix"], crossover["model_crossover_prefix"]
         return [f"pass-KV / pass-Q crossover (prefix keys): measured {m and round(m)}, model {p and round(p)}"]
     lines = []
+    fp8 = [r for r in rows if r.get("kv_dtype") == "float8_e4m3fn" and r["shape"] == "gqa" and r["q_len"] == 1
+           and r["batch"] >= 8 and r["keys"] >= 32768 and r.get("copy_fraction") is not None]
+    if fp8:  # FP8 caches: >= 85% of the device-copy bandwidth at B >= 8, L >= 32k
+        worst = min(fp8, key=lambda r: r["copy_fraction"])
+        lines.append(f"q_len-1 GQA attention over an FP8 cache >= 85% of the device copy (B >= 8, L >= 32k): "
+                     f"{'PASS' if worst['copy_fraction'] >= 0.85 else 'FAIL'} (lowest {worst['copy_fraction']:.2f} at "
+                     f"C={worst['cp']} B={worst['batch']} L={_k(worst['keys'])}"
+                     + (f", {worst['speedup_vs_bf16']:.2f}x the bf16 token rate" if worst.get("speedup_vs_bf16")
+                        else "") + ")")
+    rows = [r for r in rows if r.get("kv_dtype") != "float8_e4m3fn"]  # the targets below are the bf16 cache's
     gqa1 = [r for r in rows if r["shape"] == "gqa" and r["q_len"] == 1]
     for how, gbps in (("eager", "hbm_gbps"), ("graph replay", "hbm_gbps_graph")):
         have = [r for r in gqa1 if r.get(gbps) is not None]
@@ -455,19 +530,20 @@ def summarize(rows: list[dict], crossover: Optional[dict], targets: bool = True)
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"| shape | C | B | L | q | attn ms | merge ms | GB/s | TF/s | graph: attn ms | merge ms | GB/s | "
-          f"{GRAPH_LAYERS} per graph: attn ms | merge ms | KV bytes/rank | splits |")
-    print("| --- " + "| ---: " * 15 + "|")
+    print(f"| shape | kv | C | B | L | q | attn ms | merge ms | GB/s | TF/s | graph: attn ms | merge ms | GB/s | "
+          f"{GRAPH_LAYERS} per graph: attn ms | merge ms | KV bytes/rank | splits | of copy |")
+    print("| --- | --- " + "| ---: " * 16 + "|")
 
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)
 
     for r in rows:
-        print(f"| {r['shape']} | {r['cp']} | {r['batch']} | {_k(r['keys'])} | {r['q_len']} | {r['attn_ms']:.4f} | "
+        print(f"| {r['shape']} | {r.get('kv_dtype', '-')} | {r['cp']} | {r['batch']} | {_k(r['keys'])} | {r['q_len']} | "
+              f"{r['attn_ms']:.4f} | "
               f"{r['merge_ms']:.4f} | {r['hbm_gbps']:.0f} | {r['tflops']} | {f(r.get('attn_graph_ms'), '.4f')} | "
               f"{f(r.get('merge_graph_ms'), '.4f')} | {f(r.get('hbm_gbps_graph'), '.0f')} | "
               f"{f(r.get('attn_layers_ms'), '.4f')} | {f(r.get('merge_layers_ms'), '.4f')} | "
-              f"{r['kv_bytes_rank'] / 1e9:.2f} GB | {r['splits']} |")
+              f"{r['kv_bytes_rank'] / 1e9:.2f} GB | {r['splits']} | {f(r.get('copy_fraction'), '.2f')} |")
 
 
 def plot(rows: list[dict], crossover: Optional[dict], path: str, info: dict, targets: bool = True) -> None:
@@ -481,10 +557,13 @@ def plot(rows: list[dict], crossover: Optional[dict], path: str, info: dict, tar
         return
     fig, axes = plt.subplots(1, 2 if crossover else 1, figsize=(14 if crossover else 8, 4.5), squeeze=False)
     ax = axes[0, 0]
-    for key in sorted({(r["shape"], r["batch"], r["keys"], r["q_len"]) for r in rows}):
-        pts = sorted((r["cp"], r["hbm_gbps"]) for r in rows if (r["shape"], r["batch"], r["keys"], r["q_len"]) == key)
+    def config(r):
+        return r["shape"], r["batch"], r["keys"], r["q_len"], r.get("kv_dtype", "")
+
+    for key in sorted({config(r) for r in rows}):
+        pts = sorted((r["cp"], r["hbm_gbps"]) for r in rows if config(r) == key)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                label=f"{key[0]} B={key[1]} L={_k(key[2])} q={key[3]}")
+                label=f"{key[0]} {key[4]} B={key[1]} L={_k(key[2])} q={key[3]}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("C (one rank's 1/C shard)")
     ax.set_ylabel("attention HBM GB/s")
@@ -544,6 +623,9 @@ def main(args: argparse.Namespace) -> int:
     info = header("benchmarks/run.py decode" + (" --tiny" if args.tiny else ""), smoke=smoke)
     progress(f"{info['machine']}")
     rows, skipped = run_decode_grid(args, device, dtype, shapes)
+    copy = copy_gbps(device)
+    add_bandwidth_ratios(rows, copy)
+    info["device_copy_gbps"] = None if copy is None else round(copy, 1)
     sweep = sweep_configs(args, device, dtype, shapes) if args.sweep and cuda else []
     crossover = None if args.no_crossover else run_crossover(args, device, dtype, shapes)
     summary = summarize(rows, crossover, targets=not smoke)

@@ -40,3 +40,20 @@ def test_decode_bench_shard_options_from_the_command_line():
     assert shard_options(p.parse_args([])) is None
     args = p.parse_args(["--config", "64,4,2", "--block-m", "32", "--programs-per-sm", "2", "--no-pdl"])
     assert shard_options(args) == dict(config=(64, 4, 2), block_m=32, programs_per_sm=2, pdl=False)
+
+
+def test_decode_bench_fp8_side_by_side(tmp_path):
+    """``--kv-dtype both``: every config over the model-dtype cache and over an FP8 cache in one
+    run; FP8 rows hold a quarter of the bytes per key of the CPU run's float32 cache (1 vs 4)
+    and carry their token-rate ratio to the twin row."""
+    out = os.path.join(tmp_path, "decode")
+    assert main(["decode", "--tiny", "--shapes", "gqa", "--q-lens", "1", "--kv-dtype", "both", "--no-crossover",
+                 "--out", out]) == 0
+    rows = json.load(open(out + ".json"))["rows"]
+    fp8 = [r for r in rows if r["kv_dtype"] == "float8_e4m3fn"]
+    model = [r for r in rows if r["kv_dtype"] == "float32"]
+    assert len(fp8) == len(model) == 2 * 2 * 2
+    for r in fp8:
+        twin = next(x for x in model if all(x[k] == r[k] for k in ("cp", "batch", "keys", "q_len")))
+        assert r["kv_bytes_rank"] * 4 == twin["kv_bytes_rank"]
+        assert r["speedup_vs_bf16"] > 0
