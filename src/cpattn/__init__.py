@@ -19,7 +19,7 @@ A decode step over a sharded cache is the same code with
 (``plan.algorithm == "shard_merge"``); see docs/design.md.
 """
 
-from . import dsa, padding
+from . import dsa, padding, quant
 from .cache import (
     CacheWritePlan,
     kv_bytes_per_token,
@@ -88,6 +88,7 @@ __all__ = [
     "plan_attention",
     "plan_cache_writes",
     "plan_index_topk",
+    "quant",
     "read_mla_cache",
     "start_gather_kv",
     "start_gather_mla_latent",
