@@ -574,3 +574,46 @@ def test_dense_decode_plan_runs_split_kv_over_fp8(interp, per_head):
     assert plan.family == "decode"
     assert (out.double() - ref).abs().max().item() < TOLERANCE[torch.bfloat16]
     assert (lse.double() - ref_lse).abs().max().item() < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("kind", ["shard", "dense"])
+def test_absorbed_mla_over_fp8_latent_cache(interp, kind):
+    """Absorbed MLA (one latent KV head, v a view of k's first Dv columns) over an FP8 latent cache
+    with one scale for the latent row (k_scale is v_scale): the split-KV kernel (decode, V read
+    from the K block) and the portable kernel (prefill-shaped) equal the oracle on the
+    dequantized latent."""
+    g = torch.Generator().manual_seed(4)
+    hq, d, dv, ps = 8, 48, 32, 16  # D = 32 + 16 (two dots), Dv = the latent's first 32 columns
+    if kind == "shard":
+        ext, pre = [1, 2, 1], [70, 33, 0]
+    else:
+        ext, pre = [17, 1, 30], [5, 40, 0]
+    kv_lens = [e + p for e, p in zip(ext, pre)]
+    lat = torch.randn(sum(kv_lens), 1, d, generator=g) * 2
+    scale = (lat.abs().amax() / 448 * 0.8).float()
+    lq = _quantize_here(lat, scale)
+    q = torch.randn(sum(ext), hq, d, generator=g)
+    table, num_pages = _paged_layout(kv_lens, ps, g)
+    cache = torch.full((num_pages, ps, 1, d), float("nan")).to(FP8)
+    row = 0
+    for b, n in enumerate(kv_lens):
+        for j in range(n):
+            cache.view(-1, 1, d)[_slot(table, b, j, ps)] = lq[row + j]
+        row += n
+    spec = cpattn.AttentionSpec(num_q_heads=hq, num_kv_heads=1, head_dim=d, head_dim_v=dv, dtype=torch.float32,
+                                kv_dtype=FP8, page_size=ps)
+    if kind == "shard":
+        meta = cpattn.get_strategy("replicated", 1).build_metadata(ext, pre, rank=0, kv=cpattn.KVSharding(1))
+        plan = cpattn.plan_attention(meta, spec, backend="triton", backend_options={"num_sms": 64, "min_split": 16})
+        out, lse = plan.attend(q, cache, cache[..., :dv], page_table=table, k_scale=scale, v_scale=scale)
+    else:
+        meta = cpattn.get_strategy("replicated", 1).build_metadata(ext, pre, rank=0)
+        plan = cpattn.plan_attention(meta, spec, backend="triton")
+        assert plan.family == "portable"
+        out, lse = plan.attend(q, cache, cache[..., :dv], page_table=table, k_scale=scale, v_scale=scale,
+                               return_lse=True)
+    deq = _dequantize_here(lq, scale)
+    ref, ref_lse = attention_oracle(q, deq, deq[..., :dv], ext, pre)
+    n = q.shape[0]
+    assert (out[:n].double() - ref).abs().max().item() < TOLERANCE[torch.float32]
+    assert (lse[:n].double() - ref_lse).abs().max().item() < TOLERANCE[torch.float32]
