@@ -345,15 +345,18 @@ def test_fp8_plans_check_scales_before_writing():
         plain.attend(q, kc.float(), vc.float(), page_table=table, k_scale=ks, v_scale=vs)
 
 
-def test_backends_without_fp8_support_say_so(interp):
-    """Sparse (DSA) kernels do not read FP8 caches yet: naming the triton backend raises, naming
-    the reason (auto picks the torch reference)."""
+def test_backends_without_fp8_support_say_so():
+    """FA4 does not read FP8 caches: its backend names the reason (auto never picks it)."""
+    from cpattn.kernels import get_backend
+
     meta = cpattn.get_strategy("replicated", 1).build_metadata([1], [3], rank=0)
     spec = cpattn.AttentionSpec(num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16, kv_dtype=FP8,
-                                topk=4, page_size=4)
-    with pytest.raises(NotImplementedError, match="do not read FP8 K/V caches"):
-        cpattn.plan_attention(meta, spec, backend="triton")
-    assert cpattn.plan_attention(meta, spec).backend == "torch"
+                                page_size=4)
+    try:
+        backend = get_backend("fa4")
+    except ImportError:
+        pytest.skip("the fa4 backend module cannot load here")
+    assert "FP8" in backend.unsupported_reason(spec, meta)
 
 
 # ---------------------------------------------------------------------------------------- over gloo
@@ -617,3 +620,53 @@ def test_absorbed_mla_over_fp8_latent_cache(interp, kind):
     n = q.shape[0]
     assert (out[:n].double() - ref).abs().max().item() < TOLERANCE[torch.float32]
     assert (lse[:n].double() - ref_lse).abs().max().item() < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("form", ["gqa", "absorbed"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_sparse_attention_over_fp8_cache(request, backend, form, paged):
+    """DSA sparse attention over an FP8 cache (per-head scales; absorbed: one latent scale, v a
+    view of k): the fp64 sparse oracle on the dequantized cache."""
+    if backend == "triton":
+        request.getfixturevalue("dsa_interp")
+    from test_dsa import _paged as dsa_paged
+    from test_dsa import _selection, sparse_oracle
+
+    ext, pre = [5, 1, 9], [3, 20, 0]
+    g = torch.Generator().manual_seed(8)
+    hq = 4
+    if form == "absorbed":
+        hkv, d, dv = 1, 48, 32
+    else:
+        hkv, d, dv = 2, 32, 16
+    n_kv = sum(e + p for e, p in zip(ext, pre))
+    k = torch.randn(n_kv, hkv, d, generator=g) * 3
+    ks = _scales(k, True, g)
+    kq = _quantize_here(k, ks)
+    if form == "absorbed":
+        vs, vq = ks, kq[..., :dv]
+    else:
+        v = torch.randn(n_kv, hkv, dv, generator=g)
+        vs = _scales(v, True, g)
+        vq = _quantize_here(v, vs)
+    q = torch.randn(sum(ext), hq, d, generator=g)
+    idx = _selection(ext, pre, 12, g)
+    ref, ref_lse = sparse_oracle(q, _dequantize_here(kq, ks), _dequantize_here(vq.contiguous(), vs), idx, ext, pre,
+                                 0.2)
+    meta = cpattn.get_strategy("replicated", 1).build_metadata(ext, pre, rank=0)
+    spec = cpattn.AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=torch.float32,
+                                kv_dtype=FP8, topk=12, page_size=4 if paged else None)
+    plan = cpattn.plan_attention(meta, spec, backend=backend)
+    kw = {}
+    k_in, v_in = kq, vq
+    if paged:
+        (k_in, v_full), kw["page_table"] = dsa_paged([kq.view(torch.uint8), vq.contiguous().view(torch.uint8)], ext,
+                                                     pre, 4, g)
+        k_in, v_full = k_in.view(FP8), v_full.view(FP8)
+        v_in = k_in[..., :dv] if form == "absorbed" else v_full
+    out, lse = plan.attend(q, k_in, v_in, idx, softmax_scale=0.2, k_scale=ks, v_scale=vs, return_lse=True, **kw)
+    assert (out.double() - ref).abs().max().item() < TOLERANCE[torch.float32]
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() < TOLERANCE[torch.float32]

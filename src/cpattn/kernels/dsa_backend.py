@@ -112,6 +112,8 @@ class _TritonSparseRun:
             BLOCK_DV=max(16, triton_sparse._next_pow2(spec.head_dim_v)), BLOCK_H=block_h,
             PAGED=spec.paged, PAGE_SIZE=spec.page_size or 1, **triton_sparse.dot_settings(spec.dtype),
         )
+        if spec.kv_quantized:  # else the constexpr keeps its default: the bf16 kernel is unchanged
+            self.plan_args["KV_FP8"] = True
         self._launch = triton_sparse.launch
         #: why the mla family cannot run this plan (None: it can)
         self.mla_reason = self._mla_reason(spec, meta, options)
@@ -143,6 +145,8 @@ class _TritonSparseRun:
 
         if triton_sparse.INTERPRETED:
             return "the CPU interpreter"
+        if spec.kv_quantized:
+            return f"an FP8 cache (kv_dtype={spec.kv_dtype}): the portable sparse kernel dequantizes it"
         if options.get("block_h") or options.get("config"):
             return "a portable-kernel option (block_h / config) was given"
         if os.environ.get("CPATTN_TRITON_SM90", "1") == "0" and options.get("family", "auto") == "auto":
@@ -150,7 +154,7 @@ class _TritonSparseRun:
         return triton_mla.sparse_unsupported_reason(spec.head_dim, spec.head_dim_v, spec.num_kv_heads, spec.dtype,
                                                     meta.device)
 
-    def __call__(self, q, k, v, idx, page_table, sinks, softmax_scale, out, lse) -> None:
+    def __call__(self, q, k, v, idx, page_table, sinks, softmax_scale, out, lse, k_scale=None, v_scale=None) -> None:
         q, k, v, idx = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v), _contiguous_last(idx)
         if page_table is not None:
             page_table = _contiguous_last(page_table)
@@ -163,7 +167,7 @@ class _TritonSparseRun:
             return
         _launch_on(q.device, lambda: self._launch(q, k, v, idx, out, lse, sinks, page_table, grid=self.grid,
                                                   plan_args=self.plan_args, softmax_scale=softmax_scale,
-                                                  config=self.config))
+                                                  config=self.config, k_scale=k_scale, v_scale=v_scale))
 
 
 class TritonSparseBackend:
@@ -176,8 +180,6 @@ class TritonSparseBackend:
         reason = _device_reason(meta, _SPARSE_MODULE)
         if reason is not None:
             return reason
-        if spec.kv_quantized:
-            return f"the sparse kernels do not read FP8 K/V caches (kv_dtype={spec.kv_dtype}) yet"
         if spec.dtype not in (*_HALF, torch.float32):
             return f"dtype {spec.dtype} not supported (bf16, fp16; fp32 under the interpreter)"
         if spec.dtype == torch.float32 and meta.device.type == "cuda":

@@ -15,8 +15,11 @@ kernel with ``BLOCK_H`` covering a KV head's group (at least 16 rows, unused hea
 
 Rows are physical rows: a pad row (position -1) sees no key and writes 0 / lse -inf; the grid is
 P x head blocks, so a static plan's capacity-sized grid replays in a CUDA graph. Masked entries
-are never loaded (no 0 * NaN). This module holds the kernel and :func:`launch`; the backend
-(:mod:`.dsa_backend`) plans it.
+are never loaded (no 0 * NaN). FP8 caches (``KV_FP8``: e4m3 K/V with float32 scales per tensor
+or per KV head): each gathered K/V tile is converted to the query dtype in registers (exact), the
+K scale of the program's KV head multiplies the softmax scale and the V scale the output; with
+``KV_FP8`` False the branches compile away. This module holds the kernel and :func:`launch`; the
+backend (:mod:`.dsa_backend`) plans it.
 """
 
 from __future__ import annotations
@@ -98,19 +101,19 @@ def _prune_configs(configs, named_args, **kwargs):
 # ----------------------------------------------------------------------------- kernel
 @triton.jit
 def _sparse_attn_fwd(
-    Q, K, V, Idx, Out, Lse, Sinks, PageTable,
+    Q, K, V, Idx, Out, Lse, Sinks, PageTable, KScale, VScale,
     row_seq, row_pos, row_kv_start,
     qk_scale, topk, num_head_blocks, head_blocks_per_kv, group_size,
     stride_qm, stride_qh, stride_im, stride_sink,
     stride_kp, stride_kn, stride_kh,
     stride_vp, stride_vn, stride_vh,
-    stride_om, stride_oh, stride_lm, stride_lh, stride_pt,
+    stride_om, stride_oh, stride_lm, stride_lh, stride_pt, stride_ks, stride_vs,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_H: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, V_IS_K: tl.constexpr,
     HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, OFFSET_32: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     row = pid // num_head_blocks  # head blocks of a row are adjacent: the second reads from L2
@@ -145,6 +148,8 @@ def _sparse_attn_fwd(
 
     k_base = K + kvh.to(tl.int64) * stride_kh
     v_base = V + kvh.to(tl.int64) * stride_vh
+    if KV_FP8:  # the K scale joins the softmax scale (scores are linear in K)
+        qk_scale = qk_scale * tl.load(KScale + kvh * stride_ks)
     pt_row = PageTable + seq.to(tl.int64) * stride_pt
     idx_row = Idx + row64 * stride_im
 
@@ -177,12 +182,16 @@ def _sparse_attn_fwd(
         k1 = tl.load(k_base + k_off[:, None] + offs_d1[None, :], mask=valid[:, None] & d1_ok[None, :], other=0.0)
         if DOT_UPCAST:
             k1 = k1.to(tl.float32)
+        if KV_FP8:  # e4m3 -> q's dtype in registers (exact)
+            k1 = k1.to(q1.dtype)
         s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
         if BLOCK_D2 > 0:
             k2 = tl.load(k_base + BLOCK_D1 + k_off[:, None] + offs_d2[None, :], mask=valid[:, None] & d2_ok[None, :],
                          other=0.0)
             if DOT_UPCAST:
                 k2 = k2.to(tl.float32)
+            if KV_FP8:
+                k2 = k2.to(q2.dtype)
             s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
@@ -197,6 +206,8 @@ def _sparse_attn_fwd(
             v = tl.load(v_base + v_off[:, None] + offs_dv[None, :], mask=valid[:, None] & dv_ok[None, :], other=0.0)
             if DOT_UPCAST:
                 v = v.to(tl.float32)
+            if KV_FP8:
+                v = v.to(q1.dtype)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -204,6 +215,8 @@ def _sparse_attn_fwd(
     has_mass = l_i != 0.0
     inv_l = tl.where(has_mass, 1.0 / tl.where(has_mass, l_i, 1.0), 0.0)
     out = acc * inv_l[:, None]
+    if KV_FP8:  # the V scale: the output is linear in V
+        out = out * tl.load(VScale + kvh * stride_vs)
     o_ptrs = Out + row64 * stride_om + head[:, None].to(tl.int64) * stride_oh + offs_dv[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=h_valid[:, None] & dv_ok[None, :])
     if RETURN_LSE:
@@ -215,7 +228,7 @@ def _sparse_attn_fwd(
 
 _sparse_attn_fwd_tuned = triton.autotune(
     configs=_configs(),
-    key=["topk", "HEAD_DIM", "HEAD_DIM_V", "BLOCK_H", "PAGED", "PAGE_SIZE", "V_IS_K"],
+    key=["topk", "HEAD_DIM", "HEAD_DIM_V", "BLOCK_H", "PAGED", "PAGE_SIZE", "V_IS_K", "KV_FP8"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_sparse_attn_fwd)
 
@@ -241,17 +254,22 @@ def _max_offset(x: Tensor) -> int:
 def launch(
     q: Tensor, k: Tensor, v: Tensor, idx: Tensor, out: Tensor, lse: Optional[Tensor], sinks: Optional[Tensor],
     page_table: Optional[Tensor], *, grid: tuple[int], plan_args: dict, softmax_scale: float,
-    config: Optional[tuple[int, int, int]] = None,
+    config: Optional[tuple[int, int, int]] = None, k_scale: Optional[Tensor] = None,
+    v_scale: Optional[Tensor] = None,
 ) -> None:
     """Launch the sparse kernel. ``plan_args``: the planned keyword arguments (row table, head
-    blocking, geometry constexprs; see ``dsa_backend``). ``config`` = (BLOCK_N, num_warps,
-    num_stages) bypasses the autotuner."""
+    blocking, geometry constexprs, ``KV_FP8``; see ``dsa_backend``). ``config`` = (BLOCK_N,
+    num_warps, num_stages) bypasses the autotuner. ``k_scale`` / ``v_scale``: float32 ``[]`` or
+    ``[Hkv]`` scales of FP8 K/V."""
     paged = page_table is not None
     skp, skn, skh, svp, svn, svh = kv_strides(k, v, paged)
     pt, stride_pt = (page_table, page_table.stride(0)) if paged else (plan_args["row_seq"], 0)
     args = dict(
         Q=q, K=k, V=v, Idx=idx, Out=out, Lse=lse if lse is not None else out,
         Sinks=sinks if sinks is not None else out, PageTable=pt, qk_scale=float(softmax_scale) * LOG2E,
+        KScale=k_scale if k_scale is not None else pt, VScale=v_scale if v_scale is not None else pt,
+        stride_ks=k_scale.stride(0) if k_scale is not None and k_scale.dim() == 1 else 0,
+        stride_vs=v_scale.stride(0) if v_scale is not None and v_scale.dim() == 1 else 0,
         topk=idx.shape[1], stride_qm=q.stride(0), stride_qh=q.stride(1), stride_im=idx.stride(0),
         stride_sink=sinks.stride(0) if sinks is not None else 0,
         stride_kp=skp, stride_kn=skn, stride_kh=skh, stride_vp=svp, stride_vn=svn, stride_vh=svh,
