@@ -40,6 +40,8 @@ def _dequantize_here(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def _scales(x: torch.Tensor, per_head: bool, g: torch.Generator) -> torch.Tensor:
     """Scales putting x's amax (per head or overall) at 448 times a random factor in [0.3, 1.3]
     (values past the range saturate for factors < 1)."""
+    if x.numel() == 0:  # no rows: any scale
+        x = torch.ones(1, *x.shape[1:])
     amax = x.abs().amax(dim=(0, 2)) if per_head else x.abs().amax()
     factor = 0.3 + torch.rand(amax.shape, generator=g)
     return (amax.float() / FP8_E4M3_MAX * factor).clamp_min(1e-3)
@@ -670,3 +672,93 @@ def test_sparse_attention_over_fp8_cache(request, backend, form, paged):
     fin = torch.isfinite(ref_lse)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
     assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() < TOLERANCE[torch.float32]
+
+
+# ---------------------------------------------------------------------------------------- ragged batches
+@st.composite
+def _ragged(draw):
+    """(C, q_lens, prefix_lens): q_len 0..4 with 0, 1 and < 2C lengths, prefixes 0, < 2C or long."""
+    c = draw(st.integers(1, 4))
+    n = draw(st.integers(1, 4))
+    ext = draw(st.lists(st.one_of(st.integers(1, 4), st.sampled_from([0, 1]), st.integers(0, 2 * c - 1)),
+                        min_size=n, max_size=n))
+    pre = draw(st.lists(st.one_of(st.just(0), st.integers(0, 2 * c - 1), st.integers(0, 60)), min_size=n, max_size=n))
+    return c, ext, pre
+
+
+@settings(max_examples=25, deadline=None)
+@given(_ragged(), st.booleans(), st.integers(0, 2**31 - 1))
+def test_each_rank_quantizes_exactly_the_rows_it_stores(batch, per_head, seed):
+    """Replicated decode queries over a cache sharded C ways: every rank's write (with scales)
+    puts the quantized row of each new position it owns into its cache and changes nothing else;
+    over the ranks every new position is stored once."""
+    c, ext, pre = batch
+    g = torch.Generator().manual_seed(seed)
+    hkv, d, ps = 2, 8, 4
+    n_new = sum(ext)
+    k = torch.randn(n_new, hkv, d, generator=g) * 50
+    v = torch.randn(n_new, hkv, d, generator=g)
+    ks, vs = _scales(k, per_head, g), _scales(v, per_head, g)
+    sh = cpattn.KVSharding(c)
+    owners = torch.zeros(n_new, dtype=torch.long)
+    for rank in range(c):
+        meta = cpattn.get_strategy("replicated", c).build_metadata(ext, pre, rank=rank, kv=sh)
+        local = [len([p for p in range(e + p0) if p % c == rank]) for e, p0 in zip(ext, pre)]
+        table, num_pages = _paged_layout(local, ps, g)
+        writes = cpattn.plan_cache_writes(meta, table, page_size=ps, num_pages=num_pages)
+        kc = torch.randint(0, 255, (num_pages, ps, hkv, d), generator=g, dtype=torch.uint8).view(FP8)
+        vc = torch.randint(0, 255, (num_pages, ps, hkv, d), generator=g, dtype=torch.uint8).view(FP8)
+        before = kc.view(torch.uint8).clone()
+        k_rows = torch.cat([k, k.new_zeros(meta.num_physical_tokens - n_new, hkv, d)])
+        v_rows = torch.cat([v, v.new_zeros(meta.num_physical_tokens - n_new, hkv, d)])
+        cpattn.write_kv_cache(k_rows, v_rows, kc, vc, writes, k_scale=ks, v_scale=vs)
+        written = torch.zeros(num_pages * ps, dtype=torch.bool)
+        row = 0
+        for b, (e, p0) in enumerate(zip(ext, pre)):
+            for pos in range(p0, p0 + e):
+                if pos % c == rank:
+                    slot = _slot(table, b, pos // c, ps)
+                    assert torch.equal(kc.view(-1, hkv, d)[slot].view(torch.uint8),
+                                       _quantize_here(k[row : row + 1], ks)[0].view(torch.uint8))
+                    assert torch.equal(vc.view(-1, hkv, d)[slot].view(torch.uint8),
+                                       _quantize_here(v[row : row + 1], vs)[0].view(torch.uint8))
+                    written[slot] = True
+                    owners[row] += 1
+                row += 1
+        assert torch.equal(kc.view(torch.uint8).view(-1, hkv * d)[~written], before.view(-1, hkv * d)[~written])
+    assert bool((owners == 1).all())
+
+
+@settings(max_examples=20, deadline=None)
+@given(_ragged(), st.booleans(), st.booleans(), st.integers(0, 2**31 - 1))
+def test_local_fp8_plans_over_ragged_batches(batch, per_head, paged, seed):
+    """Replicated queries over a replicated FP8 cache (algorithm "local", any C): the oracle on
+    the dequantized cache; pad rows 0 / -inf."""
+    c, ext, pre = batch
+    g = torch.Generator().manual_seed(seed)
+    hq, hkv, d, ps = 4, 2, 8, 4
+    kv_lens, keys, vals, q, ks, vs, pre_rows, new_rows = _plan_inputs(ext, pre, hq, hkv, d, torch.float32, per_head,
+                                                                      g)
+    meta = cpattn.get_strategy("replicated", c).build_metadata(ext, pre, rank=int(seed % c))
+    spec = cpattn.AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.float32, kv_dtype=FP8,
+                                page_size=ps if paged else None)
+    plan = cpattn.plan_attention(meta, spec, backend="torch")
+    n_pad = meta.num_physical_tokens - q.shape[0]
+    q_local = torch.cat([q, q.new_zeros(n_pad, hq, d)])
+    k_new = torch.cat([keys[new_rows], keys.new_zeros(n_pad, hkv, d)])
+    v_new = torch.cat([vals[new_rows], vals.new_zeros(n_pad, hkv, d)])
+    if paged:
+        kc, vc, table, num_pages = _paged_fp8_prefix(keys, vals, kv_lens, pre, ps, ks, vs, g)
+        writes = cpattn.plan_cache_writes(meta, table, page_size=ps, num_pages=num_pages)
+        out, lse = plan.run(q_local, k_new, v_new, (kc, vc), writes=writes, page_table=table, k_scale=ks, v_scale=vs,
+                            return_lse=True)
+    else:
+        cache = (_quantize_here(keys[pre_rows], ks), _quantize_here(vals[pre_rows], vs)) if len(pre_rows) else None
+        out, lse = plan.run(q_local, k_new, v_new, cache, k_scale=ks, v_scale=vs, return_lse=True)
+    kq, vq = _quantize_here(keys, ks), _quantize_here(vals, vs)
+    ref, ref_lse = attention_oracle(q, _dequantize_here(kq, ks), _dequantize_here(vq, vs), ext, pre)
+    t = q.shape[0]
+    if t:
+        assert (out[:t].double() - ref).abs().max().item() < TOLERANCE[torch.float32]
+        assert (lse[:t].double() - ref_lse).abs().max().item() < TOLERANCE[torch.float32]
+    assert (out[t:] == 0).all() and torch.isneginf(lse[t:]).all()
