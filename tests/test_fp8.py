@@ -362,6 +362,24 @@ def test_backends_without_fp8_support_say_so():
 
 
 # ---------------------------------------------------------------------------------------- over gloo
+def _sharded_fp8_prefix(keys, vals, kv_lens, pre, ps, ks, vs, world, rank):
+    """This rank's FP8 paged shard (interleave 1: position p on rank p % C) holding the quantized
+    prefix keys it owns (unwritten slots NaN) -> (k_cache, v_cache, page_table, num_pages)."""
+    hkv, d = keys.shape[1:]
+    local_lens = [len([p for p in range(n) if p % world == rank]) for n in kv_lens]
+    table, num_pages = _paged_layout(local_lens, ps, torch.Generator().manual_seed(rank))
+    kc = torch.full((num_pages, ps, hkv, d), float("nan")).to(FP8)
+    vc = kc.clone()
+    row = 0
+    for b, (n, p) in enumerate(zip(kv_lens, pre)):
+        for j, pos in enumerate(x for x in range(n) if x % world == rank):
+            if pos < p:
+                kc.view(-1, hkv, d)[_slot(table, b, j, ps)] = _quantize_here(keys[row + pos : row + pos + 1], ks)[0]
+                vc.view(-1, hkv, d)[_slot(table, b, j, ps)] = _quantize_here(vals[row + pos : row + pos + 1], vs)[0]
+        row += n
+    return kc, vc, table, num_pages
+
+
 def _gloo_worker(rank, world):
     """Zigzag gather_kv into a replicated FP8 cache, pass-KV / pass-Q into a sharded one, and
     shard_merge decode: max errors vs the oracle on dequantized values, and the gathered bytes
@@ -404,17 +422,7 @@ def _gloo_worker(rank, world):
     sh = cpattn.KVSharding(world)
     meta = s.build_metadata(ext, pre, rank=rank, kv=sh, group=group)
     for algo in ("pass_kv", "pass_q"):
-        local_lens = [len([p for p in range(n) if p % world == rank]) for n in kv_lens]
-        table, num_pages = _paged_layout(local_lens, ps, torch.Generator().manual_seed(rank))
-        kc = torch.full((num_pages, ps, hkv, d), float("nan")).to(FP8)
-        vc = kc.clone()
-        row = 0
-        for b, (n, p) in enumerate(zip(kv_lens, pre)):
-            for j, pos in enumerate(x for x in range(n) if x % world == rank):
-                if pos < p:
-                    kc.view(-1, hkv, d)[_slot(table, b, j, ps)] = _quantize_here(keys[row + pos : row + pos + 1], ks)[0]
-                    vc.view(-1, hkv, d)[_slot(table, b, j, ps)] = _quantize_here(vals[row + pos : row + pos + 1], vs)[0]
-            row += n
+        kc, vc, table, num_pages = _sharded_fp8_prefix(keys, vals, kv_lens, pre, ps, ks, vs, world, rank)
         spec = cpattn.AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16,
                                     kv_dtype=FP8, page_size=ps)
         plan = cpattn.plan_attention(meta, spec, page_table=table, num_pages=num_pages, algorithm=algo,
@@ -430,17 +438,7 @@ def _gloo_worker(rank, world):
     kv_lens2, keys2, vals2, q2, ks2, vs2, _, new2 = _plan_inputs(dec_ext, dec_pre, hq, hkv, d, torch.bfloat16,
                                                                  False, torch.Generator().manual_seed(4))
     dmeta = cpattn.get_strategy("replicated", world).build_metadata(dec_ext, dec_pre, rank=rank, kv=sh, group=group)
-    local_lens = [len([p for p in range(n) if p % world == rank]) for n in kv_lens2]
-    table, num_pages = _paged_layout(local_lens, ps, torch.Generator().manual_seed(rank))
-    kc = torch.full((num_pages, ps, hkv, d), float("nan")).to(FP8)
-    vc = kc.clone()
-    row = 0
-    for b, (n, p) in enumerate(zip(kv_lens2, dec_pre)):
-        for j, pos in enumerate(x for x in range(n) if x % world == rank):
-            if pos < p:
-                kc.view(-1, hkv, d)[_slot(table, b, j, ps)] = _quantize_here(keys2[row + pos : row + pos + 1], ks2)[0]
-                vc.view(-1, hkv, d)[_slot(table, b, j, ps)] = _quantize_here(vals2[row + pos : row + pos + 1], vs2)[0]
-        row += n
+    kc, vc, table, num_pages = _sharded_fp8_prefix(keys2, vals2, kv_lens2, dec_pre, ps, ks2, vs2, world, rank)
     spec = cpattn.AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16, kv_dtype=FP8,
                                 page_size=ps)
     plan = cpattn.plan_attention(dmeta, spec, backend="torch")
@@ -519,17 +517,16 @@ def test_split_kv_kernel_fp8_window_and_sinks(interp):
 
 
 def _fp8_dense_case(dtype, per_head, paged, ext, pre, options=None, window=-1, sinks=False, hq=8, hkv=2, d=32,
-                    seed=17):
-    """A replicated-cache plan (C = 1) over an FP8 cache through ``plan.run`` (quantizing write)
-    with the triton backend, and the oracle over the dequantized cache."""
+                    seed=17, backend="triton", cp=1, rank=0, ps=16):
+    """A replicated-cache plan (replicated queries: algorithm "local") over an FP8 cache through
+    ``plan.run`` (quantizing write), and the oracle over the dequantized cache."""
     g = torch.Generator().manual_seed(seed)
-    ps = 16
     kv_lens, keys, vals, q, ks, vs, pre_rows, new_rows = _plan_inputs(ext, pre, hq, hkv, d, dtype, per_head, g)
     sk = torch.randn(hq, generator=g) if sinks else None
-    meta = cpattn.get_strategy("replicated", 1).build_metadata(ext, pre, rank=0)
+    meta = cpattn.get_strategy("replicated", cp).build_metadata(ext, pre, rank=rank)
     spec = cpattn.AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, kv_dtype=FP8,
                                 page_size=ps if paged else None, window_size=(window, 0), has_sinks=sinks)
-    plan = cpattn.plan_attention(meta, spec, backend="triton", backend_options=options)
+    plan = cpattn.plan_attention(meta, spec, backend=backend, backend_options=options)
     n_pad = meta.num_physical_tokens - q.shape[0]
     q_local = torch.cat([q, q.new_zeros(n_pad, hq, d)])
     k_new = torch.cat([keys[new_rows], keys.new_zeros(n_pad, hkv, d)])
@@ -735,30 +732,8 @@ def test_local_fp8_plans_over_ragged_batches(batch, per_head, paged, seed):
     """Replicated queries over a replicated FP8 cache (algorithm "local", any C): the oracle on
     the dequantized cache; pad rows 0 / -inf."""
     c, ext, pre = batch
-    g = torch.Generator().manual_seed(seed)
-    hq, hkv, d, ps = 4, 2, 8, 4
-    kv_lens, keys, vals, q, ks, vs, pre_rows, new_rows = _plan_inputs(ext, pre, hq, hkv, d, torch.float32, per_head,
-                                                                      g)
-    meta = cpattn.get_strategy("replicated", c).build_metadata(ext, pre, rank=int(seed % c))
-    spec = cpattn.AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.float32, kv_dtype=FP8,
-                                page_size=ps if paged else None)
-    plan = cpattn.plan_attention(meta, spec, backend="torch")
-    n_pad = meta.num_physical_tokens - q.shape[0]
-    q_local = torch.cat([q, q.new_zeros(n_pad, hq, d)])
-    k_new = torch.cat([keys[new_rows], keys.new_zeros(n_pad, hkv, d)])
-    v_new = torch.cat([vals[new_rows], vals.new_zeros(n_pad, hkv, d)])
-    if paged:
-        kc, vc, table, num_pages = _paged_fp8_prefix(keys, vals, kv_lens, pre, ps, ks, vs, g)
-        writes = cpattn.plan_cache_writes(meta, table, page_size=ps, num_pages=num_pages)
-        out, lse = plan.run(q_local, k_new, v_new, (kc, vc), writes=writes, page_table=table, k_scale=ks, v_scale=vs,
-                            return_lse=True)
-    else:
-        cache = (_quantize_here(keys[pre_rows], ks), _quantize_here(vals[pre_rows], vs)) if len(pre_rows) else None
-        out, lse = plan.run(q_local, k_new, v_new, cache, k_scale=ks, v_scale=vs, return_lse=True)
-    kq, vq = _quantize_here(keys, ks), _quantize_here(vals, vs)
-    ref, ref_lse = attention_oracle(q, _dequantize_here(kq, ks), _dequantize_here(vq, vs), ext, pre)
-    t = q.shape[0]
-    if t:
-        assert (out[:t].double() - ref).abs().max().item() < TOLERANCE[torch.float32]
-        assert (lse[:t].double() - ref_lse).abs().max().item() < TOLERANCE[torch.float32]
-    assert (out[t:] == 0).all() and torch.isneginf(lse[t:]).all()
+    out, lse, ref, ref_lse, _ = _fp8_dense_case(torch.float32, per_head, paged, ext, pre, hq=4, hkv=2, d=8, seed=seed,
+                                                backend="torch", cp=c, rank=seed % c, ps=4)
+    if out.shape[0]:
+        assert (out.double() - ref).abs().max().item() < TOLERANCE[torch.float32]
+        assert (lse.double() - ref_lse).abs().max().item() < TOLERANCE[torch.float32]
