@@ -737,3 +737,19 @@ def test_local_fp8_plans_over_ragged_batches(batch, per_head, paged, seed):
     if out.shape[0]:
         assert (out.double() - ref).abs().max().item() < TOLERANCE[torch.float32]
         assert (lse.double() - ref_lse).abs().max().item() < TOLERANCE[torch.float32]
+
+
+def test_cost_model_prices_fp8_rows():
+    """The cost model counts an FP8 cache's gathered K/V rows at one byte per value: pass-KV's
+    bytes (prefix + extend K/V rows) halve against bf16; pass-Q keeps its q and partial rows."""
+    meta = cpattn.ZigzagStrategy(4).build_metadata([64, 30], [4000, 900], rank=0, kv=cpattn.KVSharding(4))
+    dims = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    bf16 = cpattn.CostModel().estimate(meta, **dims)
+    fp8 = cpattn.CostModel().estimate(meta, **dims, kv_dtype=FP8)
+    assert 2 * fp8["bytes_pass_kv"] == bf16["bytes_pass_kv"]
+    assert bf16["bytes_pass_q"] > fp8["bytes_pass_q"] > bf16["bytes_pass_q"] / 2
+    assert fp8["pass_kv"] < bf16["pass_kv"]
+    spec = cpattn.AttentionSpec(**dims, page_size=16, kv_dtype=FP8)
+    table = torch.arange(2 * 80, dtype=torch.int32).view(2, 80)
+    plan = cpattn.plan_attention(meta, spec, page_table=table, num_pages=160, backend="torch")
+    assert plan.estimate == fp8
