@@ -753,3 +753,39 @@ def test_cost_model_prices_fp8_rows():
     table = torch.arange(2 * 80, dtype=torch.int32).view(2, 80)
     plan = cpattn.plan_attention(meta, spec, page_table=table, num_pages=160, backend="torch")
     assert plan.estimate == fp8
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_static_decode_plans_over_fp8_cache(request, backend):
+    """Static decode plans (fixed addresses, capacity-sized grids: what a CUDA graph replays)
+    over a sharded FP8 cache: every step equals a fresh eager plan's torch reference, with the
+    scales changed in place between steps (read from device memory by the kernels)."""
+    if backend == "triton":
+        request.getfixturevalue("interp")
+    sh = cpattn.KVSharding(2, interleave=2)
+    planner = cpattn.StaticPlanner(cpattn.get_strategy("replicated", 2), max_tokens=6, max_seqs=3, max_kv_tokens=80,
+                                   max_q_len=2, kv=sh, device="cpu")
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d, ps, num_pages = 4, 2, 16, 4, 40
+    kc = (torch.randn(num_pages, ps, hkv, d, generator=g) * 40).to(FP8)
+    vc = (torch.randn(num_pages, ps, hkv, d, generator=g) * 40).to(FP8)
+    table = torch.randperm(num_pages, generator=g)[:30].view(3, 10).int()
+    q = torch.randn(6, hq, d, generator=g)
+    ks, vs = torch.full((hkv,), 0.05), torch.full((hkv,), 0.02)
+    spec = cpattn.AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.float32, kv_dtype=FP8,
+                                page_size=ps)
+    options = {"num_sms": 64, "min_split": 16} if backend == "triton" else None
+    for step, (seq, ql) in enumerate((([30, 9], [1, 2]), ([50, 1, 22], [2, 1, 2]), ([3], [1]))):
+        ks.mul_(1.5)  # recalibrated in place: the same tensors, new values
+        vs.mul_(0.5 + step)
+        dmeta = planner.plan(ql, [n - q for n, q in zip(seq, ql)], rank=1)
+        plan = cpattn.plan_attention(dmeta, spec, backend=backend, backend_options=options)
+        out, lse = plan.attend(q, kc, vc, page_table=table, k_scale=ks, v_scale=vs)
+        fresh = cpattn.get_strategy("replicated", 2).build_metadata(ql, [n - q for n, q in zip(seq, ql)], rank=1,
+                                                                    kv=sh)
+        nq = fresh.num_local_tokens
+        ref, ref_lse = cpattn.plan_attention(fresh, spec, backend="torch").attend(
+            q[:nq], kc, vc, page_table=table[: len(seq)], k_scale=ks.clone(), v_scale=vs.clone())
+        torch.testing.assert_close(out[:nq], ref, atol=2e-5, rtol=0)
+        torch.testing.assert_close(lse[:nq], ref_lse, atol=2e-5, rtol=0)  # -inf: a row with no key on this rank
+        assert (out[nq:] == 0).all() and torch.isneginf(lse[nq:]).all()
