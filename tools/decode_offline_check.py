@@ -46,12 +46,12 @@ def _split_sig(name, hq, hkv, d, dv, q_len, c, i, paged, page, window, sinks, v_
     sig = {n: "i32" for n in fn.arg_names}
     sig.update(Q=elem, K=elem, V=elem, Out=elem, Lse="*fp32", Sinks="*fp32", WsO="*fp32", WsLse="*fp32",
                PageTable="*i32" if paged else "*i64", qk_scale="fp32", q_lens="*i64", seq_lens="*i64",
-               cu_q_lens="*i64", cu_local_kv="*i64")
+               cu_q_lens="*i64", cu_local_kv="*i64", KScale="*fp32", VScale="*fp32")
     for n in ("item_seq", "item_r0", "item_k0", "item_k1", "item_ws", "NumItems"):
         sig[n] = "*i32"
     consts = dict(HEAD_DIM_V=dv, BLOCK_D1=d1, BLOCK_D2=d2, ROWS=rows, G_PACK=g_pack, BLOCK_M=block_m, CP_SIZE=c,
                   INTERLEAVE=i, PAGED=paged, PAGE_SIZE=page, HAS_WINDOW=window, HAS_SINKS=sinks, V_FROM_K=v_from_k,
-                  DOT_PRECISION="tf32", DOT_UPCAST=False, BLOCK_N=block_n)
+                  DOT_PRECISION="tf32", DOT_UPCAST=False, BLOCK_N=block_n, KV_FP8=False)
     sig.update({n: "constexpr" for n in consts})
     return fn, sig, consts, dict(num_warps=warps, num_stages=stages), (rows, g_pack, block_m, block_n, warps, stages)
 

@@ -194,8 +194,9 @@ def compile_portable_tma():
     fn = ta._cp_attn_fwd
     consts = dict(HEAD_DIM=128, HEAD_DIM_V=128, BLOCK_D1=128, BLOCK_D2=0, BLOCK_M=128, PAGED=False, PAGE_SIZE=1,
                   DOT_PRECISION="tf32", DOT_UPCAST=False, BLOCK_N=64, HAS_SINKS=False, RETURN_LSE=True, USE_TMA=True,
-                  G_PACK=4, HAS_WINDOW=False)
+                  G_PACK=4, HAS_WINDOW=False, KV_FP8=False)
     sig = _ptr_sig(fn, "*bf16", {})
+    sig.update(KScale="*i32", VScale="*i32")  # never read without KV_FP8 (the launch passes the page table)
     sig.update({n: "constexpr" for n in consts})
     compiled = triton.compile(ASTSource(fn, sig, consts, _attrs(fn)), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=8, num_stages=3))
@@ -283,8 +284,9 @@ def main() -> int:
 
     def portable_values(k, v):
         _, ints, _ = ta.kv_facts(k, v, False)
-        return (pq, k, v, po, lse, po, plan_tensors["cu_kv_lens"], 0.1, k.shape[0], pq.stride(0), pq.stride(1), 0) \
-            + ints + (po.stride(0), po.stride(1), lse.stride(0), lse.stride(1), 0, False, True, True)
+        cu = plan_tensors["cu_kv_lens"]
+        return (pq, k, v, po, lse, po, cu, cu, cu, 0.1, k.shape[0], pq.stride(0), pq.stride(1), 0) \
+            + ints + (po.stride(0), po.stride(1), lse.stride(0), lse.stride(1), 0, 0, 0, False, True, True)
 
     check("portable packed (device descriptors)", compiled, fn, dict(plan_tensors, **plan_ints, **fixed),
           ta._PER_CALL, (), portable_values, lambda k, v: (), lambda k, v: (k.data_ptr(), v.data_ptr()), pkvs)

@@ -265,8 +265,9 @@ class _TritonShardRun:
             PAGE_SIZE=spec.page_size or 1, HAS_WINDOW=spec.window_left >= 0, HAS_SINKS=apply_sinks,
             PDL=self.pdl, **triton_attn.dot_settings(spec.dtype),
         )
-        if spec.kv_quantized:  # else the constexpr keeps its default: the bf16 kernel is unchanged
-            self.plan_args["KV_FP8"] = True
+        # always given (a planned launch records only kernels whose every argument it knows);
+        # False compiles the FP8 branches away: the kernel of a bf16 plan is unchanged
+        self.plan_args["KV_FP8"] = spec.kv_quantized
         self.combine_args = dict(row_ws0=dev["row_ws0"], row_nsplit=dev["row_nsplit"], row_ti=dev["row_ti"],
                                  HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv,
                                  HAS_SINKS=apply_sinks, ONE_PASS=max_splits <= block_s,

@@ -112,8 +112,7 @@ class _TritonSparseRun:
             BLOCK_DV=max(16, triton_sparse._next_pow2(spec.head_dim_v)), BLOCK_H=block_h,
             PAGED=spec.paged, PAGE_SIZE=spec.page_size or 1, **triton_sparse.dot_settings(spec.dtype),
         )
-        if spec.kv_quantized:  # else the constexpr keeps its default: the bf16 kernel is unchanged
-            self.plan_args["KV_FP8"] = True
+        self.plan_args["KV_FP8"] = spec.kv_quantized  # False: the FP8 branches compile away
         self._launch = triton_sparse.launch
         #: why the mla family cannot run this plan (None: it can)
         self.mla_reason = self._mla_reason(spec, meta, options)

@@ -307,7 +307,7 @@ def _cp_attn_fwd(
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     ROWS: tl.constexpr = BLOCK_M // G_PACK
     num_tiles = tl.load(NumTiles)  # from device memory: a capacity-sized grid replays for any batch

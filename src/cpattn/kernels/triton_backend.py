@@ -289,8 +289,9 @@ class _TritonRun:
             common, HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D1=d1, BLOCK_D2=d2, BLOCK_M=block_m,
             PAGED=spec.paged, PAGE_SIZE=spec.page_size or 1, **triton_attn.dot_settings(spec.dtype),
         )
-        if spec.kv_quantized:  # else the constexpr keeps its default: the bf16 kernel is unchanged
-            self.portable_args["KV_FP8"] = True
+        # always given (a planned launch records only kernels whose every argument it knows);
+        # False compiles the FP8 branches away: the kernel of a bf16 plan is unchanged
+        self.portable_args["KV_FP8"] = spec.kv_quantized
         planned = bool(options.get("planned_launch", True))
         from ._launch import LaunchState
 

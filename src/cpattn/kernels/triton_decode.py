@@ -193,8 +193,8 @@ def _shard_attn_split(
     ROWS: tl.constexpr, G_PACK: tl.constexpr, BLOCK_M: tl.constexpr,
     CP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, V_FROM_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
-    KV_FP8: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     if PDL:  # the combine (programmatic dependent launch) may start; it waits for this grid's end
         gdc_launch_dependents()

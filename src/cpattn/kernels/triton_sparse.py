@@ -113,7 +113,7 @@ def _sparse_attn_fwd(
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, V_IS_K: tl.constexpr,
     HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, OFFSET_32: tl.constexpr,
-    BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = pid // num_head_blocks  # head blocks of a row are adjacent: the second reads from L2
