@@ -328,8 +328,16 @@ def _decode_grid(args, device, dtype, kv_dtype, shapes) -> tuple[list[dict], lis
 
 
 def sweep_configs(args, device, dtype, shapes) -> list[dict]:
-    """Time split-kernel configs on a few representative workloads (a tuning aid)."""
-    pool = Pool(device, dtype)
+    """Time split-kernel configs on a few representative workloads (a tuning aid), over the
+    cache dtypes of ``--kv-dtype``."""
+    out = []
+    for kv_dtype in KV_DTYPE_RUNS[getattr(args, "kv_dtype", "model")]:
+        out += _sweep(args, device, dtype, kv_dtype or dtype, shapes)
+    return out
+
+
+def _sweep(args, device, dtype, kv_dtype, shapes) -> list[dict]:
+    pool = Pool(device, kv_dtype)
     time_fn = timer(device)
     out = []
     grid = {"gqa": [((64, 4, 2), None), ((64, 4, 3), None), ((64, 4, 4), None), ((128, 4, 2), None),
@@ -344,13 +352,14 @@ def sweep_configs(args, device, dtype, shapes) -> list[dict]:
             opts = {"config": cfg, **({"block_m": block_m} if block_m else {})}
             try:
                 r = decode_case(pool, time_fn, name=name, shape=shapes[name], c=c, b=b, keys=128 * 1024, q_len=q_len,
-                                ps=args.page_size, backend="triton", options=opts, iters=args.iters)
+                                ps=args.page_size, backend="triton", options=opts, iters=args.iters, dtype=dtype)
             except Exception as exc:  # a config that does not compile or fit
                 progress(f"sweep {name} B={b} C={c} q={q_len} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
                 continue
             r["block_m"] = block_m
             out.append(r)
-            progress(f"sweep {name} B={b} C={c} q={q_len} config {cfg} block_m {block_m}: {r['attn_ms']:.4f} ms "
+            progress(f"sweep {name} {r['kv_dtype']} B={b} C={c} q={q_len} config {cfg} block_m {block_m}: "
+                     f"{r['attn_ms']:.4f} ms "
                      f"{r['hbm_gbps']:.0f} GB/s {r['tflops']} TF/s")
     pool.buf = None
     return out
@@ -538,8 +547,8 @@ def print_table(rows: list[dict]) -> None:
         return "-" if x is None else format(x, fmt)
 
     for r in rows:
-        print(f"| {r['shape']} | {r.get('kv_dtype', '-')} | {r['cp']} | {r['batch']} | {_k(r['keys'])} | {r['q_len']} | "
-              f"{r['attn_ms']:.4f} | "
+        print(f"| {r['shape']} | {r.get('kv_dtype', '-')} | {r['cp']} | {r['batch']} | {_k(r['keys'])} | "
+              f"{r['q_len']} | {r['attn_ms']:.4f} | "
               f"{r['merge_ms']:.4f} | {r['hbm_gbps']:.0f} | {r['tflops']} | {f(r.get('attn_graph_ms'), '.4f')} | "
               f"{f(r.get('merge_graph_ms'), '.4f')} | {f(r.get('hbm_gbps_graph'), '.0f')} | "
               f"{f(r.get('attn_layers_ms'), '.4f')} | {f(r.get('merge_layers_ms'), '.4f')} | "
@@ -640,6 +649,6 @@ def main(args: argparse.Namespace) -> int:
     if crossover:
         print(f"model constants implied by the measured kernels: {crossover['fitted_constants']}")
     for r in sweep:
-        print(f"sweep {r['shape']} B={r['batch']} C={r['cp']} q={r['q_len']} config {r['config']} block_m "
-              f"{r['block_m']}: {r['attn_ms']:.4f} ms {r['hbm_gbps']:.0f} GB/s")
+        print(f"sweep {r['shape']} {r['kv_dtype']} B={r['batch']} C={r['cp']} q={r['q_len']} config {r['config']} "
+              f"block_m {r['block_m']}: {r['attn_ms']:.4f} ms {r['hbm_gbps']:.0f} GB/s")
     return 0
