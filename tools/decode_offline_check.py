@@ -20,7 +20,7 @@ from cpattn.kernels.decode_backend import default_config, tile_geometry
 _here = os.path.dirname(os.path.abspath(__file__))
 _spec = importlib.util.spec_from_file_location("sm90_offline_check", os.path.join(_here, "sm90_offline_check.py"))
 
-#: (name, Hq, Hkv, D, Dv, q_len, C, I, paged, page, window, sinks, v_from_k, dtype)
+#: (name, Hq, Hkv, D, Dv, q_len, C, I, paged, page, window, sinks, v_from_k, dtype[, FP8 K/V])
 VARIANTS = [
     ("gqa-d128-q1-paged64", 32, 8, 128, 128, 1, 1, 1, True, 64, False, False, False, "bf16"),
     ("gqa-d128-q1-packed-c8", 32, 8, 128, 128, 1, 8, 1, False, 1, False, False, False, "bf16"),
@@ -31,10 +31,14 @@ VARIANTS = [
     ("mla-576-512-q1-paged64", 128, 1, 576, 512, 1, 1, 1, True, 64, False, False, True, "bf16"),
     ("mla-576-512-q4-paged64-c8", 128, 1, 576, 512, 4, 8, 1, True, 64, False, False, True, "bf16"),
     ("extend-gqa-d128-q64-paged64-c4", 32, 8, 128, 128, 64, 4, 1, True, 64, False, True, False, "bf16"),
+    # FP8 (e4m3) caches, bf16 queries: K/V loaded as fp8e4nv, converted in registers (KV_FP8)
+    ("fp8-gqa-d128-q1-paged64", 32, 8, 128, 128, 1, 1, 1, True, 64, False, False, False, "bf16", True),
+    ("fp8-gqa-d128-q4-paged64-c4-win-sink", 32, 8, 128, 128, 4, 4, 1, True, 64, True, True, False, "bf16", True),
+    ("fp8-mla-576-512-q1-paged64", 128, 1, 576, 512, 1, 1, 1, True, 64, False, False, True, "bf16", True),
 ]
 
 
-def _split_sig(name, hq, hkv, d, dv, q_len, c, i, paged, page, window, sinks, v_from_k, dtype):
+def _split_sig(name, hq, hkv, d, dv, q_len, c, i, paged, page, window, sinks, v_from_k, dtype, kv_fp8=False):
     from cpattn.kernels.triton_attn import split_head_dim  # noqa: F401 (host helper only)
 
     fn = td._shard_attn_split
@@ -51,7 +55,9 @@ def _split_sig(name, hq, hkv, d, dv, q_len, c, i, paged, page, window, sinks, v_
         sig[n] = "*i32"
     consts = dict(HEAD_DIM_V=dv, BLOCK_D1=d1, BLOCK_D2=d2, ROWS=rows, G_PACK=g_pack, BLOCK_M=block_m, CP_SIZE=c,
                   INTERLEAVE=i, PAGED=paged, PAGE_SIZE=page, HAS_WINDOW=window, HAS_SINKS=sinks, V_FROM_K=v_from_k,
-                  DOT_PRECISION="tf32", DOT_UPCAST=False, BLOCK_N=block_n, KV_FP8=False)
+                  DOT_PRECISION="tf32", DOT_UPCAST=False, BLOCK_N=block_n, KV_FP8=kv_fp8)
+    if kv_fp8:
+        sig.update(K="*fp8e4nv", V="*fp8e4nv")
     sig.update({n: "constexpr" for n in consts})
     return fn, sig, consts, dict(num_warps=warps, num_stages=stages), (rows, g_pack, block_m, block_n, warps, stages)
 
