@@ -342,10 +342,9 @@ class AttentionPlan:
             if writes is None:
                 raise ValueError("writes= is required with a paged cache (cpattn.plan_cache_writes); engines that "
                                  "write the cache themselves call plan.attend")
-            like_k, like_v = ((k_local, v_local) if scales is None else
-                              (k_local.new_empty(k_local.shape, dtype=self.spec.kv_dtype),
-                               v_local.new_empty(v_local.shape, dtype=self.spec.kv_dtype)))
-            check_kv_writes(writes, k_cache, v_cache, meta.num_token_rows, like_k, like_v)
+            k_scale, v_scale = scales if scales is not None else (None, None)  # FP8: the cache must be FP8
+            check_kv_writes(writes, k_cache, v_cache, meta.num_token_rows, k_local, v_local, k_scale=k_scale,
+                            v_scale=v_scale)
             self._check_before_write(page_table, sinks, (k_cache, v_cache))
         else:
             if writes is not None:
