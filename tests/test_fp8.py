@@ -198,7 +198,7 @@ def test_write_kv_cache_fp8_checks_everything_before_writing():
             cpattn.write_kv_cache(k, v, kc, vc, writes, **kwargs)
     with pytest.raises(TypeError, match="unquantized rows"):
         cpattn.write_kv_cache(k.to(FP8), v.to(FP8), kc, vc, writes, k_scale=ks, v_scale=vs)
-    with pytest.raises(ValueError, match="float8_e4m3fn cache"):
+    with pytest.raises(TypeError, match="k_cache dtype torch.uint8: k_scale / v_scale quantize rows into a float8"):
         cpattn.write_kv_cache(k, v, kc.view(torch.uint8), vc.view(torch.uint8), writes, k_scale=ks, v_scale=vs)
     with pytest.raises(TypeError, match="k_cache dtype"):  # an FP8 cache without scales: rows must be FP8
         cpattn.write_kv_cache(k, v, kc, vc, writes)
@@ -338,7 +338,7 @@ def test_fp8_plans_check_scales_before_writing():
             plan.run(*args, writes=writes, page_table=table, **kwargs)
     with pytest.raises(TypeError, match="k dtype torch.float32 != the plan's kv_dtype"):
         plan.attend(q, kc.float(), vc, page_table=table, k_scale=ks, v_scale=vs)
-    with pytest.raises(TypeError, match="k_cache dtype torch.float32 != the rows' dtype torch.float8_e4m3fn"):
+    with pytest.raises(TypeError, match="k_cache dtype torch.float32: k_scale / v_scale quantize rows into a float8"):
         plan.run(q, keys[new_rows], vals[new_rows], (kc.float(), vc), writes=writes, page_table=table, k_scale=ks,
                  v_scale=vs)
     assert torch.equal(kc.view(torch.uint8), before[0]) and torch.equal(vc.view(torch.uint8), before[1])

@@ -368,10 +368,10 @@ def _store_dtype(k: Tensor, v: Tensor, pools, k_scale, v_scale) -> Optional[torc
         if sc is None:
             raise ValueError("k_scale and v_scale must be given together (an FP8 cache has both)")
         check_kv_scale(sc, name, k.shape[1], k.device)
-    dtype = pools[0][1].dtype if isinstance(pools[0][1], Tensor) else None
+    check_tensor(pools[0][1], "k_cache")
+    dtype = pools[0][1].dtype
     if dtype != torch.float8_e4m3fn:
-        raise ValueError(f"k_scale / v_scale quantize rows into a float8_e4m3fn cache; k_cache is "
-                         f"{dtype if dtype is not None else type(pools[0][1]).__name__}")
+        raise TypeError(f"k_cache dtype {dtype}: k_scale / v_scale quantize rows into a float8_e4m3fn cache")
     for name, t in (("k", k), ("v", v)):
         if not t.dtype.is_floating_point or t.element_size() == 1:
             raise TypeError(f"{name} must be the unquantized rows (a 16/32-bit float dtype) when scales are given, "
