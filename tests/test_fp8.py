@@ -789,3 +789,42 @@ def test_static_decode_plans_over_fp8_cache(request, backend):
         torch.testing.assert_close(out[:nq], ref, atol=2e-5, rtol=0)
         torch.testing.assert_close(lse[:nq], ref_lse, atol=2e-5, rtol=0)  # -inf: a row with no key on this rank
         assert (out[nq:] == 0).all() and torch.isneginf(lse[nq:]).all()
+
+
+def test_write_mla_cache_quantizes_an_fp8_latent_cache_that_absorbed_mla_reads():
+    """write_mla_cache(..., scale=) quantizes [kv_c, k_pe] rows with one per-tensor scale into an
+    FP8 latent cache (all or nothing); absorbed MLA over it (k_scale = v_scale = scale) equals the
+    oracle on the dequantized latent."""
+    g = torch.Generator().manual_seed(12)
+    r, d_rope, hq, ps = 32, 16, 8, 4
+    ext, pre = [3, 1], [0, 6]
+    kv_lens = [e + p for e, p in zip(ext, pre)]
+    n = sum(kv_lens)
+    kv_c = torch.randn(n, r, generator=g, dtype=torch.bfloat16) * 3
+    k_pe = torch.randn(n, d_rope, generator=g, dtype=torch.bfloat16)
+    scale = torch.tensor(0.02)
+    table, num_pages = _paged_layout(kv_lens, ps, g)
+    cache = torch.zeros(num_pages, ps, r + d_rope, dtype=FP8)
+    slots = torch.tensor([_slot(table, b, j, ps) for b, kl in enumerate(kv_lens) for j in range(kl)])
+    before = cache.view(torch.uint8).clone()
+    for bad, kwargs, exc in ((torch.ones(1), {}, "per tensor"), (scale.double(), {}, "float32"),
+                             (scale, {"cache": cache.view(torch.uint8)}, "float8_e4m3fn cache")):
+        with pytest.raises((TypeError, ValueError), match=exc):
+            cpattn.write_mla_cache(kv_c, k_pe, kwargs.get("cache", cache), slots, scale=bad)
+    with pytest.raises(TypeError, match="share one 16/32-bit float dtype"):
+        cpattn.write_mla_cache(kv_c, k_pe.float(), cache, slots, scale=scale)
+    assert torch.equal(cache.view(torch.uint8), before)
+    cpattn.write_mla_cache(kv_c, k_pe, cache, slots, scale=scale)
+    lat = torch.cat([kv_c, k_pe], 1)[:, None, :]  # [N, 1, r + d_rope]
+    want = _quantize_here(lat, scale)
+    assert torch.equal(cache.view(-1, r + d_rope)[slots].view(torch.uint8), want[:, 0].view(torch.uint8))
+    meta = cpattn.get_strategy("replicated", 1).build_metadata(ext, pre, rank=0)
+    spec = cpattn.AttentionSpec(num_q_heads=hq, num_kv_heads=1, head_dim=r + d_rope, head_dim_v=r,
+                                dtype=torch.bfloat16, kv_dtype=FP8, page_size=ps)
+    plan = cpattn.plan_attention(meta, spec, backend="torch")
+    q = torch.randn(sum(ext), hq, r + d_rope, generator=g, dtype=torch.bfloat16)
+    k4 = cache.unsqueeze(2)  # [pages, ps, 1, r + d_rope]
+    out = plan.attend(q, k4, k4[..., :r], page_table=table, k_scale=scale, v_scale=scale)
+    deq = _dequantize_here(want, scale)
+    ref, _ = attention_oracle(q, deq, deq[..., :r], ext, pre)
+    assert (out.double() - ref).abs().max().item() < TOLERANCE[torch.bfloat16]

@@ -510,7 +510,8 @@ def _mla_row(cache: Tensor, r: int, d_rope: int, kv_c_dtype: torch.dtype, k_pe_d
                     "(or be uint8 for a raw-byte cache)")
 
 
-def write_mla_cache(kv_c: Tensor, k_pe: Tensor, cache: Tensor, writes: Union[CacheWritePlan, Tensor]) -> Tensor:
+def write_mla_cache(kv_c: Tensor, k_pe: Tensor, cache: Tensor, writes: Union[CacheWritePlan, Tensor], *,
+                    scale: Optional[Tensor] = None) -> Tensor:
     """Write this forward's new MLA latent rows into an MLA cache (in place, all or nothing).
 
     Args:
@@ -521,6 +522,10 @@ def write_mla_cache(kv_c: Tensor, k_pe: Tensor, cache: Tensor, writes: Union[Cac
             d_rope * k_pe.itemsize`` raw bytes (mixed dtypes).
         writes: a :class:`CacheWritePlan` (:func:`plan_cache_writes`) or a raw int32/int64 slot
             tensor, exactly one slot per row (validated here: one host sync).
+        scale: an FP8 latent cache (float8_e4m3fn rows of ``r + d_rope`` values): the float32
+            per-tensor scale ``[]`` of the whole row (absorbed MLA reads it as ``k_scale`` and
+            ``v_scale``); kv_c and k_pe (one 16/32-bit float dtype) are quantized as they are
+            written (:func:`cpattn.quant.quantize_fp8`).
 
     Returns:
         ``cache``. Device-only with a plan; on a ValueError / TypeError nothing is written.
@@ -534,13 +539,32 @@ def write_mla_cache(kv_c: Tensor, k_pe: Tensor, cache: Tensor, writes: Union[Cac
     if kv_c.device != k_pe.device:
         raise ValueError(f"kv_c is on {kv_c.device} but k_pe on {k_pe.device}")
     check_tensor(cache, "cache")
-    width, raw = _mla_row(cache, kv_c.shape[1], k_pe.shape[1], kv_c.dtype, k_pe.dtype)
+    if scale is not None:
+        _check_mla_scale(scale, kv_c, k_pe, cache)
+        width, raw = kv_c.shape[1] + k_pe.shape[1], False
+    else:
+        width, raw = _mla_row(cache, kv_c.shape[1], k_pe.shape[1], kv_c.dtype, k_pe.dtype)
     ps, num_slots = _cache_layout(cache, "cache", (width,), cache.dtype, kv_c.device)
     plan = _resolve(writes, "slots", kv_c.shape[0], "kv_c", num_slots, "cache", kv_c.device)
     if plan.slots.numel():
         rows = torch.cat([_as_bytes(kv_c), _as_bytes(k_pe)], dim=1) if raw else torch.cat([kv_c, k_pe], dim=1)
-        _scatter(cache, ps, plan, rows)
+        _scatter(cache, ps, plan, rows, scale)
     return cache
+
+
+def _check_mla_scale(scale, kv_c: Tensor, k_pe: Tensor, cache: Tensor) -> None:
+    """The checks of an FP8 latent write: a per-tensor float32 scale on kv_c's device, an FP8
+    cache, kv_c and k_pe in one 16/32-bit float dtype."""
+    from .quant import check_kv_scale
+
+    check_kv_scale(scale, "scale", None, kv_c.device)
+    if scale.dim() != 0:
+        raise ValueError(f"scale of an MLA latent cache must be per tensor [], got shape {list(scale.shape)}")
+    if cache.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"cache dtype {cache.dtype}: scale= quantizes the latent into a float8_e4m3fn cache")
+    if kv_c.dtype != k_pe.dtype or not kv_c.dtype.is_floating_point or kv_c.element_size() == 1:
+        raise TypeError(f"kv_c and k_pe must share one 16/32-bit float dtype when scale= is given, got {kv_c.dtype} "
+                        f"and {k_pe.dtype}")
 
 
 def read_mla_cache(cache: Tensor, slots: Tensor, kv_lora_rank: int) -> tuple[Tensor, Tensor]:
