@@ -99,9 +99,11 @@ def test_gpu_quantization_equals_cpu_bit_for_bit():
     x = torch.randn(4096, HKV, D, generator=gen) * 500  # many values past +-448 * scale
     x[0, 0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
     s = torch.rand(HKV, generator=gen) + 0.1
-    cpu = quantize_fp8(x, s).view(torch.uint8)
-    gpu = quantize_fp8(x.to(DEV), s.to(DEV)).cpu().view(torch.uint8)
-    assert torch.equal(cpu, gpu)
+    cpu = quantize_fp8(x, s)
+    gpu = quantize_fp8(x.to(DEV), s.to(DEV)).cpu()
+    nan = cpu.float().isnan()
+    assert torch.equal(nan, gpu.float().isnan()) and int(nan.sum()) == 3  # NaN bit patterns may differ
+    assert torch.equal(cpu.view(torch.uint8)[~nan], gpu.view(torch.uint8)[~nan])
 
 
 def test_gpu_fp8_graph_replays_with_recalibrated_scales():
