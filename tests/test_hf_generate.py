@@ -1,0 +1,154 @@
+"""Hugging Face generate over a sharded KV cache (``cphf.ShardedKVCache``): unmodified Llama, Qwen3
+(with its sliding-window layer), DeepseekV3 (MLA), gpt-oss and MiMo-V2-Flash (sinks, window
+layers) generate the plain model's tokens on C = 2 and 3 gloo ranks, each rank holding at most
+ceil(L / C) + one page of every layer; sampling with a shared seed picks the same tokens on every
+rank; what the cache cannot run is refused before any collective."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from cpattn.integrations import hf as cphf  # noqa: E402
+from dist_utils import CountCollectives, run_distributed  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import hf_cp_prefill  # noqa: E402
+
+MODELS = ("llama", "qwen3", "deepseek_v3", "gpt_oss", "mimo_v2_flash")
+NEW_TOKENS = 16
+PAGE = 4
+PROMPT = 23  # with 16 new tokens: 38 cached tokens, uneven over 3 ranks; window 8 recycles pages
+
+
+def _prompt(length: int = PROMPT, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _generate(model, ids, cache=None, *, sample_seed=None):
+    kw = dict(max_new_tokens=NEW_TOKENS, pad_token_id=0)
+    if sample_seed is None:
+        kw.update(do_sample=False)
+    else:
+        torch.manual_seed(sample_seed)
+        kw.update(do_sample=True, top_k=0, top_p=1.0, temperature=1.0)
+    if cache is not None:
+        kw["cache"] = cache
+    with torch.no_grad():
+        return model.generate(ids, **kw)[0, ids.shape[1]:].tolist()
+
+
+def _family_worker(rank: int, world: int, models, sample_models) -> dict:
+    """Per model: the plain model's greedy tokens, the sharded-cache tokens, each layer's local
+    storage (tokens) and the tokens cached; sampling (sample_models) with seed 7 both ways."""
+    out = {}
+    ids = _prompt()
+    for name in models:
+        model = hf_cp_prefill.build_model(name, seed=0)
+        plain = _generate(model, ids)
+        plain_sample = _generate(model, ids, sample_seed=7) if name in sample_models else None
+        cphf.enable(model)
+        cache = cphf.ShardedKVCache(model.config, page_size=PAGE)
+        tokens = _generate(model, ids, cache)
+        row = dict(plain=plain, tokens=tokens, cached=cache.num_tokens, pages=[x.num_pages for x in cache.layers],
+                   local=[cache.local_tokens(i) for i in range(len(cache.layers))],
+                   windows=[x.window for x in cache.layers], nbytes=cache.local_bytes())
+        if name in sample_models:
+            cache.reset()
+            row.update(plain_sample=plain_sample, sample=_generate(model, ids, cache, sample_seed=7))
+        out[name] = row
+    return out
+
+
+def _check_family_results(results, world: int, models, sample_models) -> None:
+    for name in models:
+        rows = [r[name] for r in results]
+        assert rows[0]["tokens"] == rows[0]["plain"], (name, rows[0])
+        cached = PROMPT + NEW_TOKENS - 1  # the last token is never fed back
+        for row in rows:
+            assert row["tokens"] == rows[0]["tokens"] and row["cached"] == cached, name
+            for local, window in zip(row["local"], row["windows"]):
+                assert local <= math.ceil(cached / world) + PAGE, (name, row["local"])
+                if window is not None:  # a window layer keeps what the window needs (+ a partial page each end)
+                    assert local <= math.ceil((window - 1) / world) + 2 * PAGE, (name, row["local"])
+        if name in sample_models:
+            assert all(row["sample"] == rows[0]["sample"] for row in rows), name
+            assert rows[0]["sample"] == rows[0]["plain_sample"], name
+            assert rows[0]["sample"] != rows[0]["tokens"], name  # it did sample
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_generate_equals_plain_model(world):
+    sample = ("llama", "mimo_v2_flash")
+    results = run_distributed(_family_worker, world, MODELS, sample)
+    _check_family_results(results, world, MODELS, sample)
+    total = [sum(r[name]["nbytes"] for r in results) for name in MODELS]
+    assert all(t > 0 for t in total)
+
+
+def test_generate_single_rank_no_process_group():
+    results = [_family_worker(0, 1, ("llama", "gpt_oss"), ("gpt_oss",))]
+    _check_family_results(results, 1, ("llama", "gpt_oss"), ("gpt_oss",))
+
+
+# ---------------------------------------------------------------------------------------- refusals
+def _refusal_worker(rank: int, world: int) -> dict:
+    """Every refusal on every rank, with zero collectives; the cache stays usable afterwards."""
+    errors = {}
+    with CountCollectives() as counter:
+        dsa = hf_cp_prefill.build_model("deepseek_v32", seed=0)
+        try:
+            cphf.ShardedKVCache(dsa.config)
+        except ValueError as exc:
+            errors["dsa"] = str(exc)
+        model = cphf.enable(hf_cp_prefill.build_model("llama", seed=0))
+        cache = cphf.ShardedKVCache(model.config, page_size=PAGE)
+        for key, call in (
+            ("batch", lambda: model.generate(_prompt().repeat(2, 1), cache=cache, max_new_tokens=2, do_sample=False)),
+            ("mask", lambda: model(input_ids=_prompt(), attention_mask=torch.tensor([[0] + [1] * (PROMPT - 1)]),
+                                   cache=cache)),
+            ("use_cache", lambda: model(input_ids=_prompt(), cache=cache, use_cache=False)),
+            ("beams", lambda: model.generate(_prompt(), cache=cache, max_new_tokens=2, num_beams=2, do_sample=False)),
+        ):
+            try:
+                with torch.no_grad():
+                    call()
+            except ValueError as exc:
+                errors[key] = str(exc)
+        for key, kwargs in (("page_size", dict(page_size=0)), ("strategy", dict(prefill_strategy="replicated"))):
+            try:
+                cphf.ShardedKVCache(model.config, **kwargs)
+            except ValueError as exc:
+                errors[key] = str(exc)
+        plain = cphf.ShardedKVCache(hf_cp_prefill.build_model("llama", seed=0).config)
+        try:  # the model was not switched to cpattn's attention
+            with torch.no_grad():
+                hf_cp_prefill.build_model("llama", seed=0)(input_ids=_prompt(), cache=plain)
+        except RuntimeError as exc:
+            errors["not_enabled"] = str(exc)
+    errors["collectives"] = len(counter.calls)
+    errors["untouched"] = cache.num_tokens
+    errors["after"] = _generate(model, _prompt(), cache) == _generate(hf_cp_prefill.build_model("llama", seed=0),
+                                                                      _prompt())
+    return errors
+
+
+def test_refusals_before_any_collective():
+    for errors in run_distributed(_refusal_worker, 2):
+        assert "does not cover DSA yet" in errors["dsa"]
+        assert "batch must have 1 row" in errors["batch"]
+        assert "attention_mask" in errors["mask"] and "zero" in errors["mask"]
+        assert "use_cache=True" in errors["use_cache"]
+        assert "beam" in errors["beams"] or "1 row" in errors["beams"]
+        assert "page_size" in errors["page_size"]
+        assert "prefill_strategy" in errors["strategy"]
+        assert "enable(model)" in errors["not_enabled"]
+        assert errors["collectives"] == 0
+        assert errors["untouched"] == 0
+        assert errors["after"] is True
