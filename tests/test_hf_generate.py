@@ -58,7 +58,9 @@ def _family_worker(rank: int, world: int, models, sample_models) -> dict:
         tokens = _generate(model, ids, cache)
         row = dict(plain=plain, tokens=tokens, cached=cache.num_tokens, pages=[x.num_pages for x in cache.layers],
                    local=[cache.local_tokens(i) for i in range(len(cache.layers))],
-                   windows=[x.window for x in cache.layers], nbytes=cache.local_bytes())
+                   windows=[x.window for x in cache.layers], nbytes=cache.local_bytes(),
+                   latent=[x.latent_dim for x in cache.layers],
+                   row_bytes=[x.keys.shape[-1] * x.keys.shape[-2] * x.keys.element_size() for x in cache.layers])
         if name in sample_models:
             cache.reset()
             row.update(plain_sample=plain_sample, sample=_generate(model, ids, cache, sample_seed=7))
@@ -77,6 +79,10 @@ def _check_family_results(results, world: int, models, sample_models) -> None:
                 assert local <= math.ceil(cached / world) + PAGE, (name, row["local"])
                 if window is not None:  # a window layer keeps what the window needs (+ a partial page each end)
                     assert local <= math.ceil((window - 1) / world) + 2 * PAGE, (name, row["local"])
+        if name == "deepseek_v3":  # MLA: the compressed latent (r 32 + rope 8, fp32), not per-head K/V
+            assert rows[0]["latent"] == [32, 32] and rows[0]["row_bytes"] == [40 * 4, 40 * 4], rows[0]
+        else:
+            assert rows[0]["latent"] == [None, None], (name, rows[0]["latent"])
         if name in sample_models:
             assert all(row["sample"] == rows[0]["sample"] for row in rows), name
             assert rows[0]["sample"] == rows[0]["plain_sample"], name

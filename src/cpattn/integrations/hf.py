@@ -537,7 +537,8 @@ def cpattn_attention_forward(
     if sharded is not None and sharded.decode:  # a later forward over a ShardedKVCache (hf_cache)
         _check_attention_args(attention_mask, dropout, softcap)
         out = ctx._forward["cache"].decode_attention(_layer_index(module), query, key, value, scaling=scaling,
-                                                     sliding_window=sliding_window, sinks=s_aux)
+                                                     sliding_window=sliding_window, sinks=s_aux,
+                                                     module=module)
         return out, None
     meta = ctx.meta
     rows = meta.num_physical_tokens

@@ -138,29 +138,48 @@ class ShardedKVLayer(CacheLayerMixin):
         return 0 if self.keys is None else self.keys.shape[0]
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        """Storage of one page for rows like ``key_states`` [n, Hkv, D] / ``value_states``."""
+        """Storage of one page for rows like ``key_states`` [n, Hkv, D] / ``value_states``
+        [n, Hkv, Dv]; ``value_states`` an int Dv: an MLA latent layer, whose values are the first
+        Dv columns of its keys (``values`` is a view of ``keys``)."""
         ps = self._cache.page_size
         self.keys = key_states.new_zeros((1, ps, *key_states.shape[1:]))
-        self.values = value_states.new_zeros((1, ps, *value_states.shape[1:]))
+        if isinstance(value_states, int):
+            self.latent_dim = value_states
+            self.values = self.keys[..., :value_states]
+        else:
+            self.latent_dim = None
+            self.values = value_states.new_zeros((1, ps, *value_states.shape[1:]))
         self.is_initialized = True
 
-    def reserve(self, pages: int, k: Tensor, v: Tensor) -> None:
-        """Grow the storage to ``pages`` pages for rows like ``k`` [n, Hkv, D] / ``v`` [n, Hkv, Dv]."""
+    def reserve(self, pages: int, k: Tensor, v) -> None:
+        """Grow the storage to ``pages`` pages for rows like ``k`` [n, Hkv, D] / ``v`` [n, Hkv, Dv]
+        (``v`` an int Dv: an MLA latent layer, see :meth:`lazy_initialization`)."""
         if self.keys is None:
             self.lazy_initialization(k, v)
-        if (self.keys.shape[2:], self.values.shape[2:], self.keys.dtype, self.keys.device) != \
-                (k.shape[1:], v.shape[1:], k.dtype, k.device):
+        v_tail = (*k.shape[1:-1], v) if isinstance(v, int) else v.shape[1:]
+        if (tuple(self.keys.shape[2:]), tuple(self.values.shape[2:]), self.keys.dtype, self.keys.device) != \
+                (tuple(k.shape[1:]), tuple(v_tail), k.dtype, k.device):
             raise ValueError(f"layer K/V changed shape, dtype or device between forwards: cache "
                              f"{tuple(self.keys.shape[2:])}/{tuple(self.values.shape[2:])} {self.keys.dtype} on "
-                             f"{self.keys.device}, new rows {tuple(k.shape[1:])}/{tuple(v.shape[1:])} {k.dtype} on "
+                             f"{self.keys.device}, new rows {tuple(k.shape[1:])}/{tuple(v_tail)} {k.dtype} on "
                              f"{k.device}")
         grow = pages - self.keys.shape[0]
         if grow > 0:
             self.keys = torch.cat([self.keys, self.keys.new_zeros((grow, *self.keys.shape[1:]))])
-            self.values = torch.cat([self.values, self.values.new_zeros((grow, *self.values.shape[1:]))])
+            if self.latent_dim is not None:
+                self.values = self.keys[..., : self.latent_dim]
+            else:
+                self.values = torch.cat([self.values, self.values.new_zeros((grow, *self.values.shape[1:]))])
+
+    def storage_bytes(self) -> int:
+        """Bytes of this layer's storage on this rank (keys, and values unless a view of them)."""
+        if self.keys is None:
+            return 0
+        own = self.keys.numel() * self.keys.element_size()
+        return own if self.latent_dim is not None else own + self.values.numel() * self.values.element_size()
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        return self._cache.update(key_states, value_states, -1)
+        raise RuntimeError("a ShardedKVLayer is written through its ShardedKVCache (cache.update(..., layer_idx))")
 
     # transformers' per-layer interface (what generate and the masks read)
     def get_seq_length(self) -> int:
@@ -200,6 +219,7 @@ class ShardedStep:
     writes: dict = field(default_factory=dict)  # window -> CacheWritePlan (decode)
     stores: dict = field(default_factory=dict)  # window -> (logical rows, slots) to store (prompt)
     plans: dict = field(default_factory=dict)  # spec -> AttentionPlan (decode)
+    latents: dict = field(default_factory=dict)  # layer -> the MLA latent rows the model cached
 
 
 class ShardedKVCache(Cache):
@@ -275,6 +295,10 @@ class ShardedKVCache(Cache):
                 raise ValueError(f"config: sliding_window must be a positive int, got {window!r}")
             layers.append(ShardedKVLayer(self, layer_type, window))
         self._pools = {w: _PagePool() for w in {x.window for x in layers}}
+        # MLA models that cache the compressed latent (transformers' DeepseekV3: cache.update(kv_latent
+        # [1, 1, n, r], k_rope [1, 1, n, d_rope])): their layers store the latent, not per-head K/V.
+        rank_r, rope = getattr(text, "kv_lora_rank", None), getattr(text, "qk_rope_head_dim", None)
+        self._mla = (rank_r, rope) if isinstance(rank_r, int) and isinstance(rope, int) else None
         super().__init__(layers=layers)
 
     def __repr__(self) -> str:
@@ -288,7 +312,7 @@ class ShardedKVCache(Cache):
 
     def local_bytes(self) -> int:
         """Bytes of K/V storage this rank holds over all layers."""
-        return sum(t.numel() * t.element_size() for x in self.layers for t in (x.keys, x.values) if t is not None)
+        return sum(x.storage_bytes() for x in self.layers)
 
     # ------------------------------------------------------------------ transformers' interface
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -303,6 +327,9 @@ class ShardedKVCache(Cache):
                 "ShardedKVCache is filled by cpattn's attention function: switch the model to it with "
                 "cpattn.integrations.hf.enable(model) and pass the cache as cache= (generate or forward)"
             )
+        if self._mla is not None and tuple(key_states.shape[1::2]) == (1, self._mla[0]) \
+                and tuple(value_states.shape[1::2]) == (1, self._mla[1]):
+            self.step.latents[layer_idx] = (key_states, value_states)  # [1, 1, n, r] / [1, 1, n, d_rope]
         return key_states, value_states
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -395,13 +422,18 @@ class ShardedKVCache(Cache):
             raise RuntimeError("store_prefill runs inside the prompt's forward over the cache")
         layer = self._layer(layer_idx, sliding_window)
         rows, slots = step.stores[layer.window]
-        layer.reserve(self._pools[layer.window].size, k_all, v_all)
+        latent = step.latents.pop(layer_idx, None)
+        if latent is not None:  # MLA: store the latent rows instead (ONE all-gather of [P, 1, r + d_rope])
+            r = latent[0].shape[-1]
+            k_all = step.strategy.gather(_latent_rows(latent), step.meta, self.group)  # [L, 1, r + d_rope]
+            v_all = k_all[..., :r]
+        layer.reserve(self._pools[layer.window].size, k_all, v_all if latent is None else r)
         if rows.numel():
             write_kv_cache(k_all[rows], v_all[rows], layer.keys, layer.values, slots)
 
     def decode_attention(self, layer_idx: int, query: Tensor, key: Tensor, value: Tensor, *,
                          scaling: Optional[float] = None, sliding_window=None,
-                         sinks: Optional[Tensor] = None) -> Tensor:
+                         sinks: Optional[Tensor] = None, module: Optional[torch.nn.Module] = None) -> Tensor:
         """A later forward's attention for one layer: query [1, Hq, n, D], key [1, Hkv, n, D],
         value [1, Hkv, n, Dv] (the new tokens, the same on every rank) -> [1, n, Hq, Dv]. Writes
         the new keys on their owner, attends this rank's keys, merges exactly (ONE collective)."""
@@ -413,9 +445,18 @@ class ShardedKVCache(Cache):
         for name, t in (("query", query), ("key", key), ("value", value)):
             if t.dim() != 4 or t.shape[0] != 1 or t.shape[2] != n:
                 raise ValueError(f"{name} must be [1, heads, n={n}, head_dim], got shape {tuple(t.shape)}")
-        q = query[0].transpose(0, 1).contiguous()  # [n, Hq, D]
-        k = key[0].transpose(0, 1).contiguous()  # [n, Hkv, D]
-        v = value[0].transpose(0, 1).contiguous()  # [n, Hkv, Dv]
+        latent = step.latents.pop(layer_idx, None)
+        if latent is not None:  # MLA: absorbed attention over the sharded latent
+            w_uk, w_uv = _mla_up_projections(module, latent[0].shape[-1], query.shape[1])
+            q = query[0].transpose(0, 1)  # [n, H, d_nope + d_rope]
+            d_nope = w_uk.shape[1]
+            q = torch.cat([torch.einsum("nhd,hdr->nhr", q[..., :d_nope], w_uk), q[..., d_nope:]], -1).contiguous()
+            k = _latent_rows(latent)  # [n, 1, r + d_rope]
+            v = k[..., : w_uk.shape[2]]
+        else:
+            q = query[0].transpose(0, 1).contiguous()  # [n, Hq, D]
+            k = key[0].transpose(0, 1).contiguous()  # [n, Hkv, D]
+            v = value[0].transpose(0, 1).contiguous()  # [n, Hkv, Dv]
         window = (-1, -1) if layer.window is None else (layer.window - 1, 0)
         spec_key = (q.shape[1:], k.shape[1:], v.shape[-1], q.dtype, window, sinks is not None)
         plan = step.plans.get(spec_key)
@@ -424,7 +465,28 @@ class ShardedKVCache(Cache):
                                  head_dim_v=v.shape[2], dtype=q.dtype, window_size=window,
                                  page_size=self.page_size, has_sinks=sinks is not None)
             plan = step.plans[spec_key] = plan_attention(step.meta, spec, backend=self.backend)
-        layer.reserve(self._pools[layer.window].size, k, v)
+        layer.reserve(self._pools[layer.window].size, k, v if latent is None else v.shape[-1])
         out = plan.run(q, k, v, (layer.keys, layer.values), writes=step.writes[layer.window], group=self.group,
                        page_table=step.tables[layer.window], sinks=sinks, softmax_scale=scaling)
+        if latent is not None:
+            out = torch.einsum("nhr,hvr->nhv", out, w_uv)  # latent -> per-head values [n, H, Dv]
         return out.unsqueeze(0)  # [1, n, Hq, Dv]
+
+
+def _latent_rows(latent: tuple[Tensor, Tensor]) -> Tensor:
+    """(kv latent [1, 1, n, r], k_rope [1, 1, n, d_rope]) -> rows [n, 1, r + d_rope]."""
+    return torch.cat([latent[0][0].transpose(0, 1), latent[1][0].transpose(0, 1)], -1)
+
+
+def _mla_up_projections(module, rank_r: int, heads: int) -> tuple[Tensor, Tensor]:
+    """W_UK [H, d_nope, r] and W_UV [H, Dv, r] of an MLA attention module's ``kv_b_proj`` (the
+    up-projection ``expand_kv`` applies to the latent), for absorbed attention (ValueError when the
+    module has no plain bias-free ``kv_b_proj`` of that shape)."""
+    proj = getattr(module, "kv_b_proj", None)
+    d_nope, d_v = getattr(module, "qk_nope_head_dim", None), getattr(module, "v_head_dim", None)
+    if not isinstance(proj, torch.nn.Linear) or proj.bias is not None or not isinstance(d_nope, int) \
+            or not isinstance(d_v, int) or tuple(proj.weight.shape) != (heads * (d_nope + d_v), rank_r):
+        raise ValueError(f"{type(module).__name__} caches an MLA latent but has no bias-free kv_b_proj Linear of "
+                         f"[{heads} x (qk_nope_head_dim + v_head_dim), {rank_r}]: cannot absorb it exactly")
+    w = proj.weight.view(heads, d_nope + d_v, rank_r)
+    return w[:, :d_nope], w[:, d_nope:]
