@@ -129,6 +129,7 @@ class ShardedKVLayer(CacheLayerMixin):
         self._cache = cache
         self.layer_type, self.window = layer_type, window
         self.is_sliding = window is not None
+        self.latent_dim: Optional[int] = None  # an MLA latent layer: values = keys[..., :latent_dim]
 
     def __repr__(self) -> str:
         return f"ShardedKVLayer({self.layer_type}, window={self.window}, pages={self.num_pages})"
