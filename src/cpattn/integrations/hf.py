@@ -30,6 +30,12 @@ token 0 at position 0; their outputs are dropped by :func:`gather_outputs`.
 attention function), so the plain model can decode from it without CP (``model.generate(...,
 cache=out.cache)`` after ``model.set_attn_implementation("sdpa")``).
 
+Generation with a sharded KV cache: pass a :class:`cpattn.integrations.hf_cache.ShardedKVCache`
+(``cphf.ShardedKVCache(model.config, group)``) as the cache of ``model.generate`` on every rank of
+the group: the decoder hook runs the prompt's forward under CP (each rank stores the keys it owns)
+and every later forward with replicated queries over the sharded cache (exact merge), no
+``cp_context`` needed (see :mod:`cpattn.integrations.hf_cache`).
+
 DSA models (transformers' ``deepseek_v32``, ``glm_moe_dsa``: ``"indexed_attention"`` layers) run
 through :mod:`cpattn.integrations.hf_dsa`: their latent and index keys are gathered in the cache
 hooks, the indexer's mask comes from the plan, and the attention function runs
