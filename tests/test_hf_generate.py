@@ -139,6 +139,9 @@ def _refusal_worker(rank: int, world: int) -> dict:
         except RuntimeError as exc:
             errors["not_enabled"] = str(exc)
     errors["collectives"] = len(counter.calls)
+    with CountCollectives() as counter:  # a whole generate: collectives per forward
+        _generate(model, _prompt(), cphf.ShardedKVCache(model.config, page_size=PAGE))
+    errors["generate_calls"] = counter.calls
     errors["untouched"] = cache.num_tokens
     errors["after"] = _generate(model, _prompt(), cache) == _generate(hf_cp_prefill.build_model("llama", seed=0),
                                                                       _prompt())
@@ -158,3 +161,11 @@ def test_refusals_before_any_collective():
         assert errors["collectives"] == 0
         assert errors["untouched"] == 0
         assert errors["after"] is True
+        # 2 layers, 16 forwards: the prompt's K/V gather per layer + its output gather, then ONE merge
+        # per layer per decode step; plan agreements (1-D): one per forward, plus the merge's
+        # header check on the first decode step
+        calls = errors["generate_calls"]
+        data = [c for c in calls if len(c) > 1]
+        agreements = [c for c in calls if len(c) == 1]
+        assert len(data) == 2 + 1 + (NEW_TOKENS - 1) * 2, calls
+        assert len(agreements) == NEW_TOKENS + 1, calls
