@@ -12,6 +12,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("transformers")
 
@@ -169,3 +171,47 @@ def test_refusals_before_any_collective():
         agreements = [c for c in calls if len(c) == 1]
         assert len(data) == 2 + 1 + (NEW_TOKENS - 1) * 2, calls
         assert len(agreements) == NEW_TOKENS + 1, calls
+
+
+# ---------------------------------------------------------------------------------------- page bookkeeping
+def _config(window: int):
+    import transformers as tf
+
+    return tf.Qwen3Config(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=8, use_sliding_window=True,
+                          sliding_window=window, max_window_layers=1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(cp=st.integers(1, 4), data=st.data(), window=st.integers(1, 12), page=st.sampled_from([1, 2, 4, 8]),
+       prompt=st.integers(1, 40), steps=st.lists(st.integers(1, 3), max_size=20))
+def test_page_tables_hold_every_needed_key_within_the_bound(cp, data, window, page, prompt, steps):
+    """Host bookkeeping of one rank of C (no collective: the plans of C > 1 without a process group):
+    after every forward, every key a later query can see is mapped to a distinct live page, and the
+    storage stays within ceil(L / C) + page tokens (window layers: the window's keys + 2 pages)."""
+    import cpattn
+
+    rank = data.draw(st.integers(0, cp - 1))
+    cache = cphf.ShardedKVCache(_config(window), page_size=page)
+    cache.sharding, cache.rank, cache.cp_size = cpattn.KVSharding(cp), rank, cp
+    cache.prefill_strategy = cpattn.get_strategy("zigzag", cp)
+    cache.decode_strategy = cpattn.get_strategy("replicated", cp)
+    for i, n in enumerate([prompt, *steps]):
+        step = cache.begin_step(n, torch.device("cpu"))
+        end = cache.num_tokens + n
+        cache.finish_step(True)
+        assert step.decode == (i > 0) and cache.num_tokens == end
+        for layer_idx, w in ((0, None), (1, window)):
+            table = cache.page_table(layer_idx)
+            first = 0 if w is None else max(end - w + 1, 0)  # the next query (position end) sees keys >= first
+            pos = torch.arange(first, end)
+            local = cache.sharding.local_index(pos[cache.sharding.owner(pos) == rank])
+            pages = sorted({int(j) // page for j in local})
+            assert all(table[i] >= 0 for i in pages), (table, pages)
+            live = [p for p in table if p >= 0]
+            assert len(live) == len(set(live))
+            size = step.pages[w]
+            assert max(live, default=0) < size
+            assert size * page <= math.ceil(end / cp) + page
+            if w is not None:
+                assert size * page <= math.ceil((w - 1 + max(steps, default=1)) / cp) + 2 * page

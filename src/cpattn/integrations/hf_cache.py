@@ -220,6 +220,7 @@ class ShardedStep:
     writes: dict = field(default_factory=dict)  # window -> CacheWritePlan (decode)
     stores: dict = field(default_factory=dict)  # window -> (logical rows, slots) to store (prompt)
     plans: dict = field(default_factory=dict)  # spec -> AttentionPlan (decode)
+    pages: dict = field(default_factory=dict)  # window -> pages of each layer's storage after the step
     latents: dict = field(default_factory=dict)  # layer -> the MLA latent rows the model cached
 
 
@@ -311,6 +312,11 @@ class ShardedKVCache(Cache):
         """Tokens of storage (pages x page_size) this rank holds for layer ``layer_idx``."""
         return self.layers[layer_idx].num_pages * self.page_size
 
+    def page_table(self, layer_idx: int) -> list[int]:
+        """Local page ``i`` of the layer's keys -> its page in the layer's storage (-1: freed, out
+        of the window; layers of one kind share the table)."""
+        return list(self._pools[self.layers[layer_idx].window].table)
+
     def local_bytes(self) -> int:
         """Bytes of K/V storage this rank holds over all layers."""
         return sum(x.storage_bytes() for x in self.layers)
@@ -383,7 +389,7 @@ class ShardedKVCache(Cache):
             j1 = int(sh.local_lengths([end], rank)[0])
             pool.advance(j0 // ps, -(-j1 // ps))
             table = pool.page_table(device)
-            step.tables[window] = table
+            step.tables[window], step.pages[window] = table, pool.size
             if decode:
                 step.writes[window] = plan_cache_writes(meta, table, page_size=ps, num_pages=pool.size)
             else:  # the prompt's keys this rank owns and keeps, and their slots
