@@ -67,6 +67,14 @@ def _family_worker(rank: int, world: int, models, sample_models) -> dict:
             cache.reset()
             row.update(plain_sample=plain_sample, sample=_generate(model, ids, cache, sample_seed=7))
         out[name] = row
+    for length in (1, 4):  # prompts shorter than 2C: some ranks own none of the prompt's keys
+        for name in ("llama", "gpt_oss"):
+            model = hf_cp_prefill.build_model(name, seed=0)
+            short = _prompt(length, seed=2)
+            plain = _generate(model, short)
+            cphf.enable(model)
+            out[f"{name}/{length}"] = dict(plain=plain, tokens=_generate(model, short,
+                                                                       cphf.ShardedKVCache(model.config, page_size=2)))
     return out
 
 
@@ -96,12 +104,15 @@ def test_generate_equals_plain_model(world):
     sample = ("llama", "mimo_v2_flash")
     results = run_distributed(_family_worker, world, MODELS, sample)
     _check_family_results(results, world, MODELS, sample)
+    for key in ("llama/1", "gpt_oss/1", "llama/4", "gpt_oss/4"):
+        assert all(r[key]["tokens"] == r[key]["plain"] for r in results), key
     total = [sum(r[name]["nbytes"] for r in results) for name in MODELS]
     assert all(t > 0 for t in total)
 
 
 def test_generate_single_rank_no_process_group():
     results = [_family_worker(0, 1, ("llama", "gpt_oss"), ("gpt_oss",))]
+    assert all(results[0][k]["tokens"] == results[0][k]["plain"] for k in ("llama/1", "gpt_oss/4"))
     _check_family_results(results, 1, ("llama", "gpt_oss"), ("gpt_oss",))
 
 
