@@ -175,7 +175,8 @@ def main(args: argparse.Namespace) -> int:
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         a, b = r["transformers"], r["cpattn"]
-        print(f"| {r['model']} | {r['layers']} | {r['prompt']} | {a['prefill_s'] * 1e3:.1f} / {b['prefill_s'] * 1e3:.1f} "
+        print(f"| {r['model']} | {r['layers']} | {r['prompt']} | "
+              f"{a['prefill_s'] * 1e3:.1f} / {b['prefill_s'] * 1e3:.1f} "
               f"| {a['decode_tokens_per_s']:.1f} / {b['decode_tokens_per_s']:.1f} | {a['cache_bytes'] / 2**20:.1f} / "
               f"{b['cache_bytes'] / 2**20:.1f} | {r['tokens_agree']} of {r['new_tokens']} |")
     return 0

@@ -226,3 +226,12 @@ def test_page_tables_hold_every_needed_key_within_the_bound(cp, data, window, pa
             assert size * page <= math.ceil(end / cp) + page
             if w is not None:
                 assert size * page <= math.ceil((w - 1 + max(steps, default=1)) / cp) + 2 * page
+
+
+def test_example_script_single_rank(capsys):
+    import hf_generate
+
+    assert hf_generate.main(["--model", "llama", "--cp", "1", "--cpu", "--prompt", "20", "--new-tokens", "4",
+                             "--page-size", "4"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("llama") and "tokens/s" in line and "B on this rank" in line and line.endswith("OK")

@@ -315,7 +315,8 @@ def _begin_sharded_forward(module: torch.nn.Module, bound, argument, cache_name:
     context the attention function reads (reset by :func:`_finish_sharded_forward`)."""
     _check_mask(argument("attention_mask"), "the forward")
     if argument("use_cache") is False:
-        raise ValueError("a forward over a ShardedKVCache stores its keys there: pass use_cache=True (or leave it unset)")
+        raise ValueError("a forward over a ShardedKVCache stores its keys there: pass use_cache=True "
+                         "(or leave it unset)")
     ids, embeds, pos = argument("input_ids"), argument("inputs_embeds"), argument("position_ids")
     x = ids if ids is not None else embeds
     if not isinstance(x, Tensor) or x.dim() < 2:
