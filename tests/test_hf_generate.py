@@ -133,6 +133,7 @@ def _refusal_worker(rank: int, world: int) -> dict:
             ("mask", lambda: model(input_ids=_prompt(), attention_mask=torch.tensor([[0] + [1] * (PROMPT - 1)]),
                                    cache=cache)),
             ("use_cache", lambda: model(input_ids=_prompt(), cache=cache, use_cache=False)),
+            ("hidden", lambda: model(input_ids=_prompt(), cache=cache, output_hidden_states=True)),
             ("beams", lambda: model.generate(_prompt(), cache=cache, max_new_tokens=2, num_beams=2, do_sample=False)),
         ):
             try:
@@ -167,6 +168,7 @@ def test_refusals_before_any_collective():
         assert "batch must have 1 row" in errors["batch"]
         assert "attention_mask" in errors["mask"] and "zero" in errors["mask"]
         assert "use_cache=True" in errors["use_cache"]
+        assert "output_hidden_states" in errors["hidden"]
         assert "beam" in errors["beams"] or "1 row" in errors["beams"]
         assert "page_size" in errors["page_size"]
         assert "prefill_strategy" in errors["strategy"]

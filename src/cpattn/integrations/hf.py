@@ -329,6 +329,9 @@ def _begin_sharded_forward(module: torch.nn.Module, bound, argument, cache_name:
         raise ValueError(f"position_ids must have {n} positions (the new tokens), got {getattr(pos, 'shape', pos)}")
     if module.training and getattr(module.config, "attention_dropout", 0.0):
         raise ValueError("cpattn attention is for inference: call model.eval() (attention dropout is on)")
+    if cache.get_seq_length() == 0 and argument("output_hidden_states"):
+        raise ValueError("output_hidden_states=True: the prompt's forward over a ShardedKVCache gathers only "
+                         "last_hidden_state (the other layers' rows stay sharded)")
     step = cache.begin_step(n, x.device)  # the plan agreement: the first collective of the forward
     call = {k: v for k, v in bound.arguments.items() if k != "kwargs"}
     call.update(bound.arguments.get("kwargs", {}))

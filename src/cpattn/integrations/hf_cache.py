@@ -36,7 +36,6 @@ the cache (``crop``: assisted decoding; ``reorder_cache``).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
