@@ -224,8 +224,17 @@ def enable(model: torch.nn.Module, name: str = ATTN_IMPLEMENTATION) -> torch.nn.
     return model
 
 
+def _forward_signature(module: torch.nn.Module) -> inspect.Signature:
+    """``inspect.signature(module.forward)``, computed once per module (every forward's hook binds
+    its arguments: a decode step of a 2-layer model spent ~0.7 ms of CPU in ``inspect`` without it)."""
+    sig = module.__dict__.get("_cpattn_forward_signature")
+    if sig is None:
+        sig = module.__dict__["_cpattn_forward_signature"] = inspect.signature(module.forward)
+    return sig
+
+
 def _cache_argument(decoder: torch.nn.Module) -> str:
-    params = inspect.signature(decoder.forward).parameters
+    params = _forward_signature(decoder).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
@@ -251,7 +260,7 @@ def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict, *, name:
     if ctx is None and sharded_cls is None:
         return None
     try:
-        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+        bound = _forward_signature(module).bind_partial(*args, **kwargs)
     except TypeError:
         return None  # the model raises its own error for bad arguments
 
