@@ -23,7 +23,7 @@ from .._buffers import StaticArena
 from .._validation import check_device, check_int
 from ..metadata import DEVICE_FIELDS, Capacity, CPMetadata, LengthsLike, as_lengths, plan_fingerprint
 
-__all__ = ["StaticPlanner"]
+__all__ = ["StaticPlanner", "place_static"]
 
 
 class StaticPlanner:
@@ -91,15 +91,7 @@ class StaticPlanner:
         exceeds the capacity; with ``group`` the ranks agree on the plan first, as in
         ``strategy.build_metadata``)."""
         host = self.strategy.agreed(lambda: self._build(extend_lens, prefix_lens, rank), group, agree)
-        views = self.arena.upload("meta", _expand(host, self.capacity))
-        sized = {name: views[name] for name in DEVICE_FIELDS}
-        n, t, b, s = host.num_local_tokens, host.num_tokens, host.num_seqs, host.num_segments
-        sized.update(  # informational fields: views of the batch's real rows
-            local_token_indices=views["local_token_indices"][:n], local_positions=views["local_positions"][:n],
-            local_seq_ids=views["local_seq_ids"][:n], extend_lens=views["extend_lens"][:b],
-            prefix_lens=views["prefix_lens"][:b], kv_lens=views["kv_lens"][:b],
-        )
-        return dataclasses.replace(host, **sized, capacity=self.capacity, host=host, arena=self.arena)
+        return place_static(self.arena, "meta", host, self.capacity)
 
     def _build(self, extend_lens, prefix_lens, rank) -> CPMetadata:
         cap, s = self.capacity, self.strategy
@@ -123,6 +115,20 @@ class StaticPlanner:
         fingerprint = plan_fingerprint(s.name, s.cp_size, rank, s.pad_multiple, host.extend_lens, host.prefix_lens,
                                        cap, kv=self.kv)
         return dataclasses.replace(host, fingerprint=fingerprint)
+
+
+def place_static(arena: StaticArena, key, host: CPMetadata, capacity: Capacity) -> CPMetadata:
+    """A host plan (its sizes within ``capacity``) at the arena's fixed buffers of ``key``: ONE
+    host-to-device copy; the same device tensors for every plan placed under that key."""
+    views = arena.upload(key, _expand(host, capacity))
+    sized = {name: views[name] for name in DEVICE_FIELDS}
+    n, b = host.num_local_tokens, host.num_seqs
+    sized.update(  # informational fields: views of the batch's real rows
+        local_token_indices=views["local_token_indices"][:n], local_positions=views["local_positions"][:n],
+        local_seq_ids=views["local_seq_ids"][:n], extend_lens=views["extend_lens"][:b],
+        prefix_lens=views["prefix_lens"][:b], kv_lens=views["kv_lens"][:b],
+    )
+    return dataclasses.replace(host, **sized, capacity=capacity, host=host, arena=arena)
 
 
 def _pad_to(x: Tensor, size: int, fill) -> Tensor:
