@@ -222,5 +222,5 @@ def test_static_plan_errors():
     for algo in ("pass_kv", "pass_q"):
         with pytest.raises(ValueError, match="pass pad_slot"):
             cpattn.plan_attention(meta, spec, algorithm=algo, page_table=table, num_pages=NUM_PAGES)
-    with pytest.raises(ValueError, match="page_table= / num_pages= / pad_slot= are for an extend"):
+    with pytest.raises(ValueError, match=r"page_table= / num_pages= are for an extend over a sharded cache \(pad_slot= too\)"):
         cpattn.plan_attention(cpattn.get_strategy("zigzag", 1).build_metadata([2], rank=0), spec, pad_slot=0)

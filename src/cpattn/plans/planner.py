@@ -108,8 +108,8 @@ def plan_attention(
         return _plan_sharded_extend(meta, spec, backend, algorithm, options, page_table, num_pages, pad_slot,
                                     cost_model)
     if page_table is not None or num_pages is not None or pad_slot is not None:
-        raise ValueError(f"page_table= / num_pages= / pad_slot= are for an extend over a sharded cache; algorithm "
-                         f"{allowed[0]!r} reads the page table per layer")
+        raise ValueError(f"page_table= / num_pages= are for an extend over a sharded cache (pad_slot= too); "
+                         f"algorithm {allowed[0]!r} reads the page table per layer")
     if allowed == ("shard_merge",):
         chosen = select_backend(spec, meta, backend, kind="shard")
         return ShardMergePlan(meta, spec, chosen.name, chosen.plan(spec, meta, options))

@@ -37,7 +37,7 @@ forward (their fixed tables have one home per planner).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor
@@ -48,10 +48,15 @@ from ..cache import write_kv_cache
 from ..collectives import all_gather_rows, check_group, pack_rows, row_layout, unpack_rows
 from ..merge import merge_states
 from ..metadata import Capacity, CPMetadata, build_metadata
-from .base import AttentionPlan, check_sinks
+from .base import KERNEL_CALL, AttentionPlan, KernelCall, check_sinks
 from .static import place_static
 
+if TYPE_CHECKING:  # annotations only (typing.Unpack: Python >= 3.11)
+    from typing_extensions import Unpack
+
 __all__ = ["ShardedExtendPlan", "build_sharded_extend", "replicated_view"]
+
+_RUN = KERNEL_CALL - {"out", "lse"}
 
 
 class ShardedExtendPlan(AttentionPlan):
@@ -89,20 +94,8 @@ class ShardedExtendPlan(AttentionPlan):
             out["packed_write_rows"] = self._extra["packed_writes"].rows
         return out
 
-    def run(
-        self,
-        q_local: Tensor,
-        k_local: Tensor,
-        v_local: Tensor,
-        cache,
-        *,
-        writes=None,
-        group=None,
-        page_table: Optional[Tensor] = None,
-        sinks: Optional[Tensor] = None,
-        softmax_scale: Optional[float] = None,
-        return_lse: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def run(self, q_local: Tensor, k_local: Tensor, v_local: Tensor, cache, *, writes=None, group=None,
+            **call: Unpack[KernelCall]) -> Tensor | tuple[Tensor, Tensor]:
         """One layer: collectives, this rank's cache write, attention (device-only).
 
         Args:
@@ -112,14 +105,17 @@ class ShardedExtendPlan(AttentionPlan):
                 D] / [.., Dv] (the layer's), holding its prefix shard; its share of the extend
                 K/V is written into them.
             writes: None (the plan's own, planned from the page table at plan time) or that
-                same plan. page_table: None or the plan's (read at plan time).
+                same plan.
             group: the CP group (None: default group; no collective at C = 1).
-            sinks: [Hq] float when the spec has sinks. softmax_scale: default D ** -0.5.
-            return_lse: also return lse [P, Hq] float32.
+            **call: :class:`KernelCall` but ``out`` / ``lse``: ``page_table`` (None or the plan's,
+                read at plan time), ``sinks`` ([Hq] float when the spec has sinks),
+                ``softmax_scale`` (default D ** -0.5), ``return_lse`` (also return lse [P, Hq]
+                float32).
 
         Returns:
             out [P, Hq, Dv] in q's dtype (pad rows 0), with return_lse (out, lse).
         """
+        _, sinks, softmax_scale, _, _, return_lse = self._kernel_call(call, "run", _RUN)
         meta, spec = self.meta, self.spec
         self._check_new_rows(q_local, k_local, v_local, meta.num_physical_tokens)
         if writes is not None and writes is not self.writes:
