@@ -21,7 +21,8 @@ from torch import Tensor
 
 from .._buffers import StaticArena
 from .._validation import check_device, check_int
-from ..metadata import DEVICE_FIELDS, Capacity, CPMetadata, LengthsLike, as_lengths, plan_fingerprint
+from ..metadata import (DEVICE_FIELDS, SEGMENT_FIELDS, Capacity, CPMetadata, LengthsLike, as_lengths,
+                        plan_fingerprint)
 
 __all__ = ["StaticPlanner", "place_static"]
 
@@ -144,7 +145,7 @@ def _expand(host: CPMetadata, cap: Capacity) -> dict[str, Tensor]:
     last_kv = host.kv_extend_index[t - 1] if t else 0
     s = host.num_segments
     segs = {}
-    for name in ("seg_seq", "seg_row0", "seg_len", "seg_pos0", "seg_stride"):
+    for name in SEGMENT_FIELDS:
         segs[name] = _pad_to(getattr(host, name), cap.max_segments + 1, 0)
     return {
         "extend_lens": _pad_to(host.extend_lens, cap.max_seqs, 0),
