@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._buffers import StaticArena
+from .._buffers import StaticArena, pad_to
 from .._validation import check_device, check_int
 from ..metadata import (DEVICE_FIELDS, SEGMENT_FIELDS, Capacity, CPMetadata, LengthsLike, as_lengths,
                         plan_fingerprint)
@@ -132,12 +132,6 @@ def place_static(arena: StaticArena, key, host: CPMetadata, capacity: Capacity) 
     return dataclasses.replace(host, **sized, capacity=capacity, host=host, arena=arena)
 
 
-def _pad_to(x: Tensor, size: int, fill) -> Tensor:
-    out = torch.full((size,), fill, dtype=x.dtype) if x.dtype != torch.bool else torch.zeros(size, dtype=torch.bool)
-    out[: x.numel()] = x
-    return out
-
-
 def _expand(host: CPMetadata, cap: Capacity) -> dict[str, Tensor]:
     """The host plan's device fields padded to the capacity (see StaticPlanner for the rules)."""
     t = host.num_tokens
@@ -146,26 +140,26 @@ def _expand(host: CPMetadata, cap: Capacity) -> dict[str, Tensor]:
     s = host.num_segments
     segs = {}
     for name in SEGMENT_FIELDS:
-        segs[name] = _pad_to(getattr(host, name), cap.max_segments + 1, 0)
+        segs[name] = pad_to(getattr(host, name), cap.max_segments + 1, 0)
     return {
-        "extend_lens": _pad_to(host.extend_lens, cap.max_seqs, 0),
-        "prefix_lens": _pad_to(host.prefix_lens, cap.max_seqs, 0),
-        "kv_lens": _pad_to(host.kv_lens, cap.max_seqs, 0),
-        "cu_extend_lens": _pad_to(host.cu_extend_lens, cap.max_seqs + 1, host.num_tokens),
-        "cu_kv_lens": _pad_to(host.cu_kv_lens, cap.max_seqs + 1, host.num_kv_tokens),
-        "local_token_indices": _pad_to(host.local_token_indices, cap.max_local_tokens, 0),
-        "local_positions": _pad_to(host.local_positions, cap.max_local_tokens, 0),
-        "local_seq_ids": _pad_to(host.local_seq_ids, cap.max_local_tokens, 0),
+        "extend_lens": pad_to(host.extend_lens, cap.max_seqs, 0),
+        "prefix_lens": pad_to(host.prefix_lens, cap.max_seqs, 0),
+        "kv_lens": pad_to(host.kv_lens, cap.max_seqs, 0),
+        "cu_extend_lens": pad_to(host.cu_extend_lens, cap.max_seqs + 1, host.num_tokens),
+        "cu_kv_lens": pad_to(host.cu_kv_lens, cap.max_seqs + 1, host.num_kv_tokens),
+        "local_token_indices": pad_to(host.local_token_indices, cap.max_local_tokens, 0),
+        "local_positions": pad_to(host.local_positions, cap.max_local_tokens, 0),
+        "local_seq_ids": pad_to(host.local_seq_ids, cap.max_local_tokens, 0),
         "shard_index": host.shard_index,
         "row_valid": host.row_valid,
         # rows past T repeat the last real token's row: their duplicate writes are identical
-        "gather_index": _pad_to(host.gather_index, cap.max_tokens, int(last_gather)),
-        "kv_extend_index": _pad_to(host.kv_extend_index, cap.max_tokens, int(last_kv)),
+        "gather_index": pad_to(host.gather_index, cap.max_tokens, int(last_gather)),
+        "kv_extend_index": pad_to(host.kv_extend_index, cap.max_tokens, int(last_kv)),
         **segs,
         "counts": host.counts,
         # sharded-cache fields: empty without a KV sharding; else sized for the capacity
         # (entries past the batch's are unspecified: writes go through a CacheWritePlan)
-        **{name: getattr(host, name) if host.kv is None else _pad_to(getattr(host, name), size, fill)
+        **{name: getattr(host, name) if host.kv is None else pad_to(getattr(host, name), size, fill)
            for name, size, fill in (("store_rows", cap.max_tokens, 0), ("store_index", cap.max_tokens, 0),
                                     ("local_prefix_lens", cap.max_seqs, 0), ("local_kv_lens", cap.max_seqs, 0),
                                     ("cu_local_kv_lens", cap.max_seqs + 1, host.num_local_kv_tokens))},
