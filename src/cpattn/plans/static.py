@@ -4,7 +4,10 @@ A :class:`StaticPlanner` writes each batch's plan into the same device buffers (
 pinned staging buffer); attention plans built from such a plan reuse fixed buffers too (their
 uploads go through ``meta.arena``), and kernels read counts from device memory with grids sized
 for the capacity. A CUDA graph captured over ``shard`` / ``gather_kv`` / ``plan.run`` /
-``gather`` for one batch then replays for any batch within the capacity.
+``gather`` for one batch then replays for any batch within the capacity. That holds for every
+algorithm: "local", "gather_kv", "shard_merge", and "pass_kv" / "pass_q" (an extend over a
+sharded cache: their page table, write plan, gather / return maps and pass-Q's replicated view
+of the batch sit in the arena too, and their collectives move capacity-sized buffers).
 
 Replay support: ``triton`` (both kernel families) replays; ``fa4`` takes host sizes and is
 refused for static plans (``auto`` picks triton); ``torch`` runs its per-segment loop on the
