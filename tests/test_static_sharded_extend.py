@@ -7,8 +7,8 @@ device table a layer reads keeps its address from batch to batch, and each layer
 its algorithm's collectives (pass-KV: one all-gather; pass-Q: one all-gather and one
 all-to-all). Graph replay is emulated on the CPU with the Triton interpreter: the FIRST batch's
 plan object, run after later batches were planned into the same buffers, gives bit for bit what
-a fresh plan of that batch gives (it reads nothing but device tables; C = 1 here and C = 2 over
-gloo). Plan-time errors of static plans are checked too.
+a fresh plan of that batch gives (it reads nothing but device tables; C = 1 in process, C = 2
+and 3 over gloo). Plan-time errors of static plans are checked too.
 """
 
 from __future__ import annotations
@@ -194,12 +194,13 @@ def test_static_pass_kv_pass_q_over_gloo(world, data):
 
 
 @pytest.mark.slow
-def test_static_pass_kv_pass_q_replay_over_gloo(interp):
-    """C = 2, Triton interpreter: the first batch's plan object, run for later batches planned
-    into the same buffers (what a captured graph does), equals the fresh plan bit for bit."""
+@pytest.mark.parametrize("world", [2, 3])
+def test_static_pass_kv_pass_q_replay_over_gloo(interp, world):
+    """C = 2 and 3, Triton interpreter: the first batch's plan object, run for later batches
+    planned into the same buffers (what a captured graph does), equals the fresh plan bit for bit."""
     batches = [([5, 0, 3], [7, 2, 0]), ([1], [30]), ([9, 1, 0, 2], [0, 3, 11, 1])]
-    _check(run_distributed(_worker, 2, ("zigzag", 2, -1, True), batches, "triton", pg_timeout=300, timeout=900),
-           len(batches), replay=True)
+    _check(run_distributed(_worker, world, ("zigzag", 2, -1, True), batches, "triton", pg_timeout=300,
+                           timeout=900), len(batches), replay=True)
 
 
 def test_static_pass_kv_pass_q_replay_single_rank(interp):
