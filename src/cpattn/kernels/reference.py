@@ -112,19 +112,27 @@ class _TorchRun:
                     lse[row0 + c0 : row0 + c1] = l.to(lse.dtype)  # float64 buffers keep float64 math
 
 
-class TorchReferenceBackend:
+class _TorchBackend:
+    """A torch reference backend of one kind: always available, any spec, no backend options;
+    ``plan`` builds the kind's ``run_class`` (a host loop for eager use and tests)."""
+
     name = "torch"
+    run_class: type
 
     def available(self) -> Optional[str]:
         return None
 
-    def unsupported_reason(self, spec: AttentionSpec, meta: CPMetadata) -> Optional[str]:
+    def unsupported_reason(self, spec, meta) -> Optional[str]:
         return None
 
-    def plan(self, spec: AttentionSpec, meta: CPMetadata, options: Mapping) -> _TorchRun:
+    def plan(self, spec, meta, options: Mapping):
         if options:
             raise ValueError(f"backend 'torch' takes no backend_options, got {sorted(options)}")
-        return _TorchRun(spec, meta)
+        return self.run_class(spec, meta)
+
+
+class TorchReferenceBackend(_TorchBackend):
+    run_class = _TorchRun
 
 
 # =============================================================================================
@@ -168,19 +176,8 @@ class _TorchShardRun:
             lse[r0 : r0 + ql] = l.to(lse.dtype)
 
 
-class TorchShardBackend:
-    name = "torch"
-
-    def available(self) -> Optional[str]:
-        return None
-
-    def unsupported_reason(self, spec: AttentionSpec, dmeta) -> Optional[str]:
-        return None
-
-    def plan(self, spec: AttentionSpec, dmeta, options: Mapping) -> _TorchShardRun:
-        if options:
-            raise ValueError(f"backend 'torch' takes no backend_options, got {sorted(options)}")
-        return _TorchShardRun(spec, dmeta)
+class TorchShardBackend(_TorchBackend):
+    run_class = _TorchShardRun
 
 
 # =============================================================================================
@@ -263,19 +260,8 @@ class _TorchSparseRun:
                 lse[r0:r1] = row_lse.reshape(r1 - r0, hq).masked_fill(pad, float("-inf")).to(lse.dtype)
 
 
-class TorchSparseBackend:
-    name = "torch"
-
-    def available(self) -> Optional[str]:
-        return None
-
-    def unsupported_reason(self, spec: AttentionSpec, meta: CPMetadata) -> Optional[str]:
-        return None
-
-    def plan(self, spec: AttentionSpec, meta: CPMetadata, options: Mapping) -> _TorchSparseRun:
-        if options:
-            raise ValueError(f"backend 'torch' takes no backend_options, got {sorted(options)}")
-        return _TorchSparseRun(spec, meta)
+class TorchSparseBackend(_TorchBackend):
+    run_class = _TorchSparseRun
 
 
 def index_scores(q_idx: Tensor, keys: Tensor, weights: Tensor, softmax_scale: float) -> Tensor:
@@ -337,16 +323,5 @@ class _TorchIndexRun:
         return keys if scale is None else keys * scale.to(work)[:, None]
 
 
-class TorchIndexBackend:
-    name = "torch"
-
-    def available(self) -> Optional[str]:
-        return None
-
-    def unsupported_reason(self, spec: IndexTopkSpec, meta: CPMetadata) -> Optional[str]:
-        return None
-
-    def plan(self, spec: IndexTopkSpec, meta: CPMetadata, options: Mapping) -> _TorchIndexRun:
-        if options:
-            raise ValueError(f"backend 'torch' takes no backend_options, got {sorted(options)}")
-        return _TorchIndexRun(spec, meta)
+class TorchIndexBackend(_TorchBackend):
+    run_class = _TorchIndexRun

@@ -16,7 +16,7 @@ scale. Subclasses (one module per algorithm) add only what differs.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,8 @@ from .._validation import check_softmax_scale, check_tensor
 from ..metadata import CPMetadata
 from ..spec import AttentionSpec
 
-__all__ = ["ALGORITHMS", "AttentionPlan", "check_group_rank", "check_qkv", "check_sinks", "result_buffers"]
+__all__ = ["ALGORITHMS", "AttentionPlan", "KernelCall", "check_group_rank", "check_qkv", "check_sinks",
+           "result_buffers"]
 
 #: Every algorithm a plan can run: "local" (no collective: replicated queries and KV cache, or
 #: C = 1), "gather_kv" (all-gather the new K/V, attend locally), "pass_kv" / "pass_q" (an extend
@@ -35,6 +36,27 @@ __all__ = ["ALGORITHMS", "AttentionPlan", "check_group_rank", "check_qkv", "chec
 ALGORITHMS = ("local", "gather_kv", "pass_kv", "pass_q", "shard_merge")
 
 _PAGE_TABLE_DTYPES = (torch.int32, torch.int64)
+
+
+class KernelCall(TypedDict, total=False):
+    """The per-call keywords of the kernel that plans' ``attend`` and ``run`` share (each method
+    says which it takes; an unknown one is a TypeError before any collective or write):
+
+    page_table: [num_seq_rows, max_pages] int32/int64 of a paged spec. sinks: [Hq] float when
+    the spec has sinks. softmax_scale: float > 0 (default D ** -0.5). out: [rows, Hq, Dv] buffer
+    in the plan's dtype; lse: [rows, Hq] float32 buffer. return_lse: also return lse.
+    """
+
+    page_table: Optional[Tensor]
+    sinks: Optional[Tensor]
+    softmax_scale: Optional[float]
+    out: Optional[Tensor]
+    lse: Optional[Tensor]
+    return_lse: bool
+
+
+#: the keywords of a kernel call (:class:`KernelCall`)
+KERNEL_CALL = frozenset(KernelCall.__annotations__)
 
 
 def check_group_rank(meta: CPMetadata) -> None:
@@ -250,6 +272,15 @@ class AttentionPlan:
         if page_table.shape[1] * ps < self._max_keys:
             raise ValueError(f"page_table holds {page_table.shape[1]} pages of {ps} = {page_table.shape[1] * ps} "
                              f"keys, fewer than {self._keys_what} ({self._max_keys})")
+
+    def _kernel_call(self, call: dict, method: str, allowed: frozenset = KERNEL_CALL) -> tuple:
+        """(page_table, sinks, softmax_scale, out, lse, return_lse) of a call's keywords (absent:
+        None / False); TypeError naming any keyword ``method`` does not take."""
+        if not call.keys() <= allowed:
+            raise TypeError(f"{type(self).__name__}.{method}() got unexpected keyword argument(s) "
+                            f"{sorted(call.keys() - allowed)}")
+        get = call.get
+        return get("page_table"), get("sinks"), get("softmax_scale"), get("out"), get("lse"), get("return_lse", False)
 
     def _softmax_scale(self, softmax_scale) -> float:
         if softmax_scale is None:

@@ -19,14 +19,17 @@ without a causal mask (e.g. every key of a sequence shorter than top-k) stays ca
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor
 
 from ..cache import CacheWritePlan
-from .base import AttentionPlan
+from .base import AttentionPlan, KernelCall
 from .sparse import check_index
+
+if TYPE_CHECKING:  # annotations only (typing.Unpack: Python >= 3.11)
+    from typing_extensions import Unpack
 
 __all__ = ["ReplicatedKVPlan"]
 
@@ -43,20 +46,8 @@ class ReplicatedKVPlan(AttentionPlan):
         self.algorithm = algorithm
         self._idx_shape = (meta.num_physical_tokens, spec.topk) if spec.sparse else None
 
-    def attend(
-        self,
-        q_local: Tensor,
-        k: Tensor,
-        v: Tensor,
-        idx: Optional[Tensor] = None,
-        *,
-        page_table: Optional[Tensor] = None,
-        sinks: Optional[Tensor] = None,
-        softmax_scale: Optional[float] = None,
-        out: Optional[Tensor] = None,
-        lse: Optional[Tensor] = None,
-        return_lse: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def attend(self, q_local: Tensor, k: Tensor, v: Tensor, idx: Optional[Tensor] = None,
+               **call: Unpack[KernelCall]) -> Tensor | tuple[Tensor, Tensor]:
         """The kernel alone: local queries over K/V every key of which is given (device-only).
 
         Args:
@@ -70,19 +61,24 @@ class ReplicatedKVPlan(AttentionPlan):
             idx: sparse specs only: [P, topk] int32/int64 key positions per row (index in the
                 row's sequence, prefix counted); negative, future and out-of-sequence entries
                 are ignored; a position counts once per occurrence.
-            sinks: [Hq] float (any float dtype and stride) when the spec has sinks.
-            softmax_scale: default D ** -0.5.
-            out: [P, Hq, Dv] buffer (q's dtype, contiguous last dim); lse: [P, Hq] float32.
-            return_lse: also return lse (natural log, float32, sinks counted; a sparse row with
-                no valid key has lse = its sink, or -inf without sinks).
+            **call: :class:`KernelCall`: ``page_table`` (paged specs), ``sinks`` ([Hq] float,
+                any float dtype and stride, when the spec has sinks), ``softmax_scale`` (default
+                D ** -0.5), ``out`` ([P, Hq, Dv] buffer, q's dtype, contiguous last dim), ``lse``
+                ([P, Hq] float32), ``return_lse`` (also return lse: natural log, float32, sinks
+                counted; a sparse row with no valid key has lse = its sink, or -inf without sinks).
 
         Returns:
             out [P, Hq, Dv] (pad rows, and sparse rows with no valid key, exactly 0), or
             (out, lse) with return_lse (pad rows -inf).
         """
+        page_table, sinks, softmax_scale, out, lse, return_lse = self._kernel_call(call, "attend")
         self._check_call(q_local, k, v, page_table, sinks)
         self._check_idx(idx)
         out, lse = self._result(out, lse, return_lse)
+        return self._attend(q_local, k, v, idx, page_table, sinks, softmax_scale, out, lse, return_lse)
+
+    def _attend(self, q_local, k, v, idx, page_table, sinks, softmax_scale, out, lse, return_lse):
+        """The launch, after the checks (``out`` / ``lse``: the call's buffers)."""
         scale = self._softmax_scale(softmax_scale)
         if self._idx_shape is None:
             self._impl(q_local, k, v, page_table, sinks, scale, out, lse)
@@ -90,23 +86,9 @@ class ReplicatedKVPlan(AttentionPlan):
             self._impl(q_local, k, v, idx, page_table, sinks, scale, out, lse)
         return (out, lse) if return_lse else out
 
-    def run(
-        self,
-        q_local: Tensor,
-        k_local: Tensor,
-        v_local: Tensor,
-        cache=None,
-        *,
-        idx: Optional[Tensor] = None,
-        writes: Optional[CacheWritePlan] = None,
-        group=None,
-        page_table: Optional[Tensor] = None,
-        sinks: Optional[Tensor] = None,
-        softmax_scale: Optional[float] = None,
-        out: Optional[Tensor] = None,
-        lse: Optional[Tensor] = None,
-        return_lse: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def run(self, q_local: Tensor, k_local: Tensor, v_local: Tensor, cache=None, *, idx: Optional[Tensor] = None,
+            writes: Optional[CacheWritePlan] = None, group=None,
+            **call: Unpack[KernelCall]) -> Tensor | tuple[Tensor, Tensor]:
         """One layer: gather the new K/V (one collective; none for "local"), write them, attend.
 
         Args:
@@ -122,16 +104,18 @@ class ReplicatedKVPlan(AttentionPlan):
                 :func:`cpattn.dsa.index_topk`, :meth:`attend`).
             writes: paged spec: :func:`cpattn.plan_cache_writes` of this forward (required).
             group: the CP group (None: the default group; unused by "local").
-            page_table, sinks, softmax_scale, out, lse, return_lse: as :meth:`attend`.
+            **call: :class:`KernelCall` (``page_table``, ``sinks``, ``softmax_scale``, ``out``,
+                ``lse``, ``return_lse``), as :meth:`attend`.
 
         Every check runs before the collective and the write (ValueError / TypeError naming the
         argument; the caches are unchanged when one fails).
         """
+        page_table, sinks, softmax_scale, out, lse, return_lse = self._kernel_call(call, "run")
         self._check_idx(idx)
         out, lse = self._result(out, lse, return_lse)  # checked (and allocated) before the collective and write
         k_all, v_all = self._gather_and_write(q_local, k_local, v_local, cache, writes, group, page_table, sinks)
-        return self.attend(q_local, k_all, v_all, idx, page_table=page_table, sinks=sinks, softmax_scale=softmax_scale,
-                           out=out, lse=lse, return_lse=return_lse)
+        self._check_call(q_local, k_all, v_all, page_table, sinks)
+        return self._attend(q_local, k_all, v_all, idx, page_table, sinks, softmax_scale, out, lse, return_lse)
 
     def _check_idx(self, idx) -> None:
         if self._idx_shape is None:

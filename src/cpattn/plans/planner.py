@@ -50,6 +50,7 @@ def plan_attention(
     backend_options: Optional[Mapping] = None,
     page_table: Optional[Tensor] = None,
     num_pages: Optional[int] = None,
+    pad_slot: Optional[int] = None,
     cost_model: Optional[CostModel] = None,
 ) -> AttentionPlan:
     """Plan one layer kind's attention over ``meta`` (host, once per forward; may copy once).
@@ -66,6 +67,9 @@ def plan_attention(
         page_table, num_pages: this rank's page table [B, max_pages] and page count, for an
             extend over a sharded cache ("pass_kv" / "pass_q": they plan its cache writes and
             prefix reads; read once here).
+        pad_slot: a reserved slot of this rank's cache where a static plan's padding rows write
+            ("pass_kv" / "pass_q" over a :class:`cpattn.StaticPlanner` plan, which also names its
+            algorithm: a captured graph replays one).
         cost_model: a :class:`cpattn.CostModel` choosing pass-KV or pass-Q ("auto").
 
     Returns:
@@ -101,10 +105,11 @@ def plan_attention(
     if meta.kv is not None and spec.paged:
         meta.kv.check_page_size(spec.page_size)
     if allowed == ("pass_kv", "pass_q"):
-        return _plan_sharded_extend(meta, spec, backend, algorithm, options, page_table, num_pages, cost_model)
-    if page_table is not None or num_pages is not None:
-        raise ValueError(f"page_table= / num_pages= are for an extend over a sharded cache; algorithm "
-                         f"{allowed[0]!r} reads the page table per layer")
+        return _plan_sharded_extend(meta, spec, backend, algorithm, options, page_table, num_pages, pad_slot,
+                                    cost_model)
+    if page_table is not None or num_pages is not None or pad_slot is not None:
+        raise ValueError(f"page_table= / num_pages= are for an extend over a sharded cache (pad_slot= too); "
+                         f"algorithm {allowed[0]!r} reads the page table per layer")
     if allowed == ("shard_merge",):
         chosen = select_backend(spec, meta, backend, kind="shard")
         return ShardMergePlan(meta, spec, chosen.name, chosen.plan(spec, meta, options))
@@ -112,9 +117,10 @@ def plan_attention(
     return ReplicatedKVPlan(meta, spec, chosen.name, chosen.plan(spec, meta, options), allowed[0])
 
 
-def _plan_sharded_extend(meta, spec, backend, algorithm, options, page_table, num_pages, cost_model):
-    if meta.is_static:
-        raise ValueError("an extend over a sharded cache needs a plan sized for its batch, not a static plan")
+def _plan_sharded_extend(meta, spec, backend, algorithm, options, page_table, num_pages, pad_slot, cost_model):
+    if meta.is_static and algorithm == "auto":
+        raise ValueError("a static plan of an extend over a sharded cache replays one algorithm: pass "
+                         "algorithm='pass_kv' or 'pass_q' (the cost model's choice may differ between batches)")
     if not spec.paged:
         raise ValueError("an extend over a sharded cache needs a paged spec (page_size=)")
     if page_table is None or num_pages is None:
@@ -137,4 +143,4 @@ def _plan_sharded_extend(meta, spec, backend, algorithm, options, page_table, nu
         view = replicated_view(meta)
         chosen = select_backend(spec, view, backend, kind="shard")
         inner = ShardMergePlan(view, spec, chosen.name, chosen.plan(spec, view, options))
-    return build_sharded_extend(meta, spec, algorithm, estimate, page_table, num_pages, inner)
+    return build_sharded_extend(meta, spec, algorithm, estimate, page_table, num_pages, inner, pad_slot)

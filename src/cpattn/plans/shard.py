@@ -18,16 +18,22 @@ replays for every step (``triton``; ``torch`` loops on the host).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from torch import Tensor
 
 from ..cache import CacheWritePlan, check_kv_writes, write_kv_cache
 from ..collectives import check_group
 from ..merge import merge_partials
-from .base import AttentionPlan
+from .base import KERNEL_CALL, AttentionPlan, KernelCall
+
+if TYPE_CHECKING:  # annotations only (typing.Unpack: Python >= 3.11)
+    from typing_extensions import Unpack
 
 __all__ = ["ShardMergePlan"]
+
+_ATTEND = KERNEL_CALL - {"return_lse"}  # the partials come back with their lse
+_RUN = KERNEL_CALL - {"out", "lse"}  # merge_partials allocates the merged result
 
 
 class ShardMergePlan(AttentionPlan):
@@ -40,18 +46,8 @@ class ShardMergePlan(AttentionPlan):
         super().__init__(meta, spec, backend, run_impl, rows=meta.num_physical_tokens,
                          kv_rows_min=meta.num_local_kv_tokens, max_keys=meta.max_local_kv_len, rows_name="Nq")
 
-    def attend(
-        self,
-        q: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        *,
-        page_table: Optional[Tensor] = None,
-        sinks: Optional[Tensor] = None,
-        softmax_scale: Optional[float] = None,
-        out: Optional[Tensor] = None,
-        lse: Optional[Tensor] = None,
-    ) -> tuple[Tensor, Tensor]:
+    def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor,
+               **call: Unpack[KernelCall]) -> tuple[Tensor, Tensor]:
         """The kernel alone: this rank's partial attention over its key shard (device-only).
 
         Args:
@@ -63,34 +59,23 @@ class ShardMergePlan(AttentionPlan):
                 Hkv, D] / [.., Dv], local key j of sequence b at row ``cu_local_kv_lens[b] + j``.
                 Any row strides; ``v_cache`` may be a view of ``k_cache[..., :Dv]`` (MLA's
                 absorbed form: K is then read once). Slots past a sequence's keys are never read.
-            sinks: [Hq] float when the spec has sinks (joins rank 0's partial only).
-            softmax_scale: default D ** -0.5.
-            out, lse: optional [Nq, Hq, Dv] (q's dtype) / [Nq, Hq] float32 buffers.
+            **call: :class:`KernelCall` but ``return_lse`` (both are returned): ``page_table``,
+                ``sinks`` ([Hq] float when the spec has sinks; joins rank 0's partial only),
+                ``softmax_scale`` (default D ** -0.5), ``out`` / ``lse`` ([Nq, Hq, Dv] in q's
+                dtype / [Nq, Hq] float32 buffers).
 
         Returns:
             (out_part [Nq, Hq, Dv] in q's dtype, lse_part [Nq, Hq] float32, natural log; rows
             with no visible key on this rank 0 / -inf; pad rows 0 / -inf).
         """
+        page_table, sinks, softmax_scale, out, lse, _ = self._kernel_call(call, "attend", _ATTEND)
         self._check_call(q, k_cache, v_cache, page_table, sinks)
         out, lse = self._result(out, lse, True)
         self._impl(q, k_cache, v_cache, page_table, sinks, self._softmax_scale(softmax_scale), out, lse)
         return out, lse
 
-    def run(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        cache,
-        *,
-        writes: Optional[CacheWritePlan] = None,
-        group=None,
-        page_table: Optional[Tensor] = None,
-        sinks: Optional[Tensor] = None,
-        softmax_scale: Optional[float] = None,
-        scatter_heads: bool = False,
-        return_lse: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def run(self, q: Tensor, k: Tensor, v: Tensor, cache, *, writes: Optional[CacheWritePlan] = None, group=None,
+            scatter_heads: bool = False, **call: Unpack[KernelCall]) -> Tensor | tuple[Tensor, Tensor]:
         """One layer: write this rank's share of the new K/V, attend the shard, merge (ONE collective).
 
         Args:
@@ -100,12 +85,14 @@ class ShardMergePlan(AttentionPlan):
             writes: :func:`cpattn.plan_cache_writes` of this step (the rows this rank stores), or
                 None when the caches already hold the step's keys.
             group: the CP group (None: the default group).
-            page_table, sinks, softmax_scale: as :meth:`attend`.
-            scatter_heads, return_lse: as :func:`cpattn.merge_partials`.
+            scatter_heads: as :func:`cpattn.merge_partials`.
+            **call: :class:`KernelCall` but ``out`` / ``lse``: ``page_table``, ``sinks``,
+                ``softmax_scale`` as :meth:`attend`; ``return_lse`` as :func:`cpattn.merge_partials`.
 
         Returns:
             out [Nq, Hq, Dv] (or this rank's heads with scatter_heads), or (out, lse).
         """
+        page_table, sinks, softmax_scale, _, _, return_lse = self._kernel_call(call, "run", _RUN)
         meta = self.meta
         self._check_new_rows(q, k, v, meta.num_physical_tokens)
         k_cache, v_cache = self._cache_pair(cache, "this rank's caches")
