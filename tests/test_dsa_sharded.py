@@ -1,0 +1,197 @@
+"""DSA decode over a sharded KV cache: the exact global top-k agreement and sparse attention over
+the selected keys each rank owns, against fp64 oracles written here (explicit causal mask, top-k
+with ties broken by the lower position). C = 1..4 ranks simulated in-process by slicing the
+shards (the candidates stacked as the all-gather would); gloo with 2 and 3 ranks; static plans;
+bad inputs raising before any collective."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cpattn
+from cpattn import dsa
+from cpattn.merge import merge_states
+from cpattn.plans.sparse import select_candidates
+from dist_utils import CountCollectives, run_distributed
+
+H_I, D_I = 2, 16
+
+
+# ----------------------------------------------------------------------------- batches and shards
+@st.composite
+def decode_batches(draw, max_len: int = 3000):
+    """(C, interleave, seq_lens, q_lens, topk): C 1..4; lengths 0 .. max_len (after the step:
+    the q_len newest keys are the step's own), q_len 1..4 (<= length), topk below and above."""
+    c = draw(st.integers(1, 4))
+    il = draw(st.sampled_from([1, 2, 4]))
+    n = draw(st.integers(1, 3))
+    lens, qs = [], []
+    for _ in range(n):
+        length = draw(st.one_of(st.integers(0, 2 * c * il), st.integers(0, max_len)))
+        q = draw(st.integers(1, 4))
+        lens.append(max(length, q))
+        qs.append(q)
+    topk = draw(st.sampled_from([1, 3, 16, 64, 4096]))
+    return c, il, lens, qs, topk
+
+
+def _int_inputs(lens, qs, gen, h=H_I, d=D_I, levels=3):
+    """Integer-valued index queries / keys / weights (scores are exact in float32 and fp64, and
+    tie often): per sequence keys [L, d]; per query row q_idx [N, h, d], weights [N, h]."""
+    keys = [torch.randint(-levels, levels + 1, (length, d), generator=gen).float() for length in lens]
+    n = sum(qs)
+    q = torch.randint(-levels, levels + 1, (n, h, d), generator=gen).float()
+    w = torch.randint(-2, 3, (n, h), generator=gen).float()
+    return keys, q, w
+
+
+def _rows(lens, qs):
+    """(sequence, global position) of every query row, sequence after sequence."""
+    return [(b, length - q + i) for b, (length, q) in enumerate(zip(lens, qs)) for i in range(q)]
+
+
+def _shard_packed(per_seq, c, il, r):
+    """This rank's packed cache: the rows of each sequence at positions it owns, in order."""
+    parts = [x[[p for p in range(x.shape[0]) if (p // il) % c == r]] for x in per_seq]
+    return torch.cat(parts) if parts else torch.zeros(0, *per_seq[0].shape[1:])
+
+
+def _shard_paged(per_seq, c, il, r, page_size, gen):
+    """This rank's paged cache [num_pages, page_size, ...] (pages in random order, unused table
+    entries a huge page number) and its page table [B, max_pages] int32."""
+    local = [x[[p for p in range(x.shape[0]) if (p // il) % c == r]] for x in per_seq]
+    counts = [-(-x.shape[0] // page_size) for x in local]
+    num = sum(counts) + 1
+    order = torch.randperm(num, generator=gen).tolist()
+    cache = torch.zeros(num, page_size, *per_seq[0].shape[1:], dtype=per_seq[0].dtype)
+    table = torch.full((len(local), max(counts + [1])), 10**6, dtype=torch.int32)
+    used = 0
+    for b, x in enumerate(local):
+        for j in range(counts[b]):
+            page = order[used]
+            used += 1
+            table[b, j] = page
+            chunk = x[j * page_size:(j + 1) * page_size]
+            cache[page, : chunk.shape[0]] = chunk
+    return cache, table
+
+
+def _meta(c, il, lens, qs, r):
+    pre = [length - q for length, q in zip(lens, qs)]
+    return cpattn.get_strategy("replicated", c).build_metadata(qs, pre, rank=r, kv=cpattn.KVSharding(c, il))
+
+
+# ----------------------------------------------------------------------------- fp64 oracles
+def topk_oracle(keys, q, w, lens, qs, topk, scale):
+    """Per query row the set of its topk best visible keys (fp64 scores; ties: lower position)
+    as a sorted list, padded with -1 to topk entries."""
+    out = []
+    for t, (b, p) in enumerate(_rows(lens, qs)):
+        k = keys[b][: p + 1].double()
+        s = (w[t].double()[:, None] * torch.relu(scale * (q[t].double() @ k.T))).sum(0)
+        order = sorted(range(p + 1), key=lambda j: (-float(s[j]), j))[:topk]
+        out.append(sorted(order) + [-1] * (topk - len(order)))
+    return out
+
+
+def sparse_oracle(qa, ka, va, sel, lens, qs, scale, sinks=None):
+    """fp64 attention of each row over exactly its selected positions (explicit mask)."""
+    n, hq, _ = qa.shape
+    out = torch.zeros(n, hq, va[0].shape[-1], dtype=torch.float64)
+    for t, (b, p) in enumerate(_rows(lens, qs)):
+        chosen = [j for j in sel[t] if 0 <= j <= p]
+        for h in range(hq):
+            s = (ka[b][chosen, 0].double() @ qa[t, h].double()) * scale
+            if sinks is not None:
+                s = torch.cat([s, sinks[h:h + 1].double()])
+            if s.numel() == 0:
+                continue
+            pr = torch.softmax(s, 0)[: len(chosen)]
+            out[t, h] = pr @ va[b][chosen, 0].double()
+    return out
+
+
+def _sorted_sel(idx):
+    """Each row's selected positions sorted, then its -1 padding."""
+    return [sorted(p for p in row if p >= 0) + [-1] * sum(p < 0 for p in row) for row in idx.tolist()]
+
+
+def _simulate_topk(c, il, lens, qs, topk, keys, q, w, scale, paged, gen, backend_options=None):
+    """The agreed selection with C ranks simulated in-process: each rank's candidates over its
+    shard, stacked as the all-gather stacks them."""
+    cands = []
+    for r in range(c):
+        meta = _meta(c, il, lens, qs, r)
+        plan = cpattn.plan_index_topk(meta, num_heads=H_I, head_dim=D_I, q_dtype=q.dtype, k_dtype=q.dtype, topk=topk,
+                                      page_size=4 * il if paged else None, backend_options=backend_options)
+        assert plan.algorithm == "shard_merge" and plan.backend == "gemm"
+        if paged:
+            k_loc, table = _shard_paged(keys, c, il, r, 4 * il, gen)
+            cands.append(plan.candidates(q, k_loc, w, page_table=table, softmax_scale=scale))
+        else:
+            cands.append(plan.candidates(q, _shard_packed(keys, c, il, r), w, softmax_scale=scale))
+    return select_candidates(torch.stack(cands), topk)
+
+
+# ----------------------------------------------------------------------------- top-k agreement
+@settings(max_examples=30, deadline=None)
+@given(decode_batches(), st.booleans(), st.integers(0, 99))
+def test_agreed_topk_equals_the_single_rank_oracle(batch, paged, seed):
+    c, il, lens, qs, topk = batch
+    gen = torch.Generator().manual_seed(seed)
+    keys, q, w = _int_inputs(lens, qs, gen)
+    scale = 0.25
+    want = topk_oracle(keys, q, w, lens, qs, topk, scale)
+    got = _simulate_topk(c, il, lens, qs, topk, keys, q, w, scale, paged, gen)
+    assert got.dtype == torch.int32 and got.shape == (sum(qs), topk)
+    assert _sorted_sel(got) == want
+
+
+@pytest.mark.parametrize("c", [1, 2, 3, 4])
+def test_ties_go_to_the_lower_position_on_every_rank_count(c):
+    """Every key equal: each row selects positions 0 .. topk-1, whichever ranks hold them; the
+    single-rank prefill path (torch) picks the same set."""
+    lens, qs, topk = [50, 9], [2, 1], 7
+    keys = [torch.ones(length, D_I) for length in lens]
+    q, w = torch.ones(3, H_I, D_I), torch.ones(3, H_I)
+    got = _simulate_topk(c, 1, lens, qs, topk, keys, q, w, 0.25, False, torch.Generator())
+    assert _sorted_sel(got) == [list(range(topk))] * 3
+    prefill = cpattn.get_strategy("replicated", 1).build_metadata(qs, [48, 8], rank=0)
+    single = dsa.index_topk(q, torch.cat(keys), w, prefill, topk, softmax_scale=0.25, backend="torch")
+    assert _sorted_sel(single) == _sorted_sel(got)
+
+
+@pytest.mark.parametrize("c,il", [(2, 1), (3, 2), (4, 1)])
+def test_every_selected_key_on_one_rank(c, il):
+    """The winners all live on rank 1 (its keys score high): the other ranks' candidates all lose."""
+    lens, qs, topk = [300, 41], [3, 2], 8
+    gen = torch.Generator().manual_seed(3)
+    keys, q, w = _int_inputs(lens, qs, gen)
+    q, w = q.abs() + 1, w.abs() + 1
+    for x in keys:
+        owner = (torch.arange(x.shape[0]) // il) % c
+        x[owner != 1] = 0.0
+        x[owner == 1] = x[owner == 1].abs() + 1
+    got = _simulate_topk(c, il, lens, qs, topk, keys, q, w, 0.25, False, gen)
+    assert _sorted_sel(got) == topk_oracle(keys, q, w, lens, qs, topk, 0.25)
+    assert all(((p // il) % c == 1) for row in got.tolist() for p in row if p >= 0)
+
+
+def test_key_chunks_merge_exactly():
+    """A tiny score budget (many key chunks, running top-k across them) selects the same set."""
+    lens, qs, topk = [700, 5], [2, 1], 24
+    gen = torch.Generator().manual_seed(1)
+    keys, q, w = _int_inputs(lens, qs, gen)
+    want = topk_oracle(keys, q, w, lens, qs, topk, 0.25)
+    got = _simulate_topk(2, 1, lens, qs, topk, keys, q, w, 0.25, True, gen, {"max_score_elems": 3 * 16 * 16})
+    assert _sorted_sel(got) == want
+
+
+def test_agreement_bytes():
+    assert dsa.topk_agreement_bytes(64, 2048, 8) == 7 * 64 * 2048 * 8
+    assert dsa.topk_agreement_bytes(5, 3, 1) == 0
+    with pytest.raises(ValueError, match="cp_size"):
+        dsa.topk_agreement_bytes(1, 1, 0)
