@@ -225,6 +225,8 @@ class _TorchSparseRun:
         ps = spec.page_size or 1
 
         def take(x: Tensor, rows: Tensor) -> Tensor:  # rows of the flattened K/V, without flattening x
+            if x.shape[0] == 0:  # an empty key shard: every entry is masked
+                return x.new_zeros(*rows.shape, *x.shape[(2 if spec.paged else 1):])
             return x[rows // ps, rows % ps] if spec.paged else x[rows]
 
         topk = idx.shape[1]

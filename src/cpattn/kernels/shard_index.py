@@ -83,7 +83,8 @@ class _ShardIndexRun:
             table = page_table.long()[seq]  # [N, max_pages]
         else:
             start = meta.cu_local_kv_lens[seq]
-        for j0 in range(0, self.num_keys, self.width):
+        num_keys = self.num_keys if k_idx.shape[0] else 0  # an empty shard holds no candidate
+        for j0 in range(0, num_keys, self.width):
             j = torch.arange(j0, j0 + self.width, device=dev)
             valid = j[None, :] < visible[:, None]  # [N, W]
             gpos = (j // il) * (c * il) + r * il + j % il
