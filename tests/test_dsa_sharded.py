@@ -281,3 +281,107 @@ def test_sparse_shard_triton_interpreter(dsa_interp, paged):
                               backend="triton")
     want = sparse_oracle(qa, ka, [k[..., :DV] for k in ka], _sorted_sel(sel), lens, qs, 0.2)
     torch.testing.assert_close(out.double(), want, atol=2e-4, rtol=2e-4)
+
+
+# ----------------------------------------------------------------------------- real collectives (gloo)
+def _gloo_case(rank, world, il, paged):
+    """One DSA decode layer on ``world`` gloo ranks: the agreed top-k (ONE all-gather) and the
+    sparse attention over each rank's selected keys merged (ONE data all-gather after a one-time
+    shape check), against the fp64 oracles; bad inputs raising before any collective."""
+    lens, qs, topk = [400, 37, 5], [1, 4, 2], 32
+    gen = torch.Generator().manual_seed(11)
+    keys, q, w = _int_inputs(lens, qs, gen)
+    ka, qa = _attn_inputs(lens, qs, gen)
+    pre = [length - n for length, n in zip(lens, qs)]
+    meta = cpattn.get_strategy("replicated", world).build_metadata(qs, pre, rank=rank, group=None,
+                                                                   kv=cpattn.KVSharding(world, il))
+    ps = 4 * il if paged else None
+    iplan = cpattn.plan_index_topk(meta, num_heads=H_I, head_dim=D_I, q_dtype=q.dtype, k_dtype=q.dtype, topk=topk,
+                                   page_size=ps)
+    spec = cpattn.AttentionSpec(num_q_heads=HQ, num_kv_heads=1, head_dim=D, head_dim_v=DV, dtype=qa.dtype, topk=topk,
+                                page_size=ps)
+    aplan = cpattn.plan_attention(meta, spec, backend="torch")
+    kw = {}
+    if paged:  # one page order for both caches (same seed): one page table
+        k_idx, kw["page_table"] = _shard_paged(keys, world, il, rank, ps, torch.Generator().manual_seed(rank))
+        k_lat, _ = _shard_paged(ka, world, il, rank, ps, torch.Generator().manual_seed(rank))
+    else:
+        k_idx, k_lat = _shard_packed(keys, world, il, rank), _shard_packed(ka, world, il, rank)
+    with CountCollectives() as cc:
+        sel = iplan.run(q, k_idx, w, softmax_scale=0.25, **kw)
+        n_index = len(cc.calls)
+        # caches already hold the step's keys (writes=None); the new rows only feed the checks
+        out = aplan.run(qa, qa[:, :1], qa[:, :1, :DV], (k_lat, k_lat[..., :DV]), idx=sel, softmax_scale=0.2, **kw)
+        n_attn = [len(s) for s in cc.calls[n_index:]]
+    errors = []
+    with CountCollectives() as bad:
+        for fn in (lambda: iplan.run(q, k_idx[..., :8], w, **kw),  # wrong index head dim
+                   lambda: iplan.run(q.double(), k_idx, w, **kw),  # wrong dtype
+                   lambda: aplan.run(qa, qa[:, :1], qa[:, :1, :DV], (k_lat, k_lat[..., :DV]), idx=sel[:, :3], **kw),
+                   lambda: aplan.run(qa, qa[:, :1], qa[:, :1, :DV], (k_lat, k_lat[..., :DV]), idx=None, **kw)):
+            try:
+                fn()
+            except (ValueError, TypeError) as exc:
+                errors.append(type(exc).__name__)
+        bad_calls = len(bad.calls)
+    return sel, out, n_index, n_attn, errors, bad_calls
+
+
+@pytest.mark.parametrize("world,il,paged", [(2, 1, False), (3, 2, True)])
+def test_gloo_decode_layer(world, il, paged):
+    results = run_distributed(_gloo_case, world, il, paged)
+    lens, qs, topk = [400, 37, 5], [1, 4, 2], 32
+    gen = torch.Generator().manual_seed(11)
+    keys, q, w = _int_inputs(lens, qs, gen)
+    ka, qa = _attn_inputs(lens, qs, gen)
+    want_sel = topk_oracle(keys, q, w, lens, qs, topk, 0.25)
+    want = sparse_oracle(qa, ka, [k[..., :DV] for k in ka], want_sel, lens, qs, 0.2)
+    for sel, out, n_index, n_attn, errors, bad_calls in results:
+        assert _sorted_sel(sel) == want_sel
+        torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+        assert n_index == 1  # the top-k agreement: one all-gather of [N, topk] int64 candidates
+        assert n_attn == [1, 2]  # merge_partials: a one-time [5] shape check, then the one data all-gather
+        assert errors == ["ValueError", "TypeError", "ValueError", "ValueError"] and bad_calls == 0
+
+
+# ----------------------------------------------------------------------------- static plans
+def test_static_plans_equal_dynamic_plans():
+    """Plans from a StaticPlanner (fixed buffers sized for a capacity; the index plan's key
+    chunks from the capacity, not the batch) select and attend as the batch-sized plans, over
+    several batches of one planner."""
+    c, il, topk = 3, 2, 12
+    planners = [cpattn.StaticPlanner(cpattn.get_strategy("replicated", c), max_tokens=8, max_seqs=3,
+                                     max_kv_tokens=900, max_q_len=4, kv=cpattn.KVSharding(c, il), device="cpu")
+                for _ in range(c)]  # one planner per rank (its buffers hold its plan until its next plan)
+    for step, (lens, qs) in enumerate([([300, 7], [1, 3]), ([500, 2, 90], [2, 1, 4]), ([4], [4])]):
+        gen = torch.Generator().manual_seed(step)
+        keys, q, w = _int_inputs(lens, qs, gen)
+        ka, qa = _attn_inputs(lens, qs, gen)
+        want_sel = topk_oracle(keys, q, w, lens, qs, topk, 0.25)
+        want = sparse_oracle(qa, ka, [k[..., :DV] for k in ka], want_sel, lens, qs, 0.2)
+        n = sum(qs)
+        cands, outs = [], []
+        for r in range(c):
+            meta = planners[r].plan(qs, [length - k for length, k in zip(lens, qs)], rank=r)
+            rows = meta.num_physical_tokens
+            assert rows == 8  # the capacity
+            iplan = cpattn.plan_index_topk(meta, num_heads=H_I, head_dim=D_I, q_dtype=q.dtype, k_dtype=q.dtype,
+                                           topk=topk)
+            assert iplan.launch.num_keys == 300  # rank 0 holds <= 900 // 6 * 2 keys of any sequence, whatever the batch
+            pad = rows - n
+            qp, wp = torch.cat([q, q.new_zeros(pad, H_I, D_I)]), torch.cat([w, w.new_zeros(pad, H_I)])
+            cands.append(iplan.candidates(qp, _shard_packed(keys, c, il, r), wp, softmax_scale=0.25))
+            spec = cpattn.AttentionSpec(num_q_heads=HQ, num_kv_heads=1, head_dim=D, head_dim_v=DV, dtype=qa.dtype,
+                                        topk=topk)
+            aplan = cpattn.plan_attention(meta, spec, backend="torch")
+            outs.append((aplan, r))
+        sel = select_candidates(torch.stack(cands), topk)
+        assert _sorted_sel(sel[:n]) == want_sel and bool((sel[n:] == -1).all())
+        qp = torch.cat([qa, qa.new_zeros(8 - n, HQ, D)])
+        parts = []
+        for aplan, r in outs:
+            k_lat = _shard_packed(ka, c, il, r)
+            parts.append(aplan.attend(qp, k_lat, k_lat[..., :DV], sel, softmax_scale=0.2))
+        out, lse = merge_states(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+        torch.testing.assert_close(out[:n].double(), want, atol=2e-5, rtol=2e-5)
+        assert bool((out[n:] == 0).all()) and bool(torch.isneginf(lse[n:]).all())
