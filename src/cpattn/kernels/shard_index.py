@@ -26,7 +26,6 @@ import torch
 from torch import Tensor
 
 from . import IndexTopkSpec
-from ._dsa_rows import device_rows
 from ..kv_sharding import local_key_counts
 from ..metadata import CPMetadata
 from ..selection import NO_KEY, pack_keys, top_keys
@@ -46,6 +45,20 @@ def max_local_keys(meta: CPMetadata) -> int:
     return int(local_key_counts(total, 0, sh.cp_size, sh.interleave)[0])
 
 
+def _row_positions(meta: CPMetadata) -> tuple[Tensor, Tensor]:
+    """Sequence and global position of every query row (pad rows: sequence 0, position -1),
+    from the plan's device fields (fixed addresses in a static plan: graph-safe)."""
+    t = meta.shard_index
+    b = meta.num_seq_rows
+    if b == 0:  # no sequence: every row is a pad row
+        return torch.zeros_like(t), torch.full_like(t, -1)
+    seq = (torch.searchsorted(meta.cu_extend_lens, t, right=True) - 1).clamp_(0, b - 1)
+    cu_kv, cu_ext = meta.cu_kv_lens, meta.cu_extend_lens  # capacity-sized ([B + 1] or [max_seqs + 1])
+    pos = cu_kv[seq + 1] - cu_kv[seq] - cu_ext[seq + 1] + t  # prefix + offset in the extend
+    pos = torch.where(meta.row_valid, pos, torch.full((), -1, dtype=pos.dtype, device=pos.device))
+    return seq, pos
+
+
 class _ShardIndexRun:
     """A planned index top-k over one key shard (see the module docstring); called per layer."""
 
@@ -59,7 +72,6 @@ class _ShardIndexRun:
         sh = meta.kv
         self.spec, self.meta = spec, meta
         self.cp_size, self.interleave, self.rank = sh.cp_size, sh.interleave, meta.rank
-        self.rows = device_rows(meta)
         n = meta.num_physical_tokens
         self.num_keys = max_local_keys(meta)
         per_key = max(1, n) * max(spec.num_heads, spec.head_dim)
@@ -73,8 +85,7 @@ class _ShardIndexRun:
         dev = q_idx.device
         work = torch.float64 if torch.float64 in (q_idx.dtype, k_idx.dtype) else torch.float32
         c, il, r = self.cp_size, self.interleave, self.rank
-        pos = self.rows["row_pos"].long()  # global positions, -1 on pad rows
-        seq = self.rows["row_seq"].long()
+        seq, pos = _row_positions(meta)
         visible = local_key_counts(pos + 1, r, c, il)  # [N] local keys at global positions <= pos
         best = torch.full(out.shape, NO_KEY, dtype=torch.int64, device=dev)
         qw, ww = q_idx.to(work), weights.to(work)
