@@ -385,3 +385,27 @@ def test_static_plans_equal_dynamic_plans():
         out, lse = merge_states(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
         torch.testing.assert_close(out[:n].double(), want, atol=2e-5, rtol=2e-5)
         assert bool((out[n:] == 0).all()) and bool(torch.isneginf(lse[n:]).all())
+
+
+def test_bench_dsa_decode_smoke(tmp_path):
+    """``python benchmarks/run.py dsa_decode --small --device cpu``: every part timed at C and
+    C = 1, the agreement and merge bytes by their formulas."""
+    import argparse
+    import json
+
+    from benchmarks import dsa_decode
+
+    parser = argparse.ArgumentParser()
+    dsa_decode.add_arguments(parser)
+    args = parser.parse_args(["--small", "--device", "cpu", "--contexts", "300", "--batches", "1,2", "--q-lens", "2",
+                              "--cp", "3", "--rank", "2", "--iters", "1", "--warmup", "0", "--out",
+                              str(tmp_path / "d")])
+    assert dsa_decode.main(args) == 0
+    rows = json.loads((tmp_path / "d.json").read_text())["rows"]
+    assert [(r["batch"], r["q_len"]) for r in rows] == [(1, 2), (2, 2)]
+    for r in rows:
+        n = r["batch"] * r["q_len"]
+        assert r["topk_bytes"] == 2 * n * 16 * 8 and r["merge_bytes"] == 2 * n * 4 * (32 * 2 + 4)
+        assert all(r[f"c{c}_{k}_ms"] > 0 for c in (3, 1) for k in ("index", "select", "attend"))
+        assert r["c3_local_keys"] == r["batch"] * 100 and r["c1_local_keys"] == r["batch"] * 300
+        assert r["ratio"] == r["c3_step_ms"] / r["c1_step_ms"]
