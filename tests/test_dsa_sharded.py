@@ -310,9 +310,14 @@ def _gloo_case(rank, world, il, paged):
     with CountCollectives() as cc:
         sel = iplan.run(q, k_idx, w, softmax_scale=0.25, **kw)
         n_index = len(cc.calls)
+        again = iplan.run(q, k_idx, w, softmax_scale=0.25, **kw)  # later steps: the data collective alone
+        n_again = len(cc.calls) - n_index
+        assert torch.equal(again, sel)
+        n_index = (n_index, n_again)
+        mark = len(cc.calls)
         # caches already hold the step's keys (writes=None); the new rows only feed the checks
         out = aplan.run(qa, qa[:, :1], qa[:, :1, :DV], (k_lat, k_lat[..., :DV]), idx=sel, softmax_scale=0.2, **kw)
-        n_attn = [len(s) for s in cc.calls[n_index:]]
+        n_attn = [len(s) for s in cc.calls[mark:]]
     errors = []
     with CountCollectives() as bad:
         for fn in (lambda: iplan.run(q, k_idx[..., :8], w, **kw),  # wrong index head dim
@@ -339,7 +344,7 @@ def test_gloo_decode_layer(world, il, paged):
     for sel, out, n_index, n_attn, errors, bad_calls in results:
         assert _sorted_sel(sel) == want_sel
         torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
-        assert n_index == 1  # the top-k agreement: one all-gather of [N, topk] int64 candidates
+        assert n_index == (2, 1)  # a one-time [2] shape check, then the one all-gather of [N, topk] candidates
         assert n_attn == [1, 2]  # merge_partials: a one-time [5] shape check, then the one data all-gather
         assert errors == ["ValueError", "TypeError", "ValueError", "ValueError"] and bad_calls == 0
 
@@ -409,3 +414,22 @@ def test_bench_dsa_decode_smoke(tmp_path):
         assert all(r[f"c{c}_{k}_ms"] > 0 for c in (3, 1) for k in ("index", "select", "attend"))
         assert r["c3_local_keys"] == r["batch"] * 100 and r["c1_local_keys"] == r["batch"] * 300
         assert r["ratio"] == r["c3_step_ms"] / r["c1_step_ms"]
+
+
+def _mismatch_case(rank, world):
+    """Rank 0 plans topk 8, the others 16: every rank raises the same ValueError, none hangs."""
+    lens, qs = [40, 9], [1, 2]
+    keys, q, w = _int_inputs(lens, qs, torch.Generator().manual_seed(0))
+    meta = _meta(world, 1, lens, qs, rank)
+    plan = cpattn.plan_index_topk(meta, num_heads=H_I, head_dim=D_I, q_dtype=q.dtype, k_dtype=q.dtype,
+                                  topk=8 if rank == 0 else 16)
+    try:
+        plan.run(q, _shard_packed(keys, world, 1, rank), w)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_gloo_ranks_with_different_topk_all_raise():
+    errors = run_distributed(_mismatch_case, 2)
+    assert errors[0] is not None and errors[0] == errors[1] and "topk=8" in errors[0] and "topk=16" in errors[0]

@@ -17,6 +17,7 @@ without a causal mask (e.g. every key of a sequence shorter than top-k) stays ca
 
 from __future__ import annotations
 
+import weakref
 from typing import Mapping, Optional
 
 import torch
@@ -234,7 +235,9 @@ class IndexTopkPlan(AttentionPlan):
         :meth:`candidates`); ONE all-gather over ``group`` of every rank's candidates (8 bytes
         each: :func:`cpattn.dsa.topk_agreement_bytes`), then every rank returns the same exact
         global top-k (global positions; ties: the lower position; -1 padding). Every check runs
-        before the collective.
+        before the collective; the first call per process group and shape runs a tiny [2] int64
+        all-gather first, so ranks planned with different ``topk`` all raise the same
+        ValueError instead of hanging.
         """
         if not self._sharded and group is not None:
             raise ValueError("group= is for a plan over a sharded cache (algorithm 'shard_merge')")
@@ -252,12 +255,42 @@ class IndexTopkPlan(AttentionPlan):
         self._impl(q_idx, k_idx, weights, k_scale, page_table, scale, cand)
         c = self.meta.cp_size
         if c > 1:
+            _check_same_candidates((cand.shape[0], cand.shape[1]), group, c)
             gathered = torch.empty((c * cand.shape[0], cand.shape[1]), dtype=torch.int64, device=self._device)
             all_gather_into(gathered, cand, group, False)  # the one collective
         else:
             gathered = cand
         out.copy_(select_candidates(gathered.view(c, *cand.shape), self.spec.topk))
         return out
+
+
+#: Candidate shapes (rows, topk) already agreed per process group (None: the default group).
+_AGREED: "weakref.WeakKeyDictionary[object, set]" = weakref.WeakKeyDictionary()
+_AGREED_DEFAULT: set = set()
+
+
+def _check_same_candidates(shape: tuple[int, int], group, size: int) -> None:
+    """Every rank passes candidates [N, topk] of one shape (else the same ValueError on every
+    rank, instead of an all-gather of mismatched sizes, which aborts or hangs): a tiny [2] int64
+    all-gather, once per process group and shape (a decode loop's later steps run the data
+    collective alone); skipped while a CUDA graph is being captured."""
+    from ..collectives import all_gather_into, group_device
+
+    try:
+        agreed = _AGREED_DEFAULT if group is None else _AGREED.setdefault(group, set())
+    except TypeError:  # a group object without weak references: check every call
+        agreed = set()
+    if shape in agreed or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return
+    device = group_device(group)
+    table = torch.empty(size * 2, dtype=torch.int64, device=device)
+    all_gather_into(table, torch.tensor(shape, dtype=torch.int64).to(device), group, False)
+    rows = table.view(size, 2).tolist()
+    if any(row != rows[0] for row in rows):
+        per_rank = "; ".join(f"rank {r}: [N={n}, topk={k}]" for r, (n, k) in enumerate(rows))
+        raise ValueError(f"index top-k over a sharded cache: the ranks planned different candidates (rows or topk "
+                         f"differ; nothing was selected): {per_rank}")
+    agreed.add(shape)
 
 
 def select_candidates(candidates: Tensor, topk: int) -> Tensor:
