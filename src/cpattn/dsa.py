@@ -13,6 +13,11 @@ This module selects the keys:
 
 Sparse attention over the selection is ``strategy.sparse_attention`` (see
 :mod:`cpattn.plans.sparse` for the causal rule). docs/dsa.md has the data flow.
+
+Decode over a SHARDED cache (replicated queries, ``kv=KVSharding(C)``): each rank scores its own
+index keys and the ranks agree on the exact global top-k in ONE all-gather of per-rank
+candidates (:func:`select_candidates`; ties to the lower position, :mod:`cpattn.selection`;
+bytes: :func:`topk_agreement_bytes`); ``index_topk(..., group=)`` or the plan form does it.
 """
 
 from __future__ import annotations
@@ -111,7 +116,8 @@ def index_topk(
 
     Returns:
         int32 [P, topk]: per real row the positions (index in its sequence, prefix counted) of
-        its ``topk`` best scores among keys at positions ``<=`` its own, in unspecified order,
+        its ``topk`` best scores among keys at positions ``<=`` its own (ties: the lower position
+        with the torch backend and over a sharded cache), in unspecified order,
         ``-1`` where fewer than ``topk`` keys are visible; pad rows all ``-1``. Memory stays
         bounded (scores are computed in chunks over rows and keys, never [P, max_kv_len]).
         Per layer: device work plus a host loop over the plan's chunks, no host sync. The plan
