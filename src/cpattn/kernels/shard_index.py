@@ -9,8 +9,9 @@ its shard (:class:`cpattn.KVSharding`: local key ``j`` of a sequence at global p
 layer the plan loops over fixed key chunks of ``width`` local keys (the count is fixed at plan
 time: from the longest local sequence, or from the capacity of a static plan, so a CUDA graph of
 the step replays for any batch within it): it gathers each row's chunk of keys (packed rows
-``cu_local_kv_lens[seq] + j`` or through the page table), scores them with two matmuls
-(``einsum`` in float32; float64 for float64 inputs), packs (score, global position) into int64
+``cu_local_kv_lens[seq] + j`` or through the page table), scores them with two matmuls (bf16 /
+fp16 queries on CUDA: a tensor-core ``bmm`` with float32 output; else float32, float64 for
+float64 inputs), packs (score, global position) into int64
 keys (:mod:`cpattn.selection`) and keeps a running ``torch.topk`` of ``topk`` keys per row.
 Device-only: no host sync, no host-to-device copy.
 
@@ -45,6 +46,25 @@ def max_local_keys(meta: CPMetadata) -> int:
     return int(local_key_counts(total, 0, sh.cp_size, sh.interleave)[0])
 
 
+_BMM_OUT_DTYPE: dict = {}
+
+
+def _bmm_out_dtype_ok(device: torch.device) -> bool:
+    """Whether ``torch.bmm(bf16, bf16, out_dtype=torch.float32)`` runs on ``device`` (CUDA; tried
+    once per device at plan time)."""
+    if device.type != "cuda":
+        return False
+    key = str(device)
+    if key not in _BMM_OUT_DTYPE:
+        try:
+            a = torch.ones(1, 16, 16, dtype=torch.bfloat16, device=device)
+            ok = torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, TypeError, NotImplementedError):
+            ok = False
+        _BMM_OUT_DTYPE[key] = ok
+    return _BMM_OUT_DTYPE[key]
+
+
 def _row_positions(meta: CPMetadata) -> tuple[Tensor, Tensor]:
     """Sequence and global position of every query row (pad rows: sequence 0, position -1),
     from the plan's device fields (fixed addresses in a static plan: graph-safe)."""
@@ -76,7 +96,11 @@ class _ShardIndexRun:
         self.num_keys = max_local_keys(meta)
         per_key = max(1, n) * max(spec.num_heads, spec.head_dim)
         self.width = max(16, min(budget // per_key, max(self.num_keys, 1)))
-        self.family = "gemm"
+        #: bf16 / fp16 index queries on CUDA: scores by a tensor-core bmm with float32 output
+        #: (fp8 keys are converted to the queries' dtype exactly, their scales applied after the
+        #: dot); else float32 matmuls (float64 for float64 inputs)
+        self.half_gemm = spec.q_dtype in (torch.bfloat16, torch.float16) and _bmm_out_dtype_ok(meta.device)
+        self.family = "gemm-half" if self.half_gemm else "gemm-fp32"
 
     def __call__(self, q_idx: Tensor, k_idx: Tensor, weights: Tensor, k_scale: Optional[Tensor],
                  page_table: Optional[Tensor], softmax_scale: float, out: Tensor) -> None:
@@ -88,7 +112,11 @@ class _ShardIndexRun:
         seq, pos = _row_positions(meta)
         visible = local_key_counts(pos + 1, r, c, il)  # [N] local keys at global positions <= pos
         best = torch.full(out.shape, NO_KEY, dtype=torch.int64, device=dev)
-        qw, ww = q_idx.to(work), weights.to(work)
+        ww = weights.to(work)
+        if self.half_gemm:
+            q_half = q_idx
+        else:
+            qw = q_idx.to(work)
         if spec.paged:
             ps = spec.page_size
             table = page_table.long()[seq]  # [N, max_pages]
@@ -103,16 +131,22 @@ class _ShardIndexRun:
                 page = table.gather(1, (j // ps).clamp(max=table.shape[1] - 1)[None, :].expand(table.shape[0], -1))
                 page = torch.where(valid, page, 0)
                 slot = torch.where(valid, j % ps, 0)
-                keys = k_idx[page, slot].to(work)  # [N, W, D]
+                keys = k_idx[page, slot]  # [N, W, D]
                 scale = k_scale[page, slot] if k_scale is not None else None
             else:
                 rows = torch.where(valid, start[:, None] + j[None, :], 0)
-                keys = k_idx[rows].to(work)
+                keys = k_idx[rows]
                 scale = k_scale[rows] if k_scale is not None else None
-            if scale is not None:
-                keys = keys * scale.to(work)[..., None]
-            s = torch.relu(torch.einsum("nhd,nwd->nhw", qw, keys) * softmax_scale)
-            s = torch.einsum("nh,nhw->nw", ww, s)
+            if self.half_gemm:  # tensor-core GEMM, float32 out: keys stay in their 2-byte dtype
+                dots = torch.bmm(q_half, keys.to(q_half.dtype).transpose(1, 2), out_dtype=torch.float32)
+                if scale is not None:
+                    dots = dots * scale.float()[:, None, :]
+            else:
+                keys = keys.to(work)
+                if scale is not None:
+                    keys = keys * scale.to(work)[..., None]
+                dots = torch.einsum("nhd,nwd->nhw", qw, keys)
+            s = torch.einsum("nh,nhw->nw", ww, torch.relu(dots * softmax_scale))
             best = top_keys(torch.cat([best, pack_keys(s, gpos[None, :], valid)], dim=1), out.shape[1])
         out.copy_(best)
 
