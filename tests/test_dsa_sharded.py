@@ -18,6 +18,7 @@ from cpattn.plans.sparse import select_candidates
 from dist_utils import CountCollectives, run_distributed
 
 H_I, D_I = 2, 16
+FP8 = torch.float8_e4m3fn
 
 
 # ----------------------------------------------------------------------------- batches and shards
@@ -119,20 +120,32 @@ def _sorted_sel(idx):
     return [sorted(p for p in row if p >= 0) + [-1] * sum(p < 0 for p in row) for row in idx.tolist()]
 
 
-def _simulate_topk(c, il, lens, qs, topk, keys, q, w, scale, paged, gen, backend_options=None):
+def _simulate_topk(c, il, lens, qs, topk, keys, q, w, scale, paged, gen, backend_options=None, backend="gemm",
+                   k_scale=None):
     """The agreed selection with C ranks simulated in-process: each rank's candidates over its
-    shard, stacked as the all-gather stacks them."""
+    shard, stacked as the all-gather stacks them (``k_scale``: per-sequence [L] scales of fp8 keys)."""
     cands = []
+    k_dtype = keys[0].dtype if keys else q.dtype
     for r in range(c):
         meta = _meta(c, il, lens, qs, r)
-        plan = cpattn.plan_index_topk(meta, num_heads=H_I, head_dim=D_I, q_dtype=q.dtype, k_dtype=q.dtype, topk=topk,
-                                      page_size=4 * il if paged else None, backend_options=backend_options)
-        assert plan.algorithm == "shard_merge" and plan.backend == "gemm"
-        if paged:
-            k_loc, table = _shard_paged(keys, c, il, r, 4 * il, gen)
-            cands.append(plan.candidates(q, k_loc, w, page_table=table, softmax_scale=scale))
+        plan = cpattn.plan_index_topk(meta, num_heads=H_I, head_dim=D_I, q_dtype=q.dtype, k_dtype=k_dtype, topk=topk,
+                                      page_size=4 * il if paged else None, has_k_scale=k_scale is not None,
+                                      backend=backend, backend_options=backend_options)
+        assert plan.algorithm == "shard_merge" and plan.backend == backend
+        raw = [x.view(torch.uint8) for x in keys] if k_dtype == FP8 else keys  # slicing / paging as bytes
+        if paged:  # one page order for keys and scales (one seed)
+            seed = int(torch.randint(0, 1 << 30, (1,), generator=gen))
+            k_loc, table = _shard_paged(raw, c, il, r, 4 * il, torch.Generator().manual_seed(seed))
+            sc = None if k_scale is None else \
+                _shard_paged(k_scale, c, il, r, 4 * il, torch.Generator().manual_seed(seed))[0]
+            kw = {"page_table": table}
         else:
-            cands.append(plan.candidates(q, _shard_packed(keys, c, il, r), w, softmax_scale=scale))
+            k_loc = _shard_packed(raw, c, il, r)
+            sc = _shard_packed(k_scale, c, il, r) if k_scale is not None else None
+            kw = {}
+        if k_dtype == FP8:
+            k_loc = k_loc.view(FP8)
+        cands.append(plan.candidates(q, k_loc, w, softmax_scale=scale, k_scale=sc, **kw))
     return select_candidates(torch.stack(cands), topk)
 
 
@@ -433,3 +446,37 @@ def _mismatch_case(rank, world):
 def test_gloo_ranks_with_different_topk_all_raise():
     errors = run_distributed(_mismatch_case, 2)
     assert errors[0] is not None and errors[0] == errors[1] and "topk=8" in errors[0] and "topk=16" in errors[0]
+
+
+# ----------------------------------------------------------------------------- triton scores (interpreter)
+@settings(max_examples=6, deadline=None)
+@given(decode_batches(max_len=300), st.booleans(), st.integers(0, 99))
+def test_triton_shard_scores_select_the_oracle_set(dsa_interp, batch, paged, seed):
+    """The Triton score kernel over each rank's shard (packed / paged), then the same agreement:
+    the oracle's top-k exactly (integer-valued inputs: exact scores)."""
+    c, il, lens, qs, topk = batch
+    gen = torch.Generator().manual_seed(seed)
+    keys, q, w = _int_inputs(lens, qs, gen)
+    got = _simulate_topk(c, il, lens, qs, topk, keys, q, w, 0.25, paged, gen, backend="triton",
+                         backend_options={"max_score_elems": 64 * sum(qs)})
+    assert _sorted_sel(got) == topk_oracle(keys, q, w, lens, qs, topk, 0.25)
+
+
+@pytest.mark.parametrize("backend", ["gemm", "triton"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_fp8_index_keys_with_scales(request, backend, paged):
+    """fp8 e4m3 index keys with a float32 scale per key (powers of two: exact), fp32 queries
+    (gemm) or fp8 queries (triton: an fp8 dot): the oracle's top-k over the dequantized keys."""
+    if backend == "triton":
+        request.getfixturevalue("dsa_interp")
+    lens, qs, topk = [130, 17, 40], [2, 1, 3], 12
+    gen = torch.Generator().manual_seed(4)
+    keys, q, w = _int_inputs(lens, qs, gen)
+    q8 = q.to(FP8) if backend == "triton" else q
+    scales = [2.0 ** torch.randint(-2, 3, (n,), generator=gen).float() for n in lens]
+    k8 = [k.to(FP8) for k in keys]
+    deq = [k.float() * sc[:, None] for k, sc in zip(keys, scales)]
+    q_used = q8.float()
+    want = topk_oracle(deq, q_used, w, lens, qs, topk, 0.25)
+    got = _simulate_topk(3, 1, lens, qs, topk, k8, q8, w, 0.25, paged, gen, backend=backend, k_scale=scales)
+    assert _sorted_sel(got) == want

@@ -314,4 +314,5 @@ register_backend("torch", _lazy(".reference", "TorchSparseBackend"), kind="spars
 register_backend("triton", _lazy(".dsa_backend", "TritonIndexBackend"), kind="index")
 register_backend("torch", _lazy(".reference", "TorchIndexBackend"), kind="index")
 # DSA index top-k candidates over one rank's key shard (decode over a sharded cache)
+register_backend("triton", _lazy(".shard_index", "TritonShardIndexBackend"), kind="shard_index")
 register_backend("gemm", _lazy(".shard_index", "GemmShardIndexBackend"), kind="shard_index")

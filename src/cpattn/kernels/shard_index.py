@@ -1,6 +1,7 @@
-"""DSA index scores over one rank's key shard and its top-k candidates (``backend="gemm"``, plan
-kind ``"shard_index"``): the first half of the exact global top-k of a decode step over a sharded
-cache (:class:`cpattn.plans.IndexTopkPlan`, algorithm "shard_merge").
+"""DSA index scores over one rank's key shard and its top-k candidates (plan kind
+``"shard_index"``; backends ``triton``, then ``gemm``): the first half of the exact global top-k
+of a decode step over a sharded cache (:class:`cpattn.plans.IndexTopkPlan`, algorithm
+"shard_merge").
 
 Every rank holds the same query rows (replicated queries, global positions) and the index keys of
 its shard (:class:`cpattn.KVSharding`: local key ``j`` of a sequence at global position
@@ -8,15 +9,20 @@ its shard (:class:`cpattn.KVSharding`: local key ``j`` of a sequence at global p
 ``j < local_key_counts(p + 1)`` (causal by global position: a prefix of the local keys). Per
 layer the plan loops over fixed key chunks of ``width`` local keys (the count is fixed at plan
 time: from the longest local sequence, or from the capacity of a static plan, so a CUDA graph of
-the step replays for any batch within it): it gathers each row's chunk of keys (packed rows
-``cu_local_kv_lens[seq] + j`` or through the page table), scores them with two matmuls (bf16 /
-fp16 queries on CUDA: a tensor-core ``bmm`` with float32 output; else float32, float64 for
-float64 inputs), packs (score, global position) into int64
-keys (:mod:`cpattn.selection`) and keeps a running ``torch.topk`` of ``topk`` keys per row.
-Device-only: no host sync, no host-to-device copy.
+the step replays for any batch within it) and scores each chunk:
+
+* ``triton`` (:mod:`.triton_shard_index`): one kernel writes the chunk's ``[N, width]`` float32
+  scores, the indexer heads as the dot's M dimension (decode rows are few), each key read once
+  per row;
+* ``gemm``: gathers each row's chunk of keys (packed rows ``cu_local_kv_lens[seq] + j`` or
+  through the page table) and scores them with two matmuls (bf16 / fp16 queries on CUDA: a
+  tensor-core ``bmm`` with float32 output; else float32, float64 for float64 inputs).
+
+Then it packs (score, global position) into int64 keys (:mod:`cpattn.selection`) and keeps a
+running ``torch.topk`` of ``topk`` keys per row. Device-only: no host sync, no host-to-device copy.
 
 ``backend_options``: ``max_score_elems`` (score values per chunk, default 2**24 = 64 MiB of
-float32: the gathered keys and the [rows, heads, width] score block stay in that order).
+float32); triton: ``keys_per_program`` (1024), ``block_n`` (64), ``num_warps`` (4).
 """
 
 from __future__ import annotations
@@ -26,14 +32,18 @@ from typing import Mapping, Optional
 import torch
 from torch import Tensor
 
-from . import IndexTopkSpec
+from . import IndexTopkSpec, triton_available, triton_device_reason
 from ..kv_sharding import local_key_counts
 from ..metadata import CPMetadata
 from ..selection import NO_KEY, pack_keys, top_keys
 
-__all__ = ["GemmShardIndexBackend", "max_local_keys"]
+__all__ = ["GemmShardIndexBackend", "TritonShardIndexBackend", "max_local_keys"]
 
+#: Score values per key chunk (default 2^24: 64 MiB of float32 scores; the gemm family's
+#: [N, H_i, width] block and gathered keys stay in that order).
 _DEFAULT_SCORE_ELEMS = 1 << 24
+_KERNEL_MODULE = "cpattn.kernels.triton_shard_index"
+_FP8 = torch.float8_e4m3fn
 
 
 def max_local_keys(meta: CPMetadata) -> int:
@@ -80,12 +90,14 @@ def _row_positions(meta: CPMetadata) -> tuple[Tensor, Tensor]:
 
 
 class _ShardIndexRun:
-    """A planned index top-k over one key shard (see the module docstring); called per layer."""
+    """A planned index top-k over one key shard (see the module docstring); called per layer.
+    ``family``: "triton" (:mod:`.triton_shard_index` scores) or "gemm" (torch matmuls)."""
 
-    def __init__(self, spec: IndexTopkSpec, meta: CPMetadata, options: Mapping) -> None:
-        unknown = set(options) - {"max_score_elems"}
+    def __init__(self, spec: IndexTopkSpec, meta: CPMetadata, options: Mapping, family: str) -> None:
+        known = {"max_score_elems"} | ({"keys_per_program", "block_n", "num_warps"} if family == "triton" else set())
+        unknown = set(options) - known
         if unknown:
-            raise ValueError(f"unknown gemm backend_options {sorted(unknown)} (known: ['max_score_elems'])")
+            raise ValueError(f"unknown {family} backend_options {sorted(unknown)} (known: {sorted(known)})")
         budget = int(options.get("max_score_elems") or _DEFAULT_SCORE_ELEMS)
         if budget < 1:
             raise ValueError(f"backend_options max_score_elems must be >= 1, got {budget}")
@@ -94,13 +106,34 @@ class _ShardIndexRun:
         self.cp_size, self.interleave, self.rank = sh.cp_size, sh.interleave, meta.rank
         n = meta.num_physical_tokens
         self.num_keys = max_local_keys(meta)
-        per_key = max(1, n) * max(spec.num_heads, spec.head_dim)
+        # the score block per chunk: [N, width] float32 (triton) or [N, H, width] (gemm)
+        per_key = max(1, n) * (1 if family == "triton" else max(spec.num_heads, spec.head_dim))
         self.width = max(16, min(budget // per_key, max(self.num_keys, 1)))
-        #: bf16 / fp16 index queries on CUDA: scores by a tensor-core bmm with float32 output
-        #: (fp8 keys are converted to the queries' dtype exactly, their scales applied after the
-        #: dot); else float32 matmuls (float64 for float64 inputs)
-        self.half_gemm = spec.q_dtype in (torch.bfloat16, torch.float16) and _bmm_out_dtype_ok(meta.device)
-        self.family = "gemm-half" if self.half_gemm else "gemm-fp32"
+        self.half_gemm = False
+        if family == "triton":
+            from . import triton_shard_index as kern
+
+            interp = kern.INTERPRETED
+            kpp = int(options.get("keys_per_program") or (64 if interp else 1024))
+            block_n = int(options.get("block_n") or (16 if interp else 64))
+            warps = int(options.get("num_warps") or 4)
+            for name, value in (("keys_per_program", kpp), ("block_n", block_n)):
+                if value < 16 or value & (value - 1):
+                    raise ValueError(f"backend_options {name} must be a power of two >= 16, got {value}")
+            if kpp % block_n:
+                raise ValueError(f"backend_options keys_per_program={kpp} must be a multiple of block_n={block_n}")
+            block_h, block_d = kern.block_sizes(spec.num_heads, spec.head_dim)
+            self.plan_args = dict(NUM_HEADS=spec.num_heads, HEAD_DIM=spec.head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
+                                  BLOCK_N=block_n, KEYS_PER_PROGRAM=kpp, num_warps=warps,
+                                  PAGE_SIZE=spec.page_size or 1, **kern.dot_settings(spec.q_dtype, spec.k_dtype))
+            self._launch = kern.launch
+            self.family = "triton"
+        else:
+            #: bf16 / fp16 index queries on CUDA: scores by a tensor-core bmm with float32 output
+            #: (fp8 keys are converted to the queries' dtype exactly, their scales applied after the
+            #: dot); else float32 matmuls (float64 for float64 inputs)
+            self.half_gemm = spec.q_dtype in (torch.bfloat16, torch.float16) and _bmm_out_dtype_ok(meta.device)
+            self.family = "gemm-half" if self.half_gemm else "gemm-fp32"
 
     def __call__(self, q_idx: Tensor, k_idx: Tensor, weights: Tensor, k_scale: Optional[Tensor],
                  page_table: Optional[Tensor], softmax_scale: float, out: Tensor) -> None:
@@ -123,6 +156,11 @@ class _ShardIndexRun:
         else:
             start = meta.cu_local_kv_lens[seq]
         num_keys = self.num_keys if k_idx.shape[0] else 0  # an empty shard holds no candidate
+        if self.family == "triton":
+            self._triton(q_idx, k_idx, weights, k_scale, page_table, softmax_scale, seq, visible,
+                         None if spec.paged else start, num_keys, best)
+            out.copy_(best)
+            return
         for j0 in range(0, num_keys, self.width):
             j = torch.arange(j0, j0 + self.width, device=dev)
             valid = j[None, :] < visible[:, None]  # [N, W]
@@ -151,6 +189,25 @@ class _ShardIndexRun:
         out.copy_(best)
 
 
+    def _triton(self, q_idx, k_idx, weights, k_scale, page_table, softmax_scale, seq, visible, start, num_keys,
+                best) -> None:
+        """The running top-k over key chunks scored by the Triton kernel (in place on ``best``)."""
+        c, il, r = self.cp_size, self.interleave, self.rank
+        dev = q_idx.device
+        q = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
+        k = k_idx if k_idx.stride(-1) == 1 else k_idx.contiguous()
+        start = torch.zeros_like(seq) if start is None else start
+        topk = best.shape[1]
+        scores = torch.empty(best.shape[0], self.width, dtype=torch.float32, device=dev)
+        for j0 in range(0, num_keys, self.width):
+            self._launch(q, k, weights, k_scale, scores, page_table, seq, visible, start, j0, softmax_scale,
+                         plan_args=self.plan_args)
+            j = torch.arange(j0, j0 + self.width, device=dev)
+            gpos = (j // il) * (c * il) + r * il + j % il
+            valid = j[None, :] < visible[:, None]
+            best.copy_(top_keys(torch.cat([best, pack_keys(scores, gpos[None, :], valid)], dim=1), topk))
+
+
 class GemmShardIndexBackend:
     name = "gemm"
 
@@ -161,4 +218,33 @@ class GemmShardIndexBackend:
         return None
 
     def plan(self, spec: IndexTopkSpec, meta: CPMetadata, options: Mapping) -> _ShardIndexRun:
-        return _ShardIndexRun(spec, meta, options)
+        return _ShardIndexRun(spec, meta, options, "gemm")
+
+
+class TritonShardIndexBackend:
+    name = "triton"
+
+    def available(self) -> Optional[str]:
+        return triton_available()
+
+    def unsupported_reason(self, spec: IndexTopkSpec, meta: CPMetadata) -> Optional[str]:
+        reason = triton_device_reason(meta.device, _KERNEL_MODULE)
+        if reason is not None:
+            return reason
+        gpu = meta.device.type == "cuda"
+        ok = (torch.bfloat16, torch.float16, _FP8) + (() if gpu else (torch.float32,))
+        if spec.q_dtype not in ok or spec.k_dtype not in ok:
+            return (f"dtypes q {spec.q_dtype} / k {spec.k_dtype} not supported (bf16, fp16, fp8 e4m3; fp32 under the "
+                    "interpreter)")
+        if spec.q_dtype == _FP8 and spec.k_dtype != _FP8:
+            return "fp8 index queries need fp8 index keys"
+        if spec.q_dtype != spec.k_dtype and spec.k_dtype != _FP8:
+            return f"q_idx {spec.q_dtype} and k_idx {spec.k_dtype} must match (or k_idx fp8)"
+        if spec.head_dim > 256 or spec.head_dim % 16:
+            return f"index head dim {spec.head_dim} not supported (a multiple of 16, <= 256)"
+        if spec.num_heads > 128:
+            return f"{spec.num_heads} index heads not supported (<= 128)"
+        return None
+
+    def plan(self, spec: IndexTopkSpec, meta: CPMetadata, options: Mapping) -> _ShardIndexRun:
+        return _ShardIndexRun(spec, meta, options, "triton")
