@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", default=None, help="tokens per sequence (default 131072,1048576; small: 512)")
     p.add_argument("--batches", default=None, help="sequences per step (default 1,8,64; small: 1,2)")
     p.add_argument("--q-lens", default="1,2", help="new tokens per sequence (speculative verification: > 1)")
+    p.add_argument("--index-backend", default="auto", choices=("auto", "triton", "gemm"),
+                   help="the index scorer over a shard (auto: triton where it runs, else gemm)")
     p.add_argument("--cp", type=int, default=8)
     p.add_argument("--rank", type=int, default=0)
     # 450 GB/s: H100 SXM NVLink 4 per GPU and direction (18 links x 25 GB/s), the nominal rate; a
@@ -78,7 +80,8 @@ def _fits(device: torch.device, keys: int, shp: dict) -> bool:
     return _cache_bytes(keys, shp) * 1.3 < free
 
 
-def _step(c: int, rank: int, ctx: int, b: int, q_len: int, shp: dict, device: torch.device, timer) -> dict:
+def _step(c: int, rank: int, ctx: int, b: int, q_len: int, shp: dict, device: torch.device, timer,
+          index_backend: str = "auto") -> dict:
     """Time one rank's decode step compute at C ranks (C = 1: the whole cache on one GPU)."""
     import cpattn
     from cpattn.merge import merge_states
@@ -94,7 +97,8 @@ def _step(c: int, rank: int, ctx: int, b: int, q_len: int, shp: dict, device: to
     q_idx = torch.randn(n, hi, di, generator=g, device=device).to(dtype)
     w = torch.randn(n, hi, generator=g, device=device) * hi**-0.5
     k_idx = torch.randn(local, di, generator=g, device=device).to(dtype)
-    iplan = cpattn.plan_index_topk(meta, num_heads=hi, head_dim=di, q_dtype=dtype, k_dtype=dtype, topk=topk)
+    iplan = cpattn.plan_index_topk(meta, num_heads=hi, head_dim=di, q_dtype=dtype, k_dtype=dtype, topk=topk,
+                                   backend=index_backend)
     cand = torch.empty(n, topk, dtype=torch.int64, device=device)
     t_index = timer(lambda: iplan.candidates(q_idx, k_idx, w, out=cand))
     gathered = cand[None].expand(c, n, topk).contiguous()
@@ -117,7 +121,7 @@ def _step(c: int, rank: int, ctx: int, b: int, q_len: int, shp: dict, device: to
     visible = int(meta.local_kv_lens.sum()) * q_len  # every row sees (about) all its local keys
     return dict(index_ms=t_index, select_ms=t_select, attend_ms=t_attend, merge_ms=t_merge,
                 index_tflops=2.0 * hi * di * visible / t_index / 1e9 if t_index else 0.0, local_keys=local,
-                rows=n, backend_index=iplan.backend, backend_attend=f"{aplan.backend}/{aplan.family}")
+                rows=n, backend_index=f"{iplan.backend}/{iplan.family}", backend_attend=f"{aplan.backend}/{aplan.family}")
 
 
 def _run_workload(ctx: int, b: int, q_len: int, args, shp: dict, device: torch.device, timer) -> dict:
@@ -132,13 +136,13 @@ def _run_workload(ctx: int, b: int, q_len: int, args, shp: dict, device: torch.d
     row.update(topk_bytes=topk_bytes, merge_bytes=merge_bytes, topk_ms_charged=topk_bytes / rate,
                merge_ms_charged=merge_bytes / rate)
     progress(f"{name}: C={c} rank {args.rank}")
-    part = _step(c, args.rank, ctx, b, q_len, shp, device, timer)
+    part = _step(c, args.rank, ctx, b, q_len, shp, device, timer, args.index_backend)
     row.update({f"c{c}_{k}": v for k, v in part.items()})
     step = sum(part[k] for k in ("index_ms", "select_ms", "attend_ms", "merge_ms"))
     row[f"c{c}_step_ms"] = step + row["topk_ms_charged"] + row["merge_ms_charged"]
     if _fits(device, b * ctx, shp):
         progress(f"{name}: C=1")
-        one = _step(1, 0, ctx, b, q_len, shp, device, timer)
+        one = _step(1, 0, ctx, b, q_len, shp, device, timer, args.index_backend)
         row.update({f"c1_{k}": v for k, v in one.items()})
         row["c1_step_ms"] = sum(one[k] for k in ("index_ms", "select_ms", "attend_ms", "merge_ms"))
         row["ratio"] = row[f"c{c}_step_ms"] / row["c1_step_ms"]

@@ -1,8 +1,8 @@
 """DSA decode over a sharded cache on the GPU at DeepSeek-V3.2 sizes (``-m gpu``; skipped without
 CUDA): 128 heads, latent 512 + rope 64 (D 576 / Dv 512), indexer 64 heads x 128, top-k 2048.
 C ranks are simulated on one GPU by slicing the shards. The agreed selection equals an fp64
-oracle's top-k (ties: the lower position) exactly and selects the same scores as the
-single-GPU index top-k (Triton); the merged sparse attention over the shards equals the
+oracle's top-k (ties: the lower position) exactly, with the Triton shard scores and the gemm
+ones, and selects the same scores as the single-GPU prefill index top-k (Triton); the merged sparse attention over the shards equals the
 single-GPU sparse attention (Triton) and an fp64 oracle; a CUDA graph of one rank's step
 (candidates + sparse attention) replays for another batch of its static planner."""
 
@@ -92,12 +92,13 @@ def _sorted(idx):
     return [sorted(p for p in row if p >= 0) + [-1] * sum(p < 0 for p in row) for row in idx.tolist()]
 
 
-def _agreed(keys, q, w, c, il, paged, gen, lens=LENS, qs=QS):
+def _agreed(keys, q, w, c, il, paged, gen, lens=LENS, qs=QS, backend="auto"):
     cands = []
     for r in range(c):
         meta = _meta(c, il, r, lens, qs)
         plan = cpattn.plan_index_topk(meta, num_heads=HI, head_dim=DI, q_dtype=q.dtype, k_dtype=q.dtype, topk=TOPK,
-                                      page_size=64 if paged else None)
+                                      page_size=64 if paged else None, backend=backend)
+        assert plan.backend == ("triton" if backend == "auto" else backend)
         if paged:
             k_loc, table = _paged_shard(keys, c, il, r, 64, gen)
             cands.append(plan.candidates(q, k_loc, w, page_table=table, softmax_scale=SCALE_I))
@@ -106,11 +107,12 @@ def _agreed(keys, q, w, c, il, paged, gen, lens=LENS, qs=QS):
     return select_candidates(torch.stack(cands), TOPK)
 
 
+@pytest.mark.parametrize("backend", ["triton", "gemm"])
 @pytest.mark.parametrize("c,il,paged", [(1, 1, False), (2, 1, True), (4, 1, False), (8, 2, True), (8, 1, False)])
-def test_agreed_topk_equals_oracle_and_single_gpu(c, il, paged):
+def test_agreed_topk_equals_oracle_and_single_gpu(c, il, paged, backend):
     keys, q, w, gen = _index_inputs(c)
     scores = _oracle_scores(keys, q, w, LENS, QS)
-    got = _agreed(keys, q, w, c, il, paged, gen)
+    got = _agreed(keys, q, w, c, il, paged, gen, backend=backend)
     assert _sorted(got) == _oracle_topk(scores)
     # the single-GPU index top-k (Triton) over the whole cache of the same step: the same scores
     pre = [n - k for n, k in zip(LENS, QS)]
