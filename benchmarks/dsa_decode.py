@@ -27,11 +27,11 @@ skipped with a note. Timing: CUDA events around back-to-back calls (median of 3 
 from __future__ import annotations
 
 import argparse
-from typing import Callable
 
 import torch
 
-from .common import default_out, header, progress, smoke_notice, time_cuda_back_to_back, time_host, write_json
+from .common import default_out, device_timer, header, progress, smoke_notice, write_json
+from .sparse import dsa_shapes
 
 #: step(C) / step(1) at B >= 8 (ideal 1 / C = 0.125) and the index scoring over a shard (TF/s).
 TARGETS = {"ratio": 0.2, "index_tflops": 300.0}
@@ -55,18 +55,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=None, help="output path without extension (default bench-out/dsa_decode; "
                                               "CPU smoke run: bench-out/dsa_decode-cpu-smoke)")
-
-
-def _shapes(small: bool) -> dict:
-    if small:
-        return dict(heads=4, latent=32, rope=16, topk=16, index_heads=2, index_dim=16)
-    return dict(heads=128, latent=512, rope=64, topk=2048, index_heads=64, index_dim=128)
-
-
-def _timer(device: torch.device, iters: int, warmup: int) -> Callable[[Callable[[], object]], float]:
-    if device.type == "cuda":
-        return lambda fn: time_cuda_back_to_back(fn, warmup=warmup, iters=iters)
-    return lambda fn: time_host(fn, warmup=min(warmup, 1), iters=max(1, min(iters, 3)))
 
 
 def _cache_bytes(keys: int, shp: dict) -> int:
@@ -161,11 +149,11 @@ def main(args: argparse.Namespace) -> int:
     smoke = device.type == "cpu"
     if smoke:
         smoke_notice("dsa_decode")
-    shp = _shapes(args.small)
+    shp = dsa_shapes(args.small)
     contexts = [int(x) for x in (args.contexts or ("512" if args.small else "131072,1048576")).split(",") if x]
     batches = [int(x) for x in (args.batches or ("1,2" if args.small else "1,8,64")).split(",") if x]
     q_lens = [int(x) for x in args.q_lens.split(",") if x]
-    timer = _timer(device, args.iters, args.warmup)
+    timer = device_timer(device, args.iters, args.warmup)
     rows = [_run_workload(ctx, b, q, args, shp, device, timer) for ctx in contexts for b in batches for q in q_lens]
     c = args.cp
     print(f"{'workload':26s} {'C=' + str(c) + ' ms':>10s} {'C=1 ms':>10s} {'ratio':>7s} {'index':>8s} "

@@ -43,7 +43,6 @@ __all__ = ["GemmShardIndexBackend", "TritonShardIndexBackend", "max_local_keys"]
 #: [N, H_i, width] block and gathered keys stay in that order).
 _DEFAULT_SCORE_ELEMS = 1 << 24
 _KERNEL_MODULE = "cpattn.kernels.triton_shard_index"
-_FP8 = torch.float8_e4m3fn
 
 
 def max_local_keys(meta: CPMetadata) -> int:
@@ -111,7 +110,7 @@ class _ShardIndexRun:
         self.width = max(16, min(budget // per_key, max(self.num_keys, 1)))
         self.half_gemm = False
         if family == "triton":
-            from . import triton_shard_index as kern
+            from . import triton_index, triton_shard_index as kern
 
             interp = kern.INTERPRETED
             kpp = int(options.get("keys_per_program") or (64 if interp else 1024))
@@ -125,7 +124,8 @@ class _ShardIndexRun:
             block_h, block_d = kern.block_sizes(spec.num_heads, spec.head_dim)
             self.plan_args = dict(NUM_HEADS=spec.num_heads, HEAD_DIM=spec.head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
                                   BLOCK_N=block_n, KEYS_PER_PROGRAM=kpp, num_warps=warps,
-                                  PAGE_SIZE=spec.page_size or 1, **kern.dot_settings(spec.q_dtype, spec.k_dtype))
+                                  PAGE_SIZE=spec.page_size or 1,
+                                  **triton_index.dot_settings(spec.q_dtype, spec.k_dtype))
             self._launch = kern.launch
             self.family = "triton"
         else:
@@ -231,17 +231,11 @@ class TritonShardIndexBackend:
         reason = triton_device_reason(meta.device, _KERNEL_MODULE)
         if reason is not None:
             return reason
-        gpu = meta.device.type == "cuda"
-        ok = (torch.bfloat16, torch.float16, _FP8) + (() if gpu else (torch.float32,))
-        if spec.q_dtype not in ok or spec.k_dtype not in ok:
-            return (f"dtypes q {spec.q_dtype} / k {spec.k_dtype} not supported (bf16, fp16, fp8 e4m3; fp32 under the "
-                    "interpreter)")
-        if spec.q_dtype == _FP8 and spec.k_dtype != _FP8:
-            return "fp8 index queries need fp8 index keys"
-        if spec.q_dtype != spec.k_dtype and spec.k_dtype != _FP8:
-            return f"q_idx {spec.q_dtype} and k_idx {spec.k_dtype} must match (or k_idx fp8)"
-        if spec.head_dim > 256 or spec.head_dim % 16:
-            return f"index head dim {spec.head_dim} not supported (a multiple of 16, <= 256)"
+        from .dsa_backend import index_spec_reason  # the prefill index kernel's dtype / head-dim rule
+
+        reason = index_spec_reason(spec, meta.device.type == "cuda")
+        if reason is not None:
+            return reason
         if spec.num_heads > 128:
             return f"{spec.num_heads} index heads not supported (<= 128)"
         return None

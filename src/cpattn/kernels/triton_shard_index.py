@@ -10,33 +10,20 @@ DeepSeek-V3.2): one program per (row, ``KEYS_PER_PROGRAM`` keys) keeps the row's
 registers and reads each key of its range once. Keys are packed (``start[t] + j``) or paged
 (``page_table[b, j // page_size]``, slot ``j % page_size``); bf16 / fp16 (fp32 in the
 interpreter), fp8 e4m3 keys with a float32 scale (converted to the queries' dtype in registers,
-or an fp8 dot with fp8 queries). Every count is read from device memory: a CUDA graph replays.
+or an fp8 dot with fp8 queries; the dot settings are the prefill index kernel's,
+``triton_index.dot_settings``). Every count is read from device memory: a CUDA graph replays.
 """
 
 from __future__ import annotations
 
 import os
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 #: True when the kernels were built for the CPU interpreter (TRITON_INTERPRET=1 at import).
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-FP8 = torch.float8_e4m3fn
-
-
-def dot_settings(q_dtype: torch.dtype, k_dtype: torch.dtype) -> dict:
-    """DOT_PRECISION / DOT_UPCAST / K_TO_Q (as the prefill index kernel): fp32 exact ("ieee");
-    under the interpreter bf16 / fp8 operands upcast to fp32; fp8 keys with bf16 / fp16 queries
-    converted to the query dtype."""
-    upcast = INTERPRETED and (q_dtype in (torch.bfloat16, FP8) or k_dtype in (torch.bfloat16, FP8))
-    exact = upcast or q_dtype == torch.float32
-    return dict(DOT_PRECISION="ieee" if exact else "tf32", DOT_UPCAST=upcast,
-                K_TO_Q=not upcast and k_dtype != q_dtype)
-
 
 def block_sizes(num_heads: int, head_dim: int) -> tuple[int, int]:
     """(BLOCK_H, BLOCK_D): powers of two >= 16 covering the heads and the head dim."""

@@ -115,18 +115,25 @@ class ShardMergePlan(AttentionPlan):
         Returns:
             out [Nq, Hq, Dv] (or this rank's heads with scatter_heads), or (out, lse).
         """
+        k_cache, v_cache = self._write_step(q, k, v, cache, writes, group, page_table, sinks)
+        out_p, lse_p = self.attend(q, k_cache, v_cache, page_table=page_table, sinks=sinks,
+                                   softmax_scale=softmax_scale)
+        return merge_partials(out_p, lse_p, group, scatter_heads=scatter_heads, meta=self.meta,
+                              return_lse=return_lse)
+
+    def _write_step(self, q, k, v, cache, writes, group, page_table, sinks) -> tuple[Tensor, Tensor]:
+        """``run``'s steps before the kernel: every local check (before any write or collective),
+        then the write of this rank's share of the new K/V -> this rank's (k_cache, v_cache)."""
         meta = self.meta
         self._check_new_rows(q, k, v, meta.num_physical_tokens)
         k_cache, v_cache = self._cache_pair(cache, "this rank's caches")
         if writes is not None:
             check_kv_writes(writes, k_cache, v_cache, meta.num_physical_tokens, k, v)
         self._check_before_write(page_table, sinks, (k_cache, v_cache))
-        check_group(meta, group)  # local checks, before any write or collective
+        check_group(meta, group)
         if writes is not None:
             write_kv_cache(k, v, k_cache, v_cache, writes)
-        out_p, lse_p = self.attend(q, k_cache, v_cache, page_table=page_table, sinks=sinks,
-                                   softmax_scale=softmax_scale)
-        return merge_partials(out_p, lse_p, group, scatter_heads=scatter_heads, meta=meta, return_lse=return_lse)
+        return k_cache, v_cache
 
 
 def local_key_view(meta: CPMetadata) -> CPMetadata:
@@ -217,18 +224,11 @@ class SparseShardMergePlan(ShardMergePlan):
         (ONE collective). Arguments as :meth:`ShardMergePlan.run`, plus ``idx`` (as
         :meth:`attend`). Every check runs before the write and the collective."""
         self._check_idx(idx)
-        meta = self.meta
-        self._check_new_rows(q, k, v, meta.num_physical_tokens)
-        k_cache, v_cache = self._cache_pair(cache, "this rank's caches")
-        if writes is not None:
-            check_kv_writes(writes, k_cache, v_cache, meta.num_physical_tokens, k, v)
-        self._check_before_write(page_table, sinks, (k_cache, v_cache))
-        check_group(meta, group)
-        if writes is not None:
-            write_kv_cache(k, v, k_cache, v_cache, writes)
+        k_cache, v_cache = self._write_step(q, k, v, cache, writes, group, page_table, sinks)
         out_p, lse_p = self.attend(q, k_cache, v_cache, idx, page_table=page_table, sinks=sinks,
                                    softmax_scale=softmax_scale)
-        return merge_partials(out_p, lse_p, group, scatter_heads=scatter_heads, meta=meta, return_lse=return_lse)
+        return merge_partials(out_p, lse_p, group, scatter_heads=scatter_heads, meta=self.meta,
+                              return_lse=return_lse)
 
     def _check_idx(self, idx) -> None:
         if type(idx) is Tensor and idx.shape == self._idx_shape and idx.dtype in _INDEX_DTYPES \

@@ -23,7 +23,7 @@ from typing import Mapping, Optional
 import torch
 from torch import Tensor
 
-from .._validation import check_int, check_softmax_scale, check_tensor
+from .._validation import check_int, check_tensor
 from ..kernels import IndexTopkSpec, select_backend
 from ..metadata import CPMetadata
 from ..selection import key_positions, top_keys
@@ -210,7 +210,7 @@ class IndexTopkPlan(AttentionPlan):
                              f"this plan's algorithm is {self.algorithm!r}: call run()")
         self._check_inputs(q_idx, k_idx, weights, k_scale, page_table)
         out = self._check_out(out, self._out_shape, torch.int64, "int64 [N, topk] =")
-        scale = self._scale if softmax_scale is None else check_softmax_scale(softmax_scale)
+        scale = self._softmax_scale(softmax_scale)
         self._impl(q_idx, k_idx, weights, k_scale, page_table, scale, out)
         return out
 
@@ -244,12 +244,12 @@ class IndexTopkPlan(AttentionPlan):
         self._check_inputs(q_idx, k_idx, weights, k_scale, page_table)
         out = self._check_out(out, self._out_shape, torch.int32, "int32 [P, topk] =")
         if not self._sharded:
-            scale = self._scale if softmax_scale is None else check_softmax_scale(softmax_scale)
+            scale = self._softmax_scale(softmax_scale)
             self._impl(q_idx, k_idx, weights, k_scale, page_table, scale, out)
             return out
         from ..collectives import all_gather_into, check_group
 
-        scale = self._scale if softmax_scale is None else check_softmax_scale(softmax_scale)
+        scale = self._softmax_scale(softmax_scale)
         check_group(self.meta, group)  # local checks, before the collective
         cand = torch.empty(self._out_shape, dtype=torch.int64, device=self._device)
         self._impl(q_idx, k_idx, weights, k_scale, page_table, scale, cand)
