@@ -480,3 +480,18 @@ def test_fp8_index_keys_with_scales(request, backend, paged):
     want = topk_oracle(deq, q_used, w, lens, qs, topk, 0.25)
     got = _simulate_topk(3, 1, lens, qs, topk, k8, q8, w, 0.25, paged, gen, backend=backend, k_scale=scales)
     assert _sorted_sel(got) == want
+
+
+@pytest.mark.parametrize("backend", ["gemm", "triton"])
+def test_nan_index_key_is_selected_by_the_rows_that_see_it(request, backend):
+    """A NaN index key scores NaN for every row that sees it and ranks first (as torch.topk ranks
+    NaN): those rows select it on whichever rank holds it; earlier rows and other sequences never."""
+    if backend == "triton":
+        request.getfixturevalue("dsa_interp")
+    lens, qs, topk, nan_pos = [60, 30], [3, 1], 4, 58
+    gen = torch.Generator().manual_seed(2)
+    keys, q, w = _int_inputs(lens, qs, gen)
+    keys[0][nan_pos, 5] = float("nan")
+    got = _simulate_topk(3, 1, lens, qs, topk, keys, q, w, 0.25, False, gen, backend=backend)
+    for t, (b, p) in enumerate(_rows(lens, qs)):
+        assert (nan_pos in got[t].tolist()) == (b == 0 and p >= nan_pos), (t, b, p, got[t].tolist())

@@ -11,18 +11,19 @@ layer the plan loops over fixed key chunks of ``width`` local keys (the count is
 time: from the longest local sequence, or from the capacity of a static plan, so a CUDA graph of
 the step replays for any batch within it) and scores each chunk:
 
-* ``triton`` (:mod:`.triton_shard_index`): one kernel writes the chunk's ``[N, width]`` float32
-  scores, the indexer heads as the dot's M dimension (decode rows are few), each key read once
-  per row;
+* ``triton`` (:mod:`.triton_shard_index`): one kernel writes the chunk's ``[N, width]`` packed
+  keys (scores and global positions, :mod:`cpattn.selection`), the indexer heads as the dot's M
+  dimension (decode rows are few), each key read once per row;
 * ``gemm``: gathers each row's chunk of keys (packed rows ``cu_local_kv_lens[seq] + j`` or
   through the page table) and scores them with two matmuls (bf16 / fp16 queries on CUDA: a
   tensor-core ``bmm`` with float32 output; else float32, float64 for float64 inputs).
 
-Then it packs (score, global position) into int64 keys (:mod:`cpattn.selection`) and keeps a
-running ``torch.topk`` of ``topk`` keys per row. Device-only: no host sync, no host-to-device copy.
+``gemm`` then packs (score, global position) into int64 keys (:mod:`cpattn.selection`); both keep
+a running ``torch.topk`` of ``topk`` packed keys per row. Device-only: no host sync, no host-to-device copy.
 
 ``backend_options``: ``max_score_elems`` (score values per chunk, default 2**24 = 64 MiB of
-float32); triton: ``keys_per_program`` (1024), ``block_n`` (64), ``num_warps`` (4).
+float32); triton: ``keys_per_program`` (default 1024, fewer for few rows), ``block_n`` (64),
+``num_warps`` (4), ``num_stages`` (2).
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ class _ShardIndexRun:
     ``family``: "triton" (:mod:`.triton_shard_index` scores) or "gemm" (torch matmuls)."""
 
     def __init__(self, spec: IndexTopkSpec, meta: CPMetadata, options: Mapping, family: str) -> None:
-        known = {"max_score_elems"} | ({"keys_per_program", "block_n", "num_warps"} if family == "triton" else set())
+        known = {"max_score_elems"} | ({"keys_per_program", "block_n", "num_warps", "num_stages"}
+                                       if family == "triton" else set())
         unknown = set(options) - known
         if unknown:
             raise ValueError(f"unknown {family} backend_options {sorted(unknown)} (known: {sorted(known)})")
@@ -113,9 +115,13 @@ class _ShardIndexRun:
             from . import triton_index, triton_shard_index as kern
 
             interp = kern.INTERPRETED
-            kpp = int(options.get("keys_per_program") or (64 if interp else 1024))
             block_n = int(options.get("block_n") or (16 if interp else 64))
+            # keys per program: up to 1024, fewer when the rows are few, so that a chunk still
+            # spreads over >= 1024 programs (a B = 1 step would otherwise occupy ~1 program per SM)
+            spread = max(block_n, 1 << max(0, (max(1, n) * self.width // 1024).bit_length() - 1))
+            kpp = int(options.get("keys_per_program") or (64 if interp else min(1024, spread)))
             warps = int(options.get("num_warps") or 4)
+            stages = int(options.get("num_stages") or 2)
             for name, value in (("keys_per_program", kpp), ("block_n", block_n)):
                 if value < 16 or value & (value - 1):
                     raise ValueError(f"backend_options {name} must be a power of two >= 16, got {value}")
@@ -123,7 +129,7 @@ class _ShardIndexRun:
                 raise ValueError(f"backend_options keys_per_program={kpp} must be a multiple of block_n={block_n}")
             block_h, block_d = kern.block_sizes(spec.num_heads, spec.head_dim)
             self.plan_args = dict(NUM_HEADS=spec.num_heads, HEAD_DIM=spec.head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
-                                  BLOCK_N=block_n, KEYS_PER_PROGRAM=kpp, num_warps=warps,
+                                  BLOCK_N=block_n, KEYS_PER_PROGRAM=kpp, num_warps=warps, num_stages=stages,
                                   PAGE_SIZE=spec.page_size or 1,
                                   **triton_index.dot_settings(spec.q_dtype, spec.k_dtype))
             self._launch = kern.launch
@@ -198,14 +204,11 @@ class _ShardIndexRun:
         k = k_idx if k_idx.stride(-1) == 1 else k_idx.contiguous()
         start = torch.zeros_like(seq) if start is None else start
         topk = best.shape[1]
-        scores = torch.empty(best.shape[0], self.width, dtype=torch.float32, device=dev)
+        packed = torch.empty(best.shape[0], self.width, dtype=torch.int64, device=dev)
         for j0 in range(0, num_keys, self.width):
-            self._launch(q, k, weights, k_scale, scores, page_table, seq, visible, start, j0, softmax_scale,
+            self._launch(q, k, weights, k_scale, packed, page_table, seq, visible, start, j0, softmax_scale, (c, il, r),
                          plan_args=self.plan_args)
-            j = torch.arange(j0, j0 + self.width, device=dev)
-            gpos = (j // il) * (c * il) + r * il + j % il
-            valid = j[None, :] < visible[:, None]
-            best.copy_(top_keys(torch.cat([best, pack_keys(scores, gpos[None, :], valid)], dim=1), topk))
+            best.copy_(top_keys(torch.cat([best, packed], dim=1), topk))
 
 
 class GemmShardIndexBackend:

@@ -1,10 +1,11 @@
-"""Triton DSA index scores of decode rows over one rank's key shard.
+"""Triton DSA index scores of decode rows over one rank's key shard, written as packed top-k keys.
 
-For query row ``t`` (sequence ``b``) and this rank's local key ``j`` of ``b`` the kernel writes
-``sum_h w[t, h] * relu(scale * k_scale[j] * q[t, h] . k[j])`` (relu keeps NaN) into column
-``j - j0`` of row ``t`` of a float32 score block ``[N, width]`` (one key chunk), ``-inf`` where
-``j >= visible[t]`` (the causal rule by global position: a row sees a prefix of its sequence's
-local keys) or past the chunk. A decode step has few rows (1..4 per sequence), so the indexer
+For query row ``t`` (sequence ``b``) and this rank's local key ``j`` of ``b`` the kernel computes
+``sum_h w[t, h] * relu(scale * k_scale[j] * q[t, h] . k[j])`` (relu keeps NaN) and writes it,
+packed with the key's global position as :mod:`cpattn.selection` packs them (one int64:
+``(ordered(score) << 32) | (2^32 - 1 - position)``), into column ``j - j0`` of row ``t`` of an
+int64 block ``[N, width]`` (one key chunk); "no key" (int64 min) where ``j >= visible[t]`` (the
+causal rule by global position: a row sees a prefix of its sequence's local keys). A decode step has few rows (1..4 per sequence), so the indexer
 heads are the M dimension of the dot (``[H_i, D_i] x [D_i, BLOCK_N]``, H_i = 64 for
 DeepSeek-V3.2): one program per (row, ``KEYS_PER_PROGRAM`` keys) keeps the row's queries in
 registers and reads each key of its range once. Keys are packed (``start[t] + j``) or paged
@@ -33,7 +34,7 @@ def block_sizes(num_heads: int, head_dim: int) -> tuple[int, int]:
 @triton.jit
 def _shard_index_scores(
     Q, K, W, KScale, Scores, PageTable, row_seq, row_visible, row_start,
-    j0, width, softmax_scale,
+    j0, width, softmax_scale, cp_size, interleave, rank,
     stride_qm, stride_qh, stride_wm, stride_wh, stride_kp, stride_kn, stride_sp, stride_sn, stride_pt, stride_om,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, KEYS_PER_PROGRAM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -82,21 +83,30 @@ def _shard_index_scores(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * col_scale[None, :]  # [BLOCK_H, BLOCK_N]
         s = tl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu keeps NaN
         score = tl.sum(s * w[:, None], axis=0)
-        score = tl.where(valid, score, float("-inf"))
-        tl.store(Scores + row * stride_om + cols, score, mask=in_chunk)
+        # the packed (score, global position) key of cpattn.selection: -0.0 as +0.0, one NaN
+        score = tl.where(score == 0.0, 0.0, score)
+        score = tl.where(score != score, float("nan"), score)
+        bits = score.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+        gpos = (j // interleave) * (cp_size * interleave) + rank * interleave + j % interleave
+        key = (ordered << 32) | (4294967295 - gpos.to(tl.int64))
+        no_key = tl.full([BLOCK_N], -9223372036854775807 - 1, dtype=tl.int64)
+        tl.store(Scores + row * stride_om + cols, tl.where(valid, key, no_key), mask=in_chunk)
 
 
 def launch(q: Tensor, k: Tensor, w: Tensor, k_scale, scores: Tensor, page_table, row_seq: Tensor,
-           row_visible: Tensor, row_start: Tensor, j0: int, softmax_scale: float, *, plan_args: dict) -> None:
-    """Scores of one key chunk ``[j0, j0 + width)`` into ``scores`` [N, width] float32 (contiguous
-    rows). ``row_seq`` / ``row_visible`` / ``row_start`` [N]: sequence, visible local keys and
-    packed start of every row. ``plan_args``: the constexprs and ``KEYS_PER_PROGRAM``,
-    ``num_warps``."""
+           row_visible: Tensor, row_start: Tensor, j0: int, softmax_scale: float, sharding: tuple[int, int, int], *,
+           plan_args: dict) -> None:
+    """Packed keys of one key chunk ``[j0, j0 + width)`` into ``scores`` [N, width] int64
+    (contiguous rows). ``row_seq`` / ``row_visible`` / ``row_start`` [N]: sequence, visible local
+    keys and packed start of every row; ``sharding``: (C, I, rank) (local key -> global
+    position). ``plan_args``: the constexprs and ``KEYS_PER_PROGRAM``, ``num_warps``,
+    ``num_stages``."""
     n, width = scores.shape
     if n == 0 or width == 0:
         return
     args = dict(plan_args)
-    kpp, warps = args.pop("KEYS_PER_PROGRAM"), args.pop("num_warps")
+    kpp, warps, stages = args.pop("KEYS_PER_PROGRAM"), args.pop("num_warps"), args.pop("num_stages")
     paged = page_table is not None
     if paged:
         skp, skn = k.stride(0), k.stride(1)
@@ -109,7 +119,7 @@ def launch(q: Tensor, k: Tensor, w: Tensor, k_scale, scores: Tensor, page_table,
     grid = (n, triton.cdiv(width, kpp))
     _shard_index_scores[grid](
         q, k, w, k_scale if k_scale is not None else scores, scores, pt, row_seq, row_visible, row_start,
-        j0, width, float(softmax_scale),
+        j0, width, float(softmax_scale), *sharding,
         q.stride(0), q.stride(1), w.stride(0), w.stride(1), skp, skn, ssp, ssn, stride_pt, scores.stride(0),
-        KEYS_PER_PROGRAM=kpp, PAGED=paged, HAS_KSCALE=k_scale is not None, num_warps=warps, num_stages=1, **args,
+        KEYS_PER_PROGRAM=kpp, PAGED=paged, HAS_KSCALE=k_scale is not None, num_warps=warps, num_stages=stages, **args,
     )
