@@ -132,6 +132,7 @@ def _simulate_topk(c, il, lens, qs, topk, keys, q, w, scale, paged, gen, backend
                                       page_size=4 * il if paged else None, has_k_scale=k_scale is not None,
                                       backend=backend, backend_options=backend_options)
         assert plan.algorithm == "shard_merge" and plan.backend == backend
+        assert isinstance(plan, cpattn.AttentionPlan)  # the indexer is on the plan base too
         raw = [x.view(torch.uint8) for x in keys] if k_dtype == FP8 else keys  # slicing / paging as bytes
         if paged:  # one page order for keys and scales (one seed)
             seed = int(torch.randint(0, 1 << 30, (1,), generator=gen))

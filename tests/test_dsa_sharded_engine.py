@@ -42,3 +42,15 @@ def test_sharded_dsa_engine_equals_c1(world):
             for rid, n in enumerate(res["lengths"]):
                 # the cache holds the positions before the last step's token, owned by this rank
                 assert res["local_rows"][rid] == sum((p // inter) % world == rank for p in range(n)), (case, rank)
+
+
+def test_cli_dsa():
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, "mini_engine.py"), "--model", "dsa", "--spawn", "2", "--cpu",
+         "--strategy", "zigzag", "--decode-steps", "3"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "equal to the C = 1 engine" in proc.stdout
