@@ -107,7 +107,7 @@ class _ShardIndexRun:
         self.cp_size, self.interleave, self.rank = sh.cp_size, sh.interleave, meta.rank
         n = meta.num_physical_tokens
         self.num_keys = max_local_keys(meta)
-        # the score block per chunk: [N, width] float32 (triton) or [N, H, width] (gemm)
+        # the block per chunk: [N, width] int64 packed keys (triton) or [N, H_i, width] float32 (gemm)
         per_key = max(1, n) * (1 if family == "triton" else max(spec.num_heads, spec.head_dim))
         self.width = max(16, min(budget // per_key, max(self.num_keys, 1)))
         self.half_gemm = False
@@ -151,22 +151,19 @@ class _ShardIndexRun:
         seq, pos = _row_positions(meta)
         visible = local_key_counts(pos + 1, r, c, il)  # [N] local keys at global positions <= pos
         best = torch.full(out.shape, NO_KEY, dtype=torch.int64, device=dev)
+        num_keys = self.num_keys if k_idx.shape[0] else 0  # an empty shard holds no candidate
+        start = torch.zeros_like(seq) if spec.paged else meta.cu_local_kv_lens[seq]
+        if self.family == "triton":
+            self._triton(q_idx, k_idx, weights, k_scale, page_table, softmax_scale, seq, visible, start, num_keys,
+                         best)
+            out.copy_(best)
+            return
         ww = weights.to(work)
-        if self.half_gemm:
-            q_half = q_idx
-        else:
-            qw = q_idx.to(work)
+        q_half = q_idx if self.half_gemm else None
+        qw = None if self.half_gemm else q_idx.to(work)
         if spec.paged:
             ps = spec.page_size
             table = page_table.long()[seq]  # [N, max_pages]
-        else:
-            start = meta.cu_local_kv_lens[seq]
-        num_keys = self.num_keys if k_idx.shape[0] else 0  # an empty shard holds no candidate
-        if self.family == "triton":
-            self._triton(q_idx, k_idx, weights, k_scale, page_table, softmax_scale, seq, visible,
-                         None if spec.paged else start, num_keys, best)
-            out.copy_(best)
-            return
         for j0 in range(0, num_keys, self.width):
             j = torch.arange(j0, j0 + self.width, device=dev)
             valid = j[None, :] < visible[:, None]  # [N, W]
@@ -194,7 +191,6 @@ class _ShardIndexRun:
             best = top_keys(torch.cat([best, pack_keys(s, gpos[None, :], valid)], dim=1), out.shape[1])
         out.copy_(best)
 
-
     def _triton(self, q_idx, k_idx, weights, k_scale, page_table, softmax_scale, seq, visible, start, num_keys,
                 best) -> None:
         """The running top-k over key chunks scored by the Triton kernel (in place on ``best``)."""
@@ -202,7 +198,6 @@ class _ShardIndexRun:
         dev = q_idx.device
         q = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
         k = k_idx if k_idx.stride(-1) == 1 else k_idx.contiguous()
-        start = torch.zeros_like(seq) if start is None else start
         topk = best.shape[1]
         packed = torch.empty(best.shape[0], self.width, dtype=torch.int64, device=dev)
         for j0 in range(0, num_keys, self.width):
