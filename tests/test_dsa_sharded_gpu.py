@@ -34,13 +34,14 @@ def _packed_shard(per_seq, c, il, r):
 
 
 def _paged_shard(per_seq, c, il, r, page, gen):
-    """This rank's paged cache (NaN in unused slots) and page table (random page order)."""
+    """This rank's paged cache (NaN in unused slots; bytes: an fp8 NaN) and page table (random page
+    order)."""
     local = [x[_owned(x.shape[0], c, il, r)] for x in per_seq]
     counts = [-(-x.shape[0] // page) for x in local]
     total = sum(counts)
     order = torch.randperm(max(total, 1), device=DEV, generator=gen)
-    cache = torch.full((max(total, 1), page, *per_seq[0].shape[1:]), float("nan"), device=DEV,
-                       dtype=per_seq[0].dtype)
+    fill = float("nan") if per_seq[0].dtype.is_floating_point else 0x7F  # uint8 0x7F: an fp8 e4m3 NaN
+    cache = torch.full((max(total, 1), page, *per_seq[0].shape[1:]), fill, device=DEV, dtype=per_seq[0].dtype)
     table = torch.zeros(len(local), max(counts + [1]), dtype=torch.int32, device=DEV)
     used = 0
     for b, x in enumerate(local):
@@ -224,3 +225,32 @@ def test_cuda_graph_replay_of_one_ranks_step():
     assert torch.equal(sel_g[:n], want[0][:n])
     torch.testing.assert_close(out_g[:n].float(), want[1][:n].float(), atol=0, rtol=0)
     torch.testing.assert_close(lse_g[:n], want[2][:n], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["triton", "gemm"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_fp8_index_keys_with_scales(backend, paged):
+    """DeepSeek-V3.2's cache layout: fp8 e4m3 index keys with a float32 scale per key (powers of
+    two, integer keys: exact), bf16 queries; C = 8: the oracle's top-k over the dequantized keys."""
+    c, il = 8, 1
+    keys, q, w, gen = _index_inputs(7)
+    scales = [2.0 ** torch.randint(-2, 3, (n,), device=DEV, generator=gen).float() for n in LENS]
+    deq = [k.double() * s.double()[:, None] for k, s in zip(keys, scales)]
+    want = _oracle_topk(_oracle_scores(deq, q, w, LENS, QS))
+    k8 = [k.float().to(torch.float8_e4m3fn) for k in keys]
+    cands = []
+    for r in range(c):
+        meta = _meta(c, il, r)
+        plan = cpattn.plan_index_topk(meta, num_heads=HI, head_dim=DI, q_dtype=q.dtype, k_dtype=torch.float8_e4m3fn,
+                                      topk=TOPK, page_size=64 if paged else None, has_k_scale=True, backend=backend)
+        raw = [k.view(torch.uint8) for k in k8]
+        if paged:
+            seed = 100 + r
+            k_loc, table = _paged_shard(raw, c, il, r, 64, torch.Generator(device=DEV).manual_seed(seed))
+            sc, _ = _paged_shard(scales, c, il, r, 64, torch.Generator(device=DEV).manual_seed(seed))
+            cands.append(plan.candidates(q, k_loc.view(torch.float8_e4m3fn), w, k_scale=sc, page_table=table,
+                                         softmax_scale=SCALE_I))
+        else:
+            cands.append(plan.candidates(q, _packed_shard(raw, c, il, r).view(torch.float8_e4m3fn), w,
+                                         k_scale=_packed_shard(scales, c, il, r), softmax_scale=SCALE_I))
+    assert _sorted(select_candidates(torch.stack(cands), TOPK)) == want
