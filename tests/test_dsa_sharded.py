@@ -204,6 +204,20 @@ def test_key_chunks_merge_exactly():
     assert _sorted_sel(got) == want
 
 
+def test_run_without_a_process_group_raises_before_scoring():
+    """C > 1 and no initialized process group: ValueError naming it (no collective attempted)."""
+    lens, qs = [40, 9], [1, 2]
+    keys, q, w = _int_inputs(lens, qs, torch.Generator().manual_seed(0))
+    plan = cpattn.plan_index_topk(_meta(2, 1, lens, qs, 0), num_heads=H_I, head_dim=D_I, q_dtype=q.dtype,
+                                  k_dtype=q.dtype, topk=4)
+    with pytest.raises(ValueError, match="process group"):
+        plan.run(q, _shard_packed(keys, 2, 1, 0), w)
+    with pytest.raises(ValueError, match="candidates\\(\\) is for a plan over a sharded cache"):
+        cpattn.plan_index_topk(cpattn.get_strategy("replicated", 1).build_metadata(qs, [39, 7], rank=0),
+                               num_heads=H_I, head_dim=D_I, q_dtype=q.dtype, k_dtype=q.dtype,
+                               topk=4).candidates(q, torch.cat(keys), w)
+
+
 def test_agreement_bytes():
     assert dsa.topk_agreement_bytes(64, 2048, 8) == 7 * 64 * 2048 * 8
     assert dsa.topk_agreement_bytes(5, 3, 1) == 0

@@ -251,6 +251,7 @@ class IndexTopkPlan(AttentionPlan):
 
         scale = self._softmax_scale(softmax_scale)
         check_group(self.meta, group)  # local checks, before the collective
+        _check_group_size(self.meta, group)
         cand = torch.empty(self._out_shape, dtype=torch.int64, device=self._device)
         self._impl(q_idx, k_idx, weights, k_scale, page_table, scale, cand)
         c = self.meta.cp_size
@@ -262,6 +263,21 @@ class IndexTopkPlan(AttentionPlan):
             gathered = cand
         out.copy_(select_candidates(gathered.view(c, *cand.shape), self.spec.topk))
         return out
+
+
+def _check_group_size(meta: CPMetadata, group) -> None:
+    """ValueError unless ``group`` (None: the default group) has ``meta.cp_size`` ranks with this
+    process at ``meta.rank`` (``check_group`` lets replicated plans pass without a group)."""
+    import torch.distributed as dist
+
+    if meta.cp_size == 1:
+        return
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"cp_size={meta.cp_size} needs an initialized torch.distributed process group (pass group=)")
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if size != meta.cp_size or rank != meta.rank:
+        raise ValueError(f"the group has {size} ranks with this process at rank {rank}, but the plan is rank "
+                         f"{meta.rank} of cp_size {meta.cp_size}")
 
 
 #: Candidate shapes (rows, topk) already agreed per process group (None: the default group).
