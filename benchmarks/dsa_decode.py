@@ -166,6 +166,14 @@ def main(args: argparse.Namespace) -> int:
               f"{r[f'c{c}_select_ms']:8.3f} {r[f'c{c}_attend_ms']:8.3f} {r[f'c{c}_merge_ms']:8.3f} "
               f"{r['topk_bytes'] / 1e6:8.2f} {r['merge_bytes'] / 1e6:9.2f} "
               f"{r['topk_ms_charged'] + r['merge_ms_charged']:8.3f} {r[f'c{c}_index_tflops']:9.1f}")
+    if not smoke:  # the targets: ratio at B >= 8, index TF/s over the shard
+        for r in rows:
+            verdicts = [f"index {r[f'c{c}_index_tflops']:.0f} TF/s (target >= {TARGETS['index_tflops']:.0f}): "
+                        f"{'met' if r[f'c{c}_index_tflops'] >= TARGETS['index_tflops'] else 'missed'}"]
+            if r["batch"] >= 8 and "ratio" in r:
+                verdicts.append(f"ratio {r['ratio']:.3f} (target <= {TARGETS['ratio']}, ideal {1 / c:.3f}): "
+                                f"{'met' if r['ratio'] <= TARGETS['ratio'] else 'missed'}")
+            print(f"{r['workload']:26s} " + "; ".join(verdicts))
     out = args.out or default_out("dsa_decode", smoke=smoke)
     payload = {**header("benchmarks/run.py dsa_decode", smoke=smoke), "shapes": shp, "cp": c, "rank": args.rank,
                "link_gbs": args.link_gbs, **({} if smoke else {"targets": TARGETS}), "rows": rows}
