@@ -82,9 +82,9 @@ def _step(c: int, rank: int, ctx: int, b: int, q_len: int, shp: dict, device: to
                                                                kv=cpattn.KVSharding(c)).to(device)
     n, local = meta.num_physical_tokens, meta.num_local_kv_tokens
     g = torch.Generator(device=device).manual_seed(0)
-    q_idx = torch.randn(n, hi, di, generator=g, device=device).to(dtype)
+    q_idx = torch.randn(n, hi, di, generator=g, device=device, dtype=dtype)
     w = torch.randn(n, hi, generator=g, device=device) * hi**-0.5
-    k_idx = torch.randn(local, di, generator=g, device=device).to(dtype)
+    k_idx = torch.randn(local, di, generator=g, device=device, dtype=dtype)
     iplan = cpattn.plan_index_topk(meta, num_heads=hi, head_dim=di, q_dtype=dtype, k_dtype=dtype, topk=topk,
                                    backend=index_backend)
     cand = torch.empty(n, topk, dtype=torch.int64, device=device)
@@ -94,8 +94,8 @@ def _step(c: int, rank: int, ctx: int, b: int, q_len: int, shp: dict, device: to
     # the selection: topk distinct positions per row spread over its visible context
     sel = (torch.randperm(ctx - q_len + 1, generator=g, device=device)[:topk]).to(torch.int32)
     sel = sel[None].expand(n, -1).contiguous()
-    q = torch.randn(n, h, d, generator=g, device=device).to(dtype)
-    latent = torch.randn(local, 1, d, generator=g, device=device).to(dtype)
+    q = torch.randn(n, h, d, generator=g, device=device, dtype=dtype)
+    latent = torch.randn(local, 1, d, generator=g, device=device, dtype=dtype)
     spec = cpattn.AttentionSpec(num_q_heads=h, num_kv_heads=1, head_dim=d, head_dim_v=dv, dtype=dtype, topk=topk)
     aplan = cpattn.plan_attention(meta, spec)
     out = torch.empty(n, h, dv, dtype=dtype, device=device)
