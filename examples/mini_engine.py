@@ -324,7 +324,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="KV cache replicated on every rank, or sharded over the CP ranks (examples/_sharded_engine.py)")
     p.add_argument("--extend", default="auto", choices=("auto", "pass_kv", "pass_q"),
                    help="with --kv sharded: the algorithm of an extend over a sharded prefix")
+    p.add_argument("--model", default="gqa", choices=("gqa", "dsa"),
+                   help="dsa: a DeepSeek-V3.2-style model decoding over a sharded cache (examples/_dsa_engine.py)")
     args = p.parse_args(argv)
+    if args.model == "dsa":
+        import _dsa_engine
+
+        return _dsa_engine.main(args)
     if args.kv == "sharded":
         import _sharded_engine
 

@@ -21,6 +21,7 @@ from torch import Tensor
 from . import AttentionSpec, IndexTopkSpec
 from ._dsa_rows import device_rows
 from ..metadata import CPMetadata
+from ..selection import NO_KEY, key_positions, pack_keys, top_keys
 
 _ROW_CHUNK = 512  # query rows per score matrix (bounds memory to chunk * keys * Hq floats)
 
@@ -221,6 +222,8 @@ class _TorchSparseRun:
         ps = spec.page_size or 1
 
         def take(x: Tensor, rows: Tensor) -> Tensor:  # rows of the flattened K/V, without flattening x
+            if x.shape[0] == 0:  # an empty key shard: every entry is masked
+                return x.new_zeros(*rows.shape, *x.shape[(2 if spec.paged else 1):])
             return x[rows // ps, rows % ps] if spec.paged else x[rows]
 
         topk = idx.shape[1]
@@ -273,7 +276,8 @@ def index_scores(q_idx: Tensor, keys: Tensor, weights: Tensor, softmax_scale: fl
 
 class _TorchIndexRun:
     """Index top-k one segment at a time (host loop over the plan's segments), over key chunks
-    with a running top-k merge: memory stays bounded at any context length."""
+    with a running top-k merge of packed (score, position) keys (:mod:`cpattn.selection`: ties
+    go to the lower position): memory stays bounded at any context length."""
 
     def __init__(self, spec: IndexTopkSpec, meta: CPMetadata) -> None:
         host = meta.host if meta.host is not None else meta
@@ -296,19 +300,15 @@ class _TorchIndexRun:
                 pos = torch.arange(pos0 + c0 * stride, pos0 + (c1 - 1) * stride + 1, stride, device=dev)
                 last = pos0 + (c1 - 1) * stride
                 qr, wr = q_idx[rows].to(work), weights[rows].to(work)
-                best_v = torch.full((c1 - c0, topk), float("-inf"), dtype=work, device=dev)
-                best_p = torch.full((c1 - c0, topk), -1, dtype=torch.int64, device=dev)
+                best = torch.full((c1 - c0, topk), NO_KEY, dtype=torch.int64, device=dev)
                 for k0 in range(0, last + 1, key_chunk):
                     k1 = min(last + 1, k0 + key_chunk)
                     key_pos = torch.arange(k0, k1, device=dev)
                     keys = self._keys(k_idx, k_scale, page_table, seq, key_pos, work)
                     s = index_scores(qr, keys, wr, softmax_scale)
-                    s = s.masked_fill(key_pos[None, :] > pos[:, None], float("-inf"))
-                    cand_v = torch.cat([best_v, s], dim=1)
-                    cand_p = torch.cat([best_p, key_pos[None, :].expand(c1 - c0, -1)], dim=1)
-                    best_v, at = torch.topk(cand_v, topk, dim=1, sorted=False)
-                    best_p = cand_p.gather(1, at)
-                best_p = best_p.masked_fill(torch.isneginf(best_v), -1)
+                    packed = pack_keys(s, key_pos[None, :], key_pos[None, :] <= pos[:, None])
+                    best = top_keys(torch.cat([best, packed], dim=1), topk)
+                best_p = key_positions(best)
                 out[rows] = best_p.to(out.dtype)
 
     def _keys(self, k_idx, k_scale, page_table, seq, key_pos, work) -> Tensor:

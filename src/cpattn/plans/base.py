@@ -140,9 +140,10 @@ class AttentionPlan:
     """One layer kind's attention over one placement plan (build with :func:`cpattn.plan_attention`).
 
     Attributes:
-        meta: the placement plan. spec: the :class:`cpattn.AttentionSpec`.
+        meta: the placement plan. spec: the :class:`cpattn.AttentionSpec` (an index top-k
+            plan, :class:`cpattn.plans.IndexTopkPlan`: its ``IndexTopkSpec``).
         algorithm: one of :data:`ALGORITHMS`. backend: the backend that runs the kernel
-            ("triton", "fa4" or "torch"). family: the kernel family (e.g. "sm90", "portable",
+            ("triton", "fa4", "torch"; "gemm" for the index scores over a key shard). family: the kernel family (e.g. "sm90", "portable",
             "split-kv"; the backend's name when it has one family).
 
     ``attend``'s K/V (``kv_rows`` rule): a plan whose keys are packed expects
@@ -158,9 +159,8 @@ class AttentionPlan:
     def __init__(self, meta: CPMetadata, spec: AttentionSpec, backend: str, run_impl, *, rows: int,
                  kv_rows_exact: Optional[int] = None, kv_rows_min: int = 0, max_keys: int = 0,
                  q_name: str = "q", rows_name: str = "P") -> None:
-        self.meta, self.spec, self.backend = meta, spec, backend
-        self._impl = run_impl
-        self._device = device = meta.device
+        self._bind(meta, spec, backend, run_impl)
+        device = self._device
         self._rows_name, self._q_name = rows_name, q_name
         self._q_shape = (rows, spec.num_q_heads, spec.head_dim)
         self._out_shape = (rows, spec.num_q_heads, spec.head_dim_v)
@@ -179,6 +179,13 @@ class AttentionPlan:
         self._pt_expect = (meta.num_seq_rows, device)
         self._max_keys = max_keys
         self._min_pages = -(-max_keys // spec.page_size) if spec.paged else 0
+
+    def _bind(self, meta: CPMetadata, spec, backend: str, run_impl) -> None:
+        """What every plan binds (attention and index top-k plans): placement plan, spec,
+        backend name, the planned launch and the device."""
+        self.meta, self.spec, self.backend = meta, spec, backend
+        self._impl = run_impl
+        self._device = meta.device
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(algorithm={self.algorithm!r}, backend={self.backend!r}, {self.spec}, "

@@ -9,7 +9,9 @@ cache lives (``meta.kv``):
 | replicated | "local" (no collective) | "shard_merge" |
 
 A spec with ``topk`` (DSA sparse attention) runs over a replicated cache ("local" /
-"gather_kv").
+"gather_kv") and, with replicated queries, over a sharded cache ("shard_merge": the selected keys
+each rank owns, merged; the selection comes from :func:`cpattn.plans.plan_index_topk` over the
+same placement plan).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ..metadata import CPMetadata
 from ..spec import AttentionSpec
 from .base import ALGORITHMS, AttentionPlan, check_group_rank
 from .dense import ReplicatedKVPlan
-from .shard import ShardMergePlan
+from .shard import ShardMergePlan, SparseShardMergePlan, local_key_view
 from .sharded_extend import build_sharded_extend, replicated_view
 
 __all__ = ["algorithms_for", "plan_attention"]
@@ -37,7 +39,7 @@ def algorithms_for(meta: CPMetadata, spec: AttentionSpec) -> tuple[str, ...]:
     if meta.kv is None:
         return ("local",) if meta.replicated or meta.cp_size == 1 else ("gather_kv",)
     if spec.sparse:
-        return ()
+        return ("shard_merge",) if meta.replicated else ()
     return ("shard_merge",) if meta.replicated else ("pass_kv", "pass_q")
 
 
@@ -96,7 +98,8 @@ def plan_attention(
     options = dict(backend_options or {})
     allowed = algorithms_for(meta, spec)
     if not allowed:
-        raise NotImplementedError("sparse (topk) attention over a sharded KV cache is not supported yet")
+        raise NotImplementedError("sparse (topk) attention over a sharded KV cache runs replicated queries (a decode "
+                                  "step); an extend over a sharded cache is not supported")
     if algorithm != "auto" and algorithm not in allowed:
         raise ValueError(f"algorithm {algorithm!r} cannot run strategy={meta.strategy!r} with "
                          f"kv={'sharded' if meta.kv is not None else 'replicated'} (C={meta.cp_size}): "
@@ -110,6 +113,10 @@ def plan_attention(
     if page_table is not None or num_pages is not None or pad_slot is not None:
         raise ValueError(f"page_table= / num_pages= are for an extend over a sharded cache (pad_slot= too); "
                          f"algorithm {allowed[0]!r} reads the page table per layer")
+    if allowed == ("shard_merge",) and spec.sparse:
+        view = local_key_view(meta)
+        chosen = select_backend(spec, view, backend, kind="sparse")
+        return SparseShardMergePlan(meta, spec, chosen.name, chosen.plan(spec, view, options))
     if allowed == ("shard_merge",):
         chosen = select_backend(spec, meta, backend, kind="shard")
         return ShardMergePlan(meta, spec, chosen.name, chosen.plan(spec, meta, options))

@@ -14,23 +14,32 @@ this rank stores, attends, and merges the partials exactly in ONE collective
 (:func:`cpattn.merge_partials`). With a static plan every table sits at a fixed address, grids
 are sized for the capacity and kernels read counts from device memory: a CUDA graph of a step
 replays for every step (``triton``; ``torch`` loops on the host).
+
+With a spec's ``topk`` (DSA) the plan is a :class:`SparseShardMergePlan`: the sparse kernel over
+the selected keys this rank owns (kind ``"sparse"``), the same exact merge.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Optional
 
+import torch
 from torch import Tensor
 
 from ..cache import CacheWritePlan, check_kv_writes, write_kv_cache
 from ..collectives import check_group
 from ..merge import merge_partials
+from ..metadata import CPMetadata
 from .base import KERNEL_CALL, AttentionPlan, KernelCall
+from .sparse import check_index
 
 if TYPE_CHECKING:  # annotations only (typing.Unpack: Python >= 3.11)
     from typing_extensions import Unpack
 
-__all__ = ["ShardMergePlan"]
+__all__ = ["ShardMergePlan", "SparseShardMergePlan", "local_key_view"]
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
 
 _ATTEND = KERNEL_CALL - {"return_lse"}  # the partials come back with their lse
 _RUN = KERNEL_CALL - {"out", "lse"}  # merge_partials allocates the merged result
@@ -93,6 +102,15 @@ class ShardMergePlan(AttentionPlan):
             out [Nq, Hq, Dv] (or this rank's heads with scatter_heads), or (out, lse).
         """
         page_table, sinks, softmax_scale, _, _, return_lse = self._kernel_call(call, "run", _RUN)
+        k_cache, v_cache = self._write_step(q, k, v, cache, writes, group, page_table, sinks)
+        out_p, lse_p = self.attend(q, k_cache, v_cache, page_table=page_table, sinks=sinks,
+                                   softmax_scale=softmax_scale)
+        return merge_partials(out_p, lse_p, group, scatter_heads=scatter_heads, meta=self.meta,
+                              return_lse=return_lse)
+
+    def _write_step(self, q, k, v, cache, writes, group, page_table, sinks) -> tuple[Tensor, Tensor]:
+        """``run``'s steps before the kernel: every local check (before any write or collective),
+        then the write of this rank's share of the new K/V -> this rank's (k_cache, v_cache)."""
         meta = self.meta
         self._check_new_rows(q, k, v, meta.num_physical_tokens)
         k_cache, v_cache = self._cache_pair(cache, "this rank's caches")
@@ -102,6 +120,112 @@ class ShardMergePlan(AttentionPlan):
         check_group(meta, group)  # local checks, before any write or collective
         if writes is not None:
             write_kv_cache(k, v, k_cache, v_cache, writes)
-        out_p, lse_p = self.attend(q, k_cache, v_cache, page_table=page_table, sinks=sinks,
+        return k_cache, v_cache
+
+
+def local_key_view(meta: CPMetadata) -> CPMetadata:
+    """``meta`` (replicated queries over a sharded cache) with each sequence's packed K/V rows
+    starting at ``cu_local_kv_lens`` (this rank's packed cache): what the sparse kernels read
+    (row positions stay global)."""
+    host = meta.host if meta.host is not None else meta
+    local_host = dataclasses.replace(host, cu_kv_lens=host.cu_local_kv_lens, host=None)
+    return dataclasses.replace(meta, cu_kv_lens=meta.cu_local_kv_lens, host=local_host)
+
+
+class SparseShardMergePlan(ShardMergePlan):
+    """DSA sparse attention (``spec.topk``) of replicated queries over this rank's key shard,
+    merged over the ranks (decode over a sharded cache).
+
+    The selection ``idx`` holds GLOBAL positions (the same on every rank:
+    :meth:`cpattn.plans.IndexTopkPlan.run` over the same plan); a rank attends the selected
+    keys it owns (position ``p`` -> local key ``KVSharding.local_index(p)``; positions it does
+    not own are masked) with the sparse kernel, and the partials merge exactly in ONE collective.
+    """
+
+    def __init__(self, meta, spec, backend: str, run_impl) -> None:
+        super().__init__(meta, spec, backend, run_impl)
+        self._idx_shape = (meta.num_physical_tokens, spec.topk)
+        sh = meta.kv
+        self._cp, self._interleave = sh.cp_size, sh.interleave
+
+    def local_index(self, idx: Tensor) -> Tensor:
+        """Global positions [N, topk] -> this rank's local key indices (int64; -1 where the
+        position is not this rank's, or negative). Device-only."""
+        c, il, r = self._cp, self._interleave, self.meta.rank
+        e = idx.long()
+        owned = (e >= 0) & ((e // il) % c == r)
+        local = (e // (c * il)) * il + e % il
+        return torch.where(owned, local, torch.full((), -1, dtype=torch.int64, device=e.device))
+
+    def attend(
+        self,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        idx: Optional[Tensor] = None,
+        *,
+        page_table: Optional[Tensor] = None,
+        sinks: Optional[Tensor] = None,
+        softmax_scale: Optional[float] = None,
+        out: Optional[Tensor] = None,
+        lse: Optional[Tensor] = None,
+    ) -> tuple[Tensor, Tensor]:
+        """The kernel alone: this rank's partial sparse attention over its selected keys.
+
+        Args:
+            q, k_cache, v_cache, page_table, softmax_scale, out, lse: as
+                :meth:`ShardMergePlan.attend` (this rank's caches).
+            idx: [Nq, topk] int32/int64 GLOBAL key positions per row (the agreed selection;
+                -1 padding; future positions ignored).
+            sinks: [Hq] float when the spec has sinks (joins rank 0's partial only).
+
+        Returns:
+            (out_part [Nq, Hq, Dv], lse_part [Nq, Hq] float32): rows selecting none of this
+            rank's keys 0 / -inf (rank 0 with sinks: 0 / the sink); pad rows 0 / -inf.
+        """
+        self._check_call(q, k_cache, v_cache, page_table, sinks)
+        self._check_idx(idx)
+        out, lse = self._result(out, lse, True)
+        local = self.local_index(idx)
+        self._impl(q, k_cache, v_cache, local, page_table, sinks if self.meta.rank == 0 else None,
+                   self._softmax_scale(softmax_scale), out, lse)
+        return out, lse
+
+    def run(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cache,
+        *,
+        idx: Optional[Tensor] = None,
+        writes: Optional[CacheWritePlan] = None,
+        group=None,
+        page_table: Optional[Tensor] = None,
+        sinks: Optional[Tensor] = None,
+        softmax_scale: Optional[float] = None,
+        scatter_heads: bool = False,
+        return_lse: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """One layer: write this rank's share of the new K/V, attend its selected keys, merge
+        (ONE collective). Arguments as :meth:`ShardMergePlan.run`, plus ``idx`` (as
+        :meth:`attend`). Every check runs before the write and the collective."""
+        self._check_idx(idx)
+        k_cache, v_cache = self._write_step(q, k, v, cache, writes, group, page_table, sinks)
+        out_p, lse_p = self.attend(q, k_cache, v_cache, idx, page_table=page_table, sinks=sinks,
                                    softmax_scale=softmax_scale)
-        return merge_partials(out_p, lse_p, group, scatter_heads=scatter_heads, meta=meta, return_lse=return_lse)
+        return merge_partials(out_p, lse_p, group, scatter_heads=scatter_heads, meta=self.meta,
+                              return_lse=return_lse)
+
+    def _check_idx(self, idx) -> None:
+        if type(idx) is Tensor and idx.shape == self._idx_shape and idx.dtype in _INDEX_DTYPES \
+                and idx.device == self._device:
+            return
+        if idx is None:
+            raise ValueError("idx is required: the plan is sparse (AttentionSpec(topk=)); pass the agreed selection")
+        check_index(idx, self.meta.num_physical_tokens)
+        if idx.shape != self._idx_shape:
+            raise ValueError(f"idx must be [Nq, topk] = {list(self._idx_shape)} (the plan's topk), got "
+                             f"{list(idx.shape)}")
+        if idx.device != self._device:
+            raise ValueError(f"idx is on {idx.device} but the plan is on {self._device} (use meta.to(device))")
