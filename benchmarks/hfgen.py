@@ -103,12 +103,15 @@ def _sync(device: torch.device) -> None:
 
 
 def _timed(model, ids, device, new_tokens: int, cache_factory) -> tuple[float, list[int], object]:
+    from cpattn.integrations import hf as cphf
+
     cache = cache_factory()
+    kw = {cphf.cache_keyword(model): cache}  # "cache" (transformers 5) or "past_key_values"
     _sync(device)
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, cache=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, pad_token_id=0)
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=0, **kw)
     _sync(device)
     return time.perf_counter() - t0, out[0, ids.shape[1]:].tolist(), cache
 

@@ -29,7 +29,10 @@ from hf_cp_prefill import build_model  # noqa: E402
 MODELS = ("llama", "qwen3", "deepseek_v3", "gpt_oss", "mimo_v2_flash")
 
 
-def _timed_generate(model, ids, device, **kwargs) -> tuple[list[int], float]:
+def _timed_generate(model, ids, device, cache, **kwargs) -> tuple[list[int], float]:
+    from cpattn.integrations import hf as cphf
+
+    kwargs[cphf.cache_keyword(model)] = cache  # "cache" (transformers 5) or "past_key_values"
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()

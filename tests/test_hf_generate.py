@@ -41,7 +41,7 @@ def _generate(model, ids, cache=None, *, sample_seed=None):
         torch.manual_seed(sample_seed)
         kw.update(do_sample=True, top_k=0, top_p=1.0, temperature=1.0)
     if cache is not None:
-        kw["cache"] = cache
+        kw[cphf.cache_keyword(model)] = cache
     with torch.no_grad():
         return model.generate(ids, **kw)[0, ids.shape[1]:].tolist()
 

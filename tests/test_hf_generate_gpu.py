@@ -23,7 +23,7 @@ MODELS = ("llama", "qwen3", "deepseek_v3", "gpt_oss", "mimo_v2_flash")
 
 
 def _generate(model, ids, cache=None):
-    kw = {} if cache is None else {"cache": cache}
+    kw = {} if cache is None else {cphf.cache_keyword(model): cache}
     with torch.no_grad():
         return model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0, **kw)[0, ids.shape[1]:].tolist()
 

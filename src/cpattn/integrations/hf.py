@@ -78,6 +78,7 @@ __all__ = [
     "cp_context",
     "SUPPORTED_LAYER_TYPES",
     "ShardedKVCache",
+    "cache_keyword",
     "check_model",
     "cpattn_attention_forward",
     "enable",
@@ -222,6 +223,14 @@ def enable(model: torch.nn.Module, name: str = ATTN_IMPLEMENTATION) -> torch.nn.
         decoder.register_forward_hook(_after_forward, always_call=True)
         decoder._cpattn_hooked = True
     return model
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword ``model``'s forward (and so ``model.generate``) takes its cache by: ``"cache"``
+    in current transformers, ``"past_key_values"`` in releases before the rename. Pass a
+    :class:`ShardedKVCache` as ``model.generate(ids, **{cphf.cache_keyword(model): cache})`` to run on
+    either."""
+    return _cache_argument(_decoder(model))
 
 
 def _forward_signature(module: torch.nn.Module) -> inspect.Signature:
