@@ -134,6 +134,14 @@ def time_host(fn: Callable[[], object], warmup: int = 2, iters: int = 20) -> flo
     return statistics.median(times)
 
 
+def device_timer(device: torch.device, iters: int, warmup: int) -> Callable[[Callable[[], object]], float]:
+    """ms per call of a function: CUDA events around back-to-back calls on a GPU, host time
+    (at most 3 calls) on the CPU (smoke runs)."""
+    if device.type == "cuda":
+        return lambda fn: time_cuda_back_to_back(fn, warmup=warmup, iters=iters)
+    return lambda fn: time_host(fn, warmup=min(warmup, 1), iters=max(1, min(iters, 3)))
+
+
 def write_json(path: str, payload: object) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:

@@ -1,4 +1,4 @@
-"""``python benchmarks/run.py plan``: host work per attention call, plan.attend vs strategy.attention.
+"""``python benchmarks/run.py plan``: host work per attention call: plan.run, plan.attend, strategy.attention.
 
 For each workload (one sequence of S tokens, rank 0's zigzag work at C, GQA 32/8 D128 bf16,
 packed or paged 64) and backend: the host time of one call (perf_counter around the call, GPU
@@ -95,6 +95,9 @@ def main(args: argparse.Namespace) -> int:
                             progress(f"{workload} {backend}: {exc}")
                             continue
                         calls["plan.attend"] = lambda: plan.attend(q, kk, vv, page_table=table)
+                        if cp == 1 and page is None:  # plan.run in one process: the "local" algorithm
+                            k_loc, v_loc = s.shard(k, meta), s.shard(v, meta)
+                            calls["plan.run"] = lambda: plan.run(q, k_loc, v_loc)
                     for api, fn in calls.items():
                         try:
                             host = _host_us(fn, args.calls)

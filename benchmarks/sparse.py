@@ -28,11 +28,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from typing import Callable
 
 import torch
 
-from .common import default_out, header, progress, smoke_notice, time_cuda_back_to_back, time_host, write_json
+from .common import default_out, device_timer, header, progress, smoke_notice, write_json
 from .kernel import parse_options
 
 TARGETS = {"sparse_attention": 450.0, "index_topk": 300.0}
@@ -62,16 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "timed as its own row, e.g. 'l2_prefetch=0;l2_prefetch=2' (empty: the defaults)")
 
 
-def _shapes(small: bool) -> dict:
+def dsa_shapes(small: bool) -> dict:
+    """DeepSeek-V3.2's DSA shapes, or tiny ones (CPU smoke runs)."""
     if small:
         return dict(heads=4, latent=32, rope=16, topk=16, index_heads=2, index_dim=16)
     return dict(heads=128, latent=512, rope=64, topk=2048, index_heads=64, index_dim=128)
-
-
-def _timer(device: torch.device, iters: int, warmup: int) -> Callable[[Callable[[], object]], float]:
-    if device.type == "cuda":
-        return lambda fn: time_cuda_back_to_back(fn, warmup=warmup, iters=iters)
-    return lambda fn: time_host(fn, warmup=min(warmup, 1), iters=max(1, min(iters, 3)))
 
 
 def _visible_pairs(meta) -> int:
@@ -198,10 +192,10 @@ def main(args: argparse.Namespace) -> int:
     smoke = device.type == "cpu"  # tiny shapes or not, CPU numbers measure nothing of the kernels
     if smoke:
         smoke_notice("sparse")
-    shp = _shapes(args.small)
+    shp = dsa_shapes(args.small)
     seqs = [int(x) for x in (args.seqs or ("256" if args.small else "32768,131072")).split(",") if x]
     backends = (args.backends or ("triton" if device.type == "cuda" else "torch")).split(",")
-    timer = _timer(device, args.iters, args.warmup)
+    timer = device_timer(device, args.iters, args.warmup)
     rows = []
     for s_len in seqs:
         rows += _run_workload(s_len, args, shp, backends, device, timer)

@@ -384,7 +384,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="with --kv sharded: the algorithm of an extend over a sharded prefix")
     p.add_argument("--kv-dtype", default="auto", choices=sorted(KV_DTYPES),
                    help="the KV cache dtype: auto (the model's) or fp8 (e4m3 with per-layer, per-head scales)")
+    p.add_argument("--model", default="gqa", choices=("gqa", "dsa"),
+                   help="dsa: a DeepSeek-V3.2-style model decoding over a sharded cache (examples/_dsa_engine.py)")
     args = p.parse_args(argv)
+    if args.model == "dsa" and args.kv_dtype != "auto":
+        p.error("--kv-dtype applies to --model gqa (the DSA engine's latent cache is in the model dtype)")
+    if args.model == "dsa":
+        import _dsa_engine
+
+        return _dsa_engine.main(args)
     if args.kv == "sharded":
         import _sharded_engine
 

@@ -13,6 +13,11 @@ Structure (DeepSeek-V3.2 names; small dims configurable, seeded random weights; 
     o           = strategy.sparse_attention(q, K, V, meta, idx)                  # absorbed or per-head
     out         = o_proj(o)
 
+Decode over a SHARDED cache (:meth:`DSAAttention.decode_sharded`): the step's rows on every rank,
+each rank holding the parts of the positions it owns (``cpattn.KVSharding``); the indexer's exact
+global top-k (one all-gather of candidates) and sparse attention over the selected keys each
+rank owns, merged (one collective).
+
 The indexer's RoPE is rotate-half on its first ``qk_rope_head_dim`` dims, on global positions;
 its softmax scale is ``D_i ** -0.5``. Absorbed attention (the default) runs MQA over the latent
 ``[kv_c | k_pe]`` (D = r + d_rope, Dv = r, ``v`` a view of ``k``); ``absorb=False`` runs the
@@ -27,9 +32,11 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+import cpattn
 from cpattn import dsa
 from cpattn.kv import pack_kv
 from cpattn.metadata import CPMetadata
+from cpattn.plan_cache import cached_plan
 from cpattn.strategies import CPStrategy
 
 from .mla import MLAAttention, MLAConfig
@@ -205,6 +212,60 @@ class DSAAttention(MLAAttention):
         q_in, k, v = self.attention_inputs(q_nope, q_pe, kv_c_all, k_pe_all, absorb)
         o = strategy.sparse_attention(q_in, k, v, meta, idx, softmax_scale=c.softmax_scale, backend=backend)
         return self.output(o, absorb), tuple(ext), idx
+
+    # ------------------------------------------------------------------ decode over a sharded cache
+    @torch.no_grad()
+    def decode_sharded(
+        self,
+        x: Tensor,
+        positions: Tensor,
+        meta: CPMetadata,
+        cache: tuple[Tensor, ...],
+        group=None,
+        *,
+        selection: Optional[Tensor] = None,
+        backend: str = "auto",
+    ) -> tuple[Tensor, Tensor]:
+        """One decode step of this layer over a SHARDED cache (absorbed attention).
+
+        Args:
+            x: [N, hidden] the step's rows, the same on every rank (replicated queries).
+            positions: [N] their global positions.
+            meta: the step's plan: the "replicated" strategy with ``kv=KVSharding(C)``.
+            cache: this rank's parts, packed per sequence by ``meta.cu_local_kv_lens`` and
+                already holding the step's keys this rank owns: (kv_c [>= n_local, r], k_pe [..,
+                d_rope], k_idx [.., D_i]) (+ scale [..] with index_fp8). The step's rows to store
+                come from :meth:`local_parts` (rows ``meta.store_rows`` go to local indices
+                ``meta.store_index``).
+            group: the CP group (None: the default group).
+            selection: [N, topk] global positions of a previous layer's selection to reuse (a
+                "shared" indexer layer, GLM-5): no scoring and no top-k collective.
+            backend: the sparse attention backend.
+
+        Returns:
+            (out [N, hidden], idx [N, topk] int32 global positions: the exact global top-k, the
+            same on every rank). Collectives: ONE all-gather of top-k candidates (none with
+            ``selection``) and ONE merge of the partial outputs.
+        """
+        c = self.config
+        kv_c, k_pe, k_idx = cache[:3]
+        k_scale = cache[3] if c.index_fp8 else None
+        q_resid = self._q_resid(x)
+        q_nope, q_pe = self._query(x, positions, q_resid)
+        if selection is None:
+            q_idx, weights = self.index_query(x, positions, q_resid)
+            idx = dsa.index_topk(q_idx, k_idx, weights, meta, c.index_topk, softmax_scale=c.index_softmax_scale,
+                                 k_scale=k_scale, group=group)  # ONE all-gather of candidates
+        else:
+            idx = selection
+        q_in, k, v = self.attention_inputs(q_nope, q_pe, kv_c, k_pe, True)
+        spec = cpattn.AttentionSpec(num_q_heads=q_in.shape[1], num_kv_heads=1, head_dim=k.shape[-1],
+                                    head_dim_v=v.shape[-1], dtype=q_in.dtype, topk=c.index_topk)
+        plan = cached_plan(meta, ("dsa-decode", spec, backend), lambda: cpattn.plan_attention(meta, spec,
+                                                                                                backend=backend))
+        out_p, lse_p = plan.attend(q_in, k, v, idx, softmax_scale=c.softmax_scale)
+        o = cpattn.merge_partials(out_p, lse_p, group, meta=meta)  # ONE collective
+        return self.output(o, True), idx
 
     @staticmethod
     def _pack(ext: list[Tensor], meta: CPMetadata, prefix) -> list[Tensor]:

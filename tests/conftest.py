@@ -74,7 +74,8 @@ def dsa_interp():
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        mods = [importlib.import_module(f"cpattn.kernels.{m}") for m in ("triton_sparse", "triton_index")]
+        mods = [importlib.import_module(f"cpattn.kernels.{m}") for m in ("triton_sparse", "triton_index",
+                                                                            "triton_shard_index")]
         if not all(m.INTERPRETED for m in mods):
             pytest.skip("the DSA triton kernels were imported for the GPU before this module")
         yield mods

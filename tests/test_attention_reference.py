@@ -114,4 +114,4 @@ def test_auto_backend_on_cpu_is_visible():
     plan = cpattn.plan_attention(m, cpattn.AttentionSpec(num_q_heads=2, num_kv_heads=2, head_dim=8, dtype=q.dtype))
     assert plan.backend in cpattn.available_backends()
     # the plan strategy.attention runs (cached beside m) says the same
-    assert s._cached_plan(s.shard(q, m), k, v, m, None, (-1, -1), None, "auto").backend == plan.backend
+    assert s._cached_plan(s.shard(q, m), k, v, m, {}, "auto").backend == plan.backend

@@ -828,3 +828,121 @@ def test_write_mla_cache_quantizes_an_fp8_latent_cache_that_absorbed_mla_reads()
     deq = _dequantize_here(want, scale)
     ref, _ = attention_oracle(q, deq, deq[..., :r], ext, pre)
     assert (out.double() - ref).abs().max().item() < TOLERANCE[torch.bfloat16]
+
+
+# ---------------------------------------------------------------------------------------- DSA decode, sharded
+def _decode_selection(lens, qs, topk, g):
+    """[N, topk] int64 GLOBAL positions per decode row: visible positions (<= the row's), -1
+    padding where a row sees fewer than topk keys."""
+    rows = []
+    for n, q in zip(lens, qs):
+        for p in range(n - q, n):
+            pick = torch.randperm(p + 1, generator=g)[:topk].tolist()
+            rows.append(pick + [-1] * (topk - len(pick)))
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_sparse_shard_merge_over_fp8_cache(request, backend, paged):
+    """DSA decode over a sharded FP8 latent cache (absorbed form: Hkv = 1, v = k[..., :Dv], one
+    scale): C = 3 ranks (interleave 2) simulated in-process, each attending the selected keys it
+    owns with k_scale / v_scale, merged: the fp64 sparse oracle on the dequantized cache."""
+    if backend == "triton":
+        request.getfixturevalue("dsa_interp")
+    from test_dsa_sharded import _meta, _shard_packed, _shard_paged, sparse_oracle
+
+    from cpattn.merge import merge_states
+
+    c, il, hq, d, dv, topk = 3, 2, 4, 24, 16, 8
+    lens, qs = [70, 13, 1, 33], [2, 1, 1, 4]
+    g = torch.Generator().manual_seed(21)
+    keys = [torch.randn(n, 1, d, generator=g) * 3 for n in lens]
+    ks = _scales(torch.cat(keys), True, g)
+    kq = [_quantize_here(k, ks) for k in keys]
+    q = torch.randn(sum(qs), hq, d, generator=g)
+    sel = _decode_selection(lens, qs, topk, g)
+    sinks = torch.randn(hq, generator=g)
+    deq = [_dequantize_here(k, ks) for k in kq]
+    want = sparse_oracle(q, deq, [k[..., :dv] for k in deq], sel.tolist(), lens, qs, 0.2, sinks)
+    outs, lses = [], []
+    for r in range(c):
+        meta = _meta(c, il, lens, qs, r)
+        spec = cpattn.AttentionSpec(num_q_heads=hq, num_kv_heads=1, head_dim=d, head_dim_v=dv, dtype=torch.float32,
+                                    kv_dtype=FP8, topk=topk, page_size=4 if paged else None, has_sinks=True)
+        plan = cpattn.plan_attention(meta, spec, backend=backend)
+        assert type(plan).__name__ == "SparseShardMergePlan"
+        kw = {}
+        if paged:
+            k_loc, kw["page_table"] = _shard_paged([k.view(torch.uint8) for k in kq], c, il, r, 4, g)
+        else:
+            k_loc = _shard_packed([k.view(torch.uint8) for k in kq], c, il, r)
+        k_loc = k_loc.view(FP8)
+        with pytest.raises(ValueError, match="pass k_scale"):
+            plan.attend(q, k_loc, k_loc[..., :dv], sel, sinks=sinks, **kw)
+        o, l = plan.attend(q, k_loc, k_loc[..., :dv], sel, softmax_scale=0.2, sinks=sinks, k_scale=ks, v_scale=ks,
+                           **kw)
+        outs.append(o)
+        lses.append(l)
+    out, _ = merge_states(torch.stack(outs), torch.stack(lses))
+    assert (out.double() - want).abs().max().item() < TOLERANCE[torch.float32]
+
+
+def test_sparse_shard_merge_run_quantizes_its_writes():
+    """SparseShardMergePlan.run over an FP8 paged cache (C = 1): a missing scale raises before
+    the write (cache bytes unchanged); with the scales the step's rows are written quantized
+    (bit for bit) and the output equals the oracle on the dequantized cache. A plan of a
+    query-dtype cache refuses the scales."""
+    from test_dsa_sharded import sparse_oracle
+
+    hq, hkv, d, ps, topk = 4, 1, 16, 4, 6  # one KV head: the oracle reads head 0
+    lens, qs = [11, 3, 6], [1, 2, 1]
+    pre = [n - q for n, q in zip(lens, qs)]
+    g = torch.Generator().manual_seed(5)
+    kv_lens, keys, vals, q, ks, vs, _, new_rows = _plan_inputs(qs, pre, hq, hkv, d, torch.float32, True, g)
+    kc, vc, table, num_pages = _paged_fp8_prefix(keys, vals, kv_lens, pre, ps, ks, vs, g)
+    meta = cpattn.get_strategy("replicated", 1).build_metadata(qs, pre, rank=0, kv=cpattn.KVSharding(1))
+    spec = cpattn.AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.float32, kv_dtype=FP8,
+                                topk=topk, page_size=ps)
+    plan = cpattn.plan_attention(meta, spec, backend="torch")
+    writes = cpattn.plan_cache_writes(meta, table, page_size=ps, num_pages=num_pages)
+    sel = _decode_selection(lens, qs, topk, g)
+    args = (q, keys[new_rows], vals[new_rows], (kc, vc))
+    before = (kc.view(torch.uint8).clone(), vc.view(torch.uint8).clone())
+    with pytest.raises(ValueError, match="pass v_scale"):
+        plan.run(*args, idx=sel, writes=writes, page_table=table, k_scale=ks)
+    with pytest.raises(TypeError, match=r"run\(\) got unexpected keyword argument\(s\) \['out'\]"):
+        plan.run(*args, idx=sel, writes=writes, page_table=table, k_scale=ks, v_scale=vs, out=torch.empty(0))
+    assert torch.equal(kc.view(torch.uint8), before[0]) and torch.equal(vc.view(torch.uint8), before[1])
+    out = plan.run(*args, idx=sel, writes=writes, page_table=table, k_scale=ks, v_scale=vs)
+    k_all, v_all = _read_paged(kc, table, kv_lens, ps), _read_paged(vc, table, kv_lens, ps)
+    assert torch.equal(k_all.view(torch.uint8), _quantize_here(keys, ks).view(torch.uint8))
+    assert torch.equal(v_all.view(torch.uint8), _quantize_here(vals, vs).view(torch.uint8))
+    per_seq = lambda x: list(x.split(kv_lens))  # noqa: E731
+    want = sparse_oracle(q, per_seq(_dequantize_here(k_all, ks)), per_seq(_dequantize_here(v_all, vs)), sel.tolist(),
+                         lens, qs, d**-0.5)
+    assert (out.double() - want).abs().max().item() < TOLERANCE[torch.float32]
+    plain = cpattn.plan_attention(meta, spec.replace(kv_dtype=None), backend="torch")
+    with pytest.raises(ValueError, match="k_scale / v_scale are for an FP8 cache"):
+        plain.attend(q, kc.float(), vc.float(), sel, page_table=table, k_scale=ks, v_scale=vs)
+
+
+def test_strategy_attention_over_fp8_kv():
+    """The convenience forms plan an FP8 spec from FP8 K/V and take the scales as kernel
+    keywords (required there): the oracle on the dequantized values (sparse: a selection of
+    every key)."""
+    ext, pre = [3, 1], [2, 4]
+    g = torch.Generator().manual_seed(13)
+    kv_lens, keys, vals, q, ks, vs, _, _ = _plan_inputs(ext, pre, 4, 2, 16, torch.bfloat16, True, g)
+    kq, vq = _quantize_here(keys, ks), _quantize_here(vals, vs)
+    s = cpattn.get_strategy("zigzag", 1)
+    meta = s.build_metadata(ext, pre, rank=0)
+    ql = s.shard(q, meta)
+    with pytest.raises(ValueError, match="pass k_scale"):
+        s.attention(ql, kq, vq, meta, backend="torch")
+    out = s.attention(ql, kq, vq, meta, backend="torch", k_scale=ks, v_scale=vs)
+    ref, _ = attention_oracle(q, _dequantize_here(kq, ks), _dequantize_here(vq, vs), ext, pre)
+    assert (s.gather(out, meta).double() - ref).abs().max().item() < TOLERANCE[torch.bfloat16]
+    every = torch.arange(8).expand(ql.shape[0], 8).contiguous()  # every key (later positions are ignored)
+    sparse = s.sparse_attention(ql, kq, vq, meta, every, backend="torch", k_scale=ks, v_scale=vs)
+    assert (s.gather(sparse, meta).double() - ref).abs().max().item() < TOLERANCE[torch.bfloat16]

@@ -113,3 +113,11 @@ def test_fp8_spawn_cli():
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "equal to the" in proc.stdout
+
+
+def test_fp8_is_refused_for_the_dsa_model(capsys):
+    """--kv-dtype selects the GQA engine's cache dtype; with --model dsa it is a usage error
+    (exit status 2, naming the option) before any rank starts."""
+    with pytest.raises(SystemExit) as exc:
+        mini_engine.main(["--model", "dsa", "--kv-dtype", "fp8", "--cpu"])
+    assert exc.value.code == 2 and "--kv-dtype" in capsys.readouterr().err

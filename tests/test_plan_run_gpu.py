@@ -1,10 +1,13 @@
 """``plan.run`` (write + kernel + merge, the one-call layer path) captured once in a CUDA graph and
 replayed across ragged batches, for every algorithm one GPU can run without a peer: "local"
 (replicated queries over a replicated cache, C = 4: no collective; and a sharded placement at
-C = 1) and "shard_merge" (replicated queries over a sharded cache at C = 1). The collectives of
-"gather_kv" and of "shard_merge" at C > 1 need several GPUs (their device tables are the same
-static buffers these tests replay). Each replay equals an eager ``plan.run`` of a fresh plan of
-the batch on a copy of the caches taken before the step; pad rows are 0 / -inf."""
+C = 1), "shard_merge" (replicated queries over a sharded cache at C = 1) and "pass_kv" / "pass_q"
+(an extend over a sharded cache at C = 1: the plan's own page table and write plan, its gather /
+return maps and pass-Q's replicated view, all at the planner's fixed addresses). The collectives
+of "gather_kv" and of "shard_merge" / "pass_kv" / "pass_q" at C > 1 need several GPUs (their
+device tables are the same static buffers these tests replay). Each replay equals an eager
+``plan.run`` of a fresh plan of the batch on a copy of the caches taken before the step; pad
+rows are 0 / -inf."""
 
 from __future__ import annotations
 
@@ -24,7 +27,11 @@ CASES = {  # name: (strategy, cp_size, rank, kv layout)
     "local-replicated": ("replicated", 4, 2, None),
     "local-zigzag-c1": ("zigzag", 1, 0, None),
     "shard_merge-c1": ("replicated", 1, 0, "sharded"),
+    "pass_kv-zigzag-c1": ("zigzag", 1, 0, "sharded"),
+    "pass_q-zigzag-c1": ("zigzag", 1, 0, "sharded"),
 }
+#: algorithms whose plan owns its page table and cache writes (planned from the table at plan time)
+EXTEND = ("pass_kv", "pass_q")
 
 
 def _fill_caches(kc, vc, table, lens, gen):
@@ -60,8 +67,14 @@ def test_gpu_plan_run_graph_replays_for_other_batches(case):
     v_buf = torch.zeros_like(k_buf)
     gen = torch.Generator(device=dev).manual_seed(5)
 
+    algorithm = case.split("-")[0]
+
     def plan_batch(ext, pre):
         meta = planner.plan(ext, pre, rank=rank)
+        if algorithm in EXTEND:
+            plan = cpattn.plan_attention(meta, spec, backend="triton", algorithm=algorithm, page_table=table_host,
+                                         num_pages=num_pages, pad_slot=0)
+            return meta, plan, None
         plan = cpattn.plan_attention(meta, spec, backend="triton")
         writes = cpattn.plan_cache_writes(meta, table_host, page_size=PAGE, num_pages=num_pages, pad_slot=0)
         return meta, plan, writes
@@ -69,9 +82,11 @@ def test_gpu_plan_run_graph_replays_for_other_batches(case):
     _fill_caches(kc, vc, table_host, [e + q for e, q in zip(*BATCHES[0])], gen)
     table.copy_(table_host)
     meta, plan, writes = plan_batch(*BATCHES[0])
-    assert plan.algorithm == case.split("-")[0]
+    assert plan.algorithm == algorithm
 
     def step():
+        if algorithm in EXTEND:
+            return plan.run(q_buf, k_buf, v_buf, (kc, vc), return_lse=True)
         return plan.run(q_buf, k_buf, v_buf, (kc, vc), writes=writes, page_table=table, return_lse=True)
 
     captured = []
@@ -93,10 +108,15 @@ def test_gpu_plan_run_graph_replays_for_other_batches(case):
         k_ref, v_ref = kc.clone(), vc.clone()
         graph.replay()
         torch.cuda.synchronize()
-        ref_plan = cpattn.plan_attention(fresh, spec, backend="triton")
-        ref_writes = cpattn.plan_cache_writes(fresh, table_host[: len(ext)], page_size=PAGE, num_pages=num_pages)
-        ref, ref_lse = ref_plan.run(q_buf[:n], k_buf[:n], v_buf[:n], (k_ref, v_ref), writes=ref_writes,
-                                    page_table=table[: len(ext)], return_lse=True)
+        if algorithm in EXTEND:
+            ref_plan = cpattn.plan_attention(fresh, spec, backend="triton", algorithm=algorithm,
+                                             page_table=table_host[: len(ext)], num_pages=num_pages)
+            ref, ref_lse = ref_plan.run(q_buf[:n], k_buf[:n], v_buf[:n], (k_ref, v_ref), return_lse=True)
+        else:
+            ref_plan = cpattn.plan_attention(fresh, spec, backend="triton")
+            ref_writes = cpattn.plan_cache_writes(fresh, table_host[: len(ext)], page_size=PAGE, num_pages=num_pages)
+            ref, ref_lse = ref_plan.run(q_buf[:n], k_buf[:n], v_buf[:n], (k_ref, v_ref), writes=ref_writes,
+                                        page_table=table[: len(ext)], return_lse=True)
         assert torch.isfinite(g_out[:n_real]).all()
         assert (g_out[:n].float() - ref.float()).abs().max().item() < 2e-2, (case, ext, pre)
         valid = fresh.row_valid

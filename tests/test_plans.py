@@ -845,7 +845,7 @@ def test_plan_attention_picks_the_tables_algorithm(strategy, kv_sharded, cp_size
                 cpattn.plan_attention(meta, spec, algorithm=algorithm, **extra)
     with pytest.raises(ValueError, match="algorithm must be 'auto' or one of"):
         cpattn.plan_attention(meta, spec, algorithm="ring")
-    if kv_sharded:  # sparse attention runs over a replicated cache only
+    if kv_sharded and strategy != "replicated":  # sparse over a sharded cache: replicated queries (decode) only
         with pytest.raises(NotImplementedError, match="sharded KV cache"):
             cpattn.plan_attention(meta, spec.replace(topk=4), **extra)
     else:

@@ -26,7 +26,7 @@ def _spec_plan(meta, *, backend="auto", backend_options=None, **spec):
 
 def _backend(s, q, k, v, meta, backend="auto"):
     """The backend ``s.attention(q, k, v, meta, backend=backend)`` runs (its cached plan's)."""
-    return s._cached_plan(q, k, v, meta, None, (-1, -1), None, backend).backend
+    return s._cached_plan(q, k, v, meta, {}, backend).backend
 
 
 def _paged(k, v, ext, pre, page, int64=False, gen=None):

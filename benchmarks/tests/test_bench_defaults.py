@@ -58,7 +58,7 @@ def test_default_outputs_are_under_bench_out(family, tmp_path, monkeypatch):
         assert mla.default_out_path("cpu").endswith("mla-cpu-smoke.json")
         assert mla.default_out_path("cuda").endswith("mla.json")
         paths += [mla.default_out_path("cpu"), mla.default_out_path("cuda")]
-    if family in ("decode", "sparse", "placement"):  # resolved in main: GPU run, CPU smoke run
+    if family in ("decode", "sparse", "placement", "hfgen", "dsa_decode"):  # resolved in main: GPU run, CPU smoke run
         assert args.out is None
         paths += [common.default_out(family), common.default_out(family, smoke=True)]
     assert paths, f"{family}: no default output path found"

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["StaticArena", "move_packed", "pack_into", "packed_layout", "scratch", "upload", "views_of"]
+__all__ = ["StaticArena", "move_packed", "pack_into", "packed_layout", "pad_to", "scratch", "upload", "views_of"]
 
 #: Byte alignment of every tensor inside one buffer.
 FIELD_ALIGN = 16
@@ -66,6 +66,15 @@ def views_of(buffer: Tensor, tensors: dict[str, Tensor], layout: dict[str, tuple
             c = c.view(t.dtype)
         out[name] = c if c.shape == t.shape else c.view(t.shape)
     return out
+
+
+def pad_to(x: Tensor, size: int, fill: int) -> Tensor:
+    """A [size] CPU tensor of ``x``'s dtype: the values of the 1-D CPU tensor ``x``, then ``fill``
+    (how static plans size a batch's tables for their capacity)."""
+    values = x.numpy()
+    out = np.full(size, fill, dtype=values.dtype)
+    out[: values.size] = values
+    return torch.from_numpy(out)
 
 
 def move_packed(tensors: dict[str, Tensor], device: torch.device, non_blocking: bool = True) -> dict[str, Tensor]:

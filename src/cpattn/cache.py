@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -142,12 +141,6 @@ def _new_rows(meta: CPMetadata) -> tuple[Optional[Tensor], Tensor, Tensor, int, 
     return h.store_rows, meta.store_seq, h.store_index, source_rows, h.local_kv_lens
 
 
-def _pad_to(x: Tensor, size: int, fill: int) -> Tensor:
-    out = np.full(size, fill, dtype=np.int64)
-    out[: x.numel()] = x.numpy()
-    return torch.from_numpy(out)
-
-
 def plan_cache_writes(
     meta: CPMetadata,
     slots_or_page_table: Tensor,
@@ -239,9 +232,9 @@ def plan_cache_writes(
                 raise ValueError(f"{name}: a static plan's cache writes need at least one token in the batch "
                                  "(or pad_slot=)")
         fill = pad_slot if pad_slot is not None else int(slots[-1])
-        host = {"slots": _pad_to(slots, size, fill)}
+        host = {"slots": _buffers.pad_to(slots, size, fill)}
         if rows is not None:
-            host["rows"] = _pad_to(rows, size, 0)
+            host["rows"] = _buffers.pad_to(rows, size, 0)
         dev = _buffers.upload(meta, ("writes", name, size), host)
     else:
         host = {"slots": slots.contiguous()}

@@ -13,6 +13,11 @@ This module selects the keys:
 
 Sparse attention over the selection is ``strategy.sparse_attention`` (see
 :mod:`cpattn.plans.sparse` for the causal rule). docs/dsa.md has the data flow.
+
+Decode over a SHARDED cache (replicated queries, ``kv=KVSharding(C)``): each rank scores its own
+index keys and the ranks agree on the exact global top-k in ONE all-gather of per-rank
+candidates (:func:`select_candidates`; ties to the lower position, :mod:`cpattn.selection`;
+bytes: :func:`topk_agreement_bytes`); ``index_topk(..., group=)`` or the plan form does it.
 """
 
 from __future__ import annotations
@@ -25,9 +30,23 @@ from torch import Tensor
 from ._validation import check_int, check_softmax_scale, check_tensor
 from .metadata import CPMetadata
 from .plan_cache import cached_plan
-from .plans.sparse import IndexTopkPlan, plan_index_topk
+from .plans.sparse import IndexTopkPlan, plan_index_topk, select_candidates
 
-__all__ = ["index_topk", "key_ranges"]
+__all__ = ["index_topk", "key_ranges", "select_candidates", "topk_agreement_bytes"]
+
+#: Bytes of one top-k candidate in the agreement over a sharded cache: a float32 score and a
+#: 32-bit position packed in one int64 (:mod:`cpattn.selection`).
+CANDIDATE_BYTES = 8
+
+
+def topk_agreement_bytes(num_rows: int, topk: int, cp_size: int) -> int:
+    """Bytes each rank receives in the top-k agreement of one DSA layer over a sharded cache
+    (the ONE all-gather of :meth:`IndexTopkPlan.run`, algorithm "shard_merge"):
+    ``(C - 1) * N * topk * 8`` for ``N`` query rows (it sends ``N * topk * 8``)."""
+    n = check_int(num_rows, "num_rows", 0)
+    k = check_int(topk, "topk", 1)
+    c = check_int(cp_size, "cp_size", 1)
+    return (c - 1) * n * k * CANDIDATE_BYTES
 
 
 def key_ranges(meta: CPMetadata) -> tuple[Tensor, Tensor]:
@@ -72,6 +91,7 @@ def index_topk(
     backend: str = "auto",
     backend_options: Optional[Mapping] = None,
     out: Optional[Tensor] = None,
+    group=None,
 ) -> Tensor:
     """The DSA lightning indexer's selection for this rank's local rows.
 
@@ -89,10 +109,15 @@ def index_topk(
         k_scale: float32 scale per index key ([num_kv_tokens], or [num_pages, page_size]).
         backend: "auto" (triton, then torch), "triton" or "torch". backend_options: backend knobs.
         out: an int32 [P, topk] buffer to write.
+        group: the CP group of a decode step over a sharded cache (``meta`` from the "replicated"
+            strategy with ``kv=KVSharding(C)``): ``k_idx_all`` / ``k_scale`` / ``page_table``
+            are then this rank's shard, and ONE all-gather of per-rank candidates gives every
+            rank the exact global top-k (:meth:`cpattn.plans.IndexTopkPlan.run`).
 
     Returns:
         int32 [P, topk]: per real row the positions (index in its sequence, prefix counted) of
-        its ``topk`` best scores among keys at positions ``<=`` its own, in unspecified order,
+        its ``topk`` best scores among keys at positions ``<=`` its own (ties: the lower position
+        with the torch backend and over a sharded cache), in unspecified order,
         ``-1`` where fewer than ``topk`` keys are visible; pad rows all ``-1``. Memory stays
         bounded (scores are computed in chunks over rows and keys, never [P, max_kv_len]).
         Per layer: device work plus a host loop over the plan's chunks, no host sync. The plan
@@ -106,7 +131,7 @@ def index_topk(
     softmax_scale = check_softmax_scale(softmax_scale)  # before planning (ValueError / TypeError naming it)
     plan = _cached_index_plan(q_idx, k_idx_all, weights, meta, topk, page_table, k_scale, backend, backend_options)
     return plan.run(q_idx, k_idx_all, weights, k_scale=k_scale, page_table=page_table, softmax_scale=softmax_scale,
-                    out=out)
+                    out=out, group=group)
 
 
 def _cached_index_plan(q_idx, k_idx_all, weights, meta, topk, page_table, k_scale, backend,

@@ -41,7 +41,8 @@ from . import padding
 from ._validation import as_lengths
 from ._buffers import move_packed
 
-__all__ = ["CPMetadata", "Capacity", "LengthsLike", "as_lengths", "build_metadata", "plan_fingerprint", "token_owners"]
+__all__ = ["CPMetadata", "Capacity", "LengthsLike", "SEGMENT_FIELDS", "as_lengths", "build_metadata", "plan_fingerprint",
+           "token_owners"]
 
 LengthsLike = Union[Sequence[int], Tensor]
 
@@ -249,7 +250,7 @@ class CPMetadata:
         tests, benchmarks and the torch reference, never for the per-layer path of a kernel)."""
         h = self.host if self.host is not None else self
         s = self.num_segments
-        cols = [getattr(h, f)[:s].tolist() for f in ("seg_seq", "seg_row0", "seg_len", "seg_pos0", "seg_stride")]
+        cols = [getattr(h, f)[:s].tolist() for f in SEGMENT_FIELDS]
         return tuple(zip(*cols))
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> "CPMetadata":
@@ -366,7 +367,6 @@ def build_metadata(
         )
     if replicated:
         return _build_replicated(strategy, cp_size, rank, pad_multiple, ext, pre, physical_rows, kv)
-    num_seqs = ext.numel()
     kv_lens = pre + ext
     cu_ext = _exclusive_cumsum(ext)
     cu_kv = _exclusive_cumsum(kv_lens)
@@ -408,13 +408,6 @@ def build_metadata(
     seg_stride = torch.full_like(seg_row0, segment_stride)
     num_segments = seg_row0.numel()
     seg_keys = seg_pos0 + (seg_len - 1) * seg_stride + 1
-    # the pad segment: rows [n, P), position -1 (no key visible)
-    pad_seg = torch.tensor([n])
-    seg_seq = torch.cat([seg_seq, torch.zeros(1, dtype=torch.int64)])
-    seg_row0 = torch.cat([seg_row0, pad_seg])
-    seg_len = torch.cat([seg_len, torch.tensor([physical - n])])
-    seg_pos0 = torch.cat([seg_pos0, torch.tensor([-1])])
-    seg_stride = torch.cat([seg_stride, torch.zeros(1, dtype=torch.int64)])
 
     sharded = _sharded_cache_fields(kv, cp_size, rank, positions, pre, kv_lens)
 
@@ -422,46 +415,47 @@ def build_metadata(
     shard_index[:n] = mine
     row_valid = torch.zeros(physical, dtype=torch.bool)
     row_valid[:n] = True
-    i32 = torch.int32
     return CPMetadata(
-        strategy=strategy,
-        cp_size=cp_size,
-        rank=rank,
-        pad_multiple=pad_multiple,
-        num_seqs=num_seqs,
-        num_tokens=num_tokens,
-        num_kv_tokens=int(cu_kv[-1]),
-        num_local_tokens=n,
-        num_local_tokens_per_rank=counts_per_rank,
-        num_physical_tokens=physical,
-        num_segments=num_segments,
-        max_kv_len=int(kv_lens.max()) if num_seqs else 0,
-        max_seg_len=int(seg_len[:num_segments].max()) if num_segments else 0,
-        max_seg_keys=int(seg_keys.max()) if num_segments else 0,
-        has_strided_segments=bool(segment_stride != 1 and bool((seg_len[:num_segments] > 1).any())),
-        causal_work_per_rank=tuple(int(w) for w in work),
-        extend_lens=ext,
-        prefix_lens=pre,
-        kv_lens=kv_lens,
-        cu_extend_lens=cu_ext,
-        cu_kv_lens=cu_kv,
-        local_token_indices=mine,
-        local_positions=local_pos,
-        local_seq_ids=local_seq,
-        shard_index=shard_index,
-        row_valid=row_valid,
-        gather_index=gather_index,
+        **_batch_fields(strategy, cp_size, rank, pad_multiple, kv, ext, pre, kv_lens, cu_ext, cu_kv, n, num_segments),
+        **_segment_fields((seg_seq, seg_row0, seg_len, seg_pos0, seg_stride), n, physical), **sharded,
+        num_local_tokens_per_rank=counts_per_rank, num_physical_tokens=physical,
+        max_seg_len=int(seg_len.max()) if num_segments else 0, max_seg_keys=int(seg_keys.max()) if num_segments else 0,
+        has_strided_segments=bool(segment_stride != 1 and bool((seg_len > 1).any())),
+        causal_work_per_rank=tuple(int(w) for w in work), local_token_indices=mine, local_positions=local_pos,
+        local_seq_ids=local_seq, shard_index=shard_index, row_valid=row_valid, gather_index=gather_index,
         kv_extend_index=cu_kv[seq_ids.long()] + positions.long(),
-        seg_seq=seg_seq.to(i32),
-        seg_row0=seg_row0.to(i32),
-        seg_len=seg_len.to(i32),
-        seg_pos0=seg_pos0.to(i32),
-        seg_stride=seg_stride.to(i32),
-        counts=torch.tensor([num_tokens, n, int(cu_kv[-1]), num_segments], dtype=i32),
-        fingerprint=plan_fingerprint(strategy, cp_size, rank, pad_multiple, ext, pre, kv=kv),
-        max_q_len=int(ext.max()) if num_seqs else 0,
-        **sharded,
     )
+
+
+def _batch_fields(strategy: str, cp_size: int, rank: int, pad_multiple: int, kv, ext: Tensor, pre: Tensor,
+                  kv_lens: Tensor, cu_ext: Tensor, cu_kv: Tensor, n: int, num_segments: int) -> dict:
+    """The fields every placement derives alike from the batch's int64 CPU lengths ([B] ``ext``,
+    ``pre``, ``kv_lens``; [B + 1] offsets), its ``n`` local rows and ``num_segments`` segments."""
+    num_seqs, num_tokens, num_kv_tokens = ext.numel(), int(cu_ext[-1]), int(cu_kv[-1])
+    return dict(
+        strategy=strategy, cp_size=cp_size, rank=rank, pad_multiple=pad_multiple, num_seqs=num_seqs,
+        num_tokens=num_tokens, num_kv_tokens=num_kv_tokens, num_local_tokens=n, num_segments=num_segments,
+        max_kv_len=int(kv_lens.max()) if num_seqs else 0, max_q_len=int(ext.max()) if num_seqs else 0,
+        extend_lens=ext, prefix_lens=pre, kv_lens=kv_lens, cu_extend_lens=cu_ext, cu_kv_lens=cu_kv,
+        counts=torch.from_numpy(np.array([num_tokens, n, num_kv_tokens, num_segments], dtype=np.int32)),
+        fingerprint=plan_fingerprint(strategy, cp_size, rank, pad_multiple, ext, pre, kv=kv),
+    )
+
+
+#: the segment descriptor fields, in the order :func:`_segment_fields` takes them
+SEGMENT_FIELDS = ("seg_seq", "seg_row0", "seg_len", "seg_pos0", "seg_stride")
+
+
+def _segment_fields(segments, n: int, physical: int) -> dict[str, Tensor]:
+    """The [S + 1] int32 segment descriptors: the S real segments (seq, row0, len, pos0, stride:
+    five [S] int CPU tensors or arrays) and the pad segment, rows [n, physical) at position -1
+    (no key visible), stride 0."""
+    s = len(segments[1])
+    segs = np.empty((5, s + 1), dtype=np.int32)
+    for i, column in enumerate(segments):
+        segs[i, :s] = column
+    segs[:, s] = 0, n, physical - n, -1, 0
+    return dict(zip(SEGMENT_FIELDS, torch.from_numpy(segs).unbind(0)))
 
 
 def token_owners(owner_fn: OwnerFn, ext: Tensor, pre: Tensor, cu_ext: Optional[Tensor] = None,
@@ -504,12 +498,7 @@ def _build_replicated(strategy: str, cp_size: int, rank: int, pad_multiple: int,
         physical = physical_rows
     live = np.flatnonzero(e > 0)
     s = live.size
-    segs = np.empty((5, s + 1), dtype=np.int32)  # seq, row0, len, pos0, stride; then the pad segment
-    segs[0, :s], segs[1, :s], segs[2, :s], segs[3, :s], segs[4, :s] = live, cu_ext[live], e[live], p[live], 1
-    segs[:, s] = 0, t, physical - t, -1, 0
-    as_t = torch.from_numpy
-    seg = dict(zip(("seg_seq", "seg_row0", "seg_len", "seg_pos0", "seg_stride"), as_t(segs).unbind(0)))
-    rows = as_t(np.arange(t, dtype=np.int64))  # local row t is logical row t (read-only, shared)
+    rows = torch.from_numpy(np.arange(t, dtype=np.int64))  # local row t is logical row t (read-only, shared)
     if physical == t:
         shard_index, row_valid = rows, torch.ones(t, dtype=torch.bool)
     else:
@@ -518,20 +507,17 @@ def _build_replicated(strategy: str, cp_size: int, rank: int, pad_multiple: int,
         row_valid = torch.zeros(physical, dtype=torch.bool)
         row_valid[:t] = True
     work = int((positions + 1).sum())
+    as_t = torch.from_numpy
     return CPMetadata(
-        strategy=strategy, cp_size=cp_size, rank=rank, pad_multiple=pad_multiple, num_seqs=num_seqs,
-        num_tokens=t, num_kv_tokens=int(cu_kv[-1]), num_local_tokens=t, num_local_tokens_per_rank=(t,) * cp_size,
-        num_physical_tokens=physical, num_segments=s, max_kv_len=int(kv_np.max()) if num_seqs else 0,
-        max_seg_len=int(e.max()) if num_seqs else 0, max_seg_keys=int(kv_np[live].max()) if s else 0,
-        has_strided_segments=False, causal_work_per_rank=(work,) * cp_size,
-        extend_lens=ext, prefix_lens=pre, kv_lens=as_t(kv_np), cu_extend_lens=as_t(cu_ext), cu_kv_lens=as_t(cu_kv),
-        local_token_indices=rows, local_positions=as_t(positions),
-        local_seq_ids=as_t(seq), shard_index=shard_index, row_valid=row_valid,
-        gather_index=rows, kv_extend_index=as_t(cu_kv[seq] + positions), **seg,
-        counts=as_t(np.array([t, t, int(cu_kv[-1]), s], dtype=np.int32)),
-        fingerprint=plan_fingerprint(strategy, cp_size, rank, pad_multiple, ext, pre, kv=kv),
-        max_q_len=int(e.max()) if num_seqs else 0,
+        **_batch_fields(strategy, cp_size, rank, pad_multiple, kv, ext, pre, as_t(kv_np), as_t(cu_ext), as_t(cu_kv),
+                        t, s),
+        **_segment_fields((live, cu_ext[live], e[live], p[live], 1), t, physical),
         **_sharded_cache_fields(kv, cp_size, rank, positions, p, kv_np, replicated=True),
+        num_local_tokens_per_rank=(t,) * cp_size, num_physical_tokens=physical,
+        max_seg_len=int(e.max()) if num_seqs else 0, max_seg_keys=int(kv_np[live].max()) if s else 0,
+        has_strided_segments=False, causal_work_per_rank=(work,) * cp_size, local_token_indices=rows,
+        local_positions=as_t(positions), local_seq_ids=as_t(seq), shard_index=shard_index, row_valid=row_valid,
+        gather_index=rows, kv_extend_index=as_t(cu_kv[seq] + positions),
     )
 
 

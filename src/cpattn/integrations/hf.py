@@ -30,6 +30,12 @@ token 0 at position 0; their outputs are dropped by :func:`gather_outputs`.
 attention function), so the plain model can decode from it without CP (``model.generate(...,
 cache=out.cache)`` after ``model.set_attn_implementation("sdpa")``).
 
+Generation with a sharded KV cache: pass a :class:`cpattn.integrations.hf_cache.ShardedKVCache`
+(``cphf.ShardedKVCache(model.config, group)``) as the cache of ``model.generate`` on every rank of
+the group: the decoder hook runs the prompt's forward under CP (each rank stores the keys it owns)
+and every later forward with replicated queries over the sharded cache (exact merge), no
+``cp_context`` needed (see :mod:`cpattn.integrations.hf_cache`).
+
 DSA models (transformers' ``deepseek_v32``, ``glm_moe_dsa``: ``"indexed_attention"`` layers) run
 through :mod:`cpattn.integrations.hf_dsa`: their latent and index keys are gathered in the cache
 hooks, the indexer's mask comes from the plan, and the attention function runs
@@ -54,6 +60,7 @@ import functools
 import inspect
 import logging
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -70,6 +77,8 @@ __all__ = [
     "CPContext",
     "cp_context",
     "SUPPORTED_LAYER_TYPES",
+    "ShardedKVCache",
+    "cache_keyword",
     "check_model",
     "cpattn_attention_forward",
     "enable",
@@ -216,8 +225,25 @@ def enable(model: torch.nn.Module, name: str = ATTN_IMPLEMENTATION) -> torch.nn.
     return model
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword ``model``'s forward (and so ``model.generate``) takes its cache by: ``"cache"``
+    in current transformers, ``"past_key_values"`` in releases before the rename. Pass a
+    :class:`ShardedKVCache` as ``model.generate(ids, **{cphf.cache_keyword(model): cache})`` to run on
+    either."""
+    return _cache_argument(_decoder(model))
+
+
+def _forward_signature(module: torch.nn.Module) -> inspect.Signature:
+    """``inspect.signature(module.forward)``, computed once per module (every forward's hook binds
+    its arguments: a decode step of a 2-layer model spent ~0.7 ms of CPU in ``inspect`` without it)."""
+    sig = module.__dict__.get("_cpattn_forward_signature")
+    if sig is None:
+        sig = module.__dict__["_cpattn_forward_signature"] = inspect.signature(module.forward)
+    return sig
+
+
 def _cache_argument(decoder: torch.nn.Module) -> str:
-    params = inspect.signature(decoder.forward).parameters
+    params = _forward_signature(decoder).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
@@ -236,12 +262,14 @@ def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict, *, name:
     """Decoder pre-hook (installed by enable): under a CP context with the cpattn attention, reject
     a 2-D mask with zeros and, for ``use_cache``, hand the model an empty DynamicCache whose layers
     the attention function fills with the gathered K/V. Runs before any collective."""
-    ctx = _CONTEXT.get()
-    if ctx is None or getattr(module.config, "_attn_implementation", None) != name:
+    if getattr(module.config, "_attn_implementation", None) != name:
         return None
-    ctx._forward.clear()
+    ctx = _CONTEXT.get()
+    sharded_cls = _sharded_cache_class()
+    if ctx is None and sharded_cls is None:
+        return None
     try:
-        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+        bound = _forward_signature(module).bind_partial(*args, **kwargs)
     except TypeError:
         return None  # the model raises its own error for bad arguments
 
@@ -249,14 +277,21 @@ def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict, *, name:
         value = bound.arguments.get(key)
         return kwargs.get(key) if value is None or key == "kwargs" else value
 
-    _check_mask(argument("attention_mask"), "the forward")
-    use_cache = argument("use_cache")
-    if use_cache is None:
-        use_cache = bool(getattr(module.config, "use_cache", False))
     cache_name = _cache_argument(module)
     cache = argument(cache_name)
     if cache is None and cache_name != "past_key_values":
         cache = kwargs.get("past_key_values")  # the deprecated name of the same argument
+    if sharded_cls is not None and isinstance(cache, sharded_cls):
+        if ctx is not None:
+            raise ValueError("a ShardedKVCache plans its own CP steps: do not run it inside cp_context")
+        return _begin_sharded_forward(module, bound, argument, cache_name, cache)
+    if ctx is None:
+        return None
+    ctx._forward.clear()
+    _check_mask(argument("attention_mask"), "the forward")
+    use_cache = argument("use_cache")
+    if use_cache is None:
+        use_cache = bool(getattr(module.config, "use_cache", False))
     if not use_cache and cache is not None:
         raise ValueError("a cache was passed with use_cache=False: pass use_cache=True to fill it under CP")
     if use_cache:
@@ -276,12 +311,84 @@ def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict, *, name:
     return args, kwargs
 
 
-def _after_forward(module: torch.nn.Module, args: tuple, output: Any) -> None:
+def _after_forward(module: torch.nn.Module, args: tuple, output: Any) -> Any:
     ctx = _CONTEXT.get()
+    if ctx is not None and ctx._forward.get("sharded") is not None:
+        return _finish_sharded_forward(ctx, output)
     if ctx is not None:
         hf_dsa.finish_forward(ctx, output)
         ctx._forward.clear()
     return None
+
+
+def _sharded_cache_class():
+    """:class:`hf_cache.ShardedKVCache` once its module is imported (no instance exists before)."""
+    module = sys.modules.get(f"{__package__}.hf_cache")
+    return None if module is None else module.ShardedKVCache
+
+
+def _begin_sharded_forward(module: torch.nn.Module, bound, argument, cache_name: str, cache) -> tuple[tuple, dict]:
+    """Pre-hook of a forward over a ShardedKVCache: checks (before any collective), the step's
+    plan (``cache.begin_step``), the prompt's inputs sharded by the prefill strategy, and the CP
+    context the attention function reads (reset by :func:`_finish_sharded_forward`)."""
+    _check_mask(argument("attention_mask"), "the forward")
+    if argument("use_cache") is False:
+        raise ValueError("a forward over a ShardedKVCache stores its keys there: pass use_cache=True "
+                         "(or leave it unset)")
+    ids, embeds, pos = argument("input_ids"), argument("inputs_embeds"), argument("position_ids")
+    x = ids if ids is not None else embeds
+    if not isinstance(x, Tensor) or x.dim() < 2:
+        raise ValueError("a forward over a ShardedKVCache needs input_ids [1, n] or inputs_embeds [1, n, hidden]")
+    if x.shape[0] != 1:
+        raise ValueError(f"a ShardedKVCache holds one sequence: the batch must have 1 row, got input shape "
+                         f"{tuple(x.shape)} (beam search and num_return_sequences > 1 are not supported)")
+    n = x.shape[1]
+    if pos is not None and (not isinstance(pos, Tensor) or pos.shape[-1] != n):
+        raise ValueError(f"position_ids must have {n} positions (the new tokens), got {getattr(pos, 'shape', pos)}")
+    if module.training and getattr(module.config, "attention_dropout", 0.0):
+        raise ValueError("cpattn attention is for inference: call model.eval() (attention dropout is on)")
+    if cache.get_seq_length() == 0 and argument("output_hidden_states"):
+        raise ValueError("output_hidden_states=True: the prompt's forward over a ShardedKVCache gathers only "
+                         "last_hidden_state (the other layers' rows stay sharded)")
+    step = cache.begin_step(n, x.device)  # the plan agreement: the first collective of the forward
+    call = {k: v for k, v in bound.arguments.items() if k != "kwargs"}
+    call.update(bound.arguments.get("kwargs", {}))
+    call.pop("past_key_values", None)
+    call.update({cache_name: cache, "attention_mask": None, "use_cache": True})
+    if not step.decode:
+        if pos is None:
+            pos = torch.arange(n, device=x.device).unsqueeze(0)
+        key = "input_ids" if ids is not None else "inputs_embeds"
+        sharded = shard_inputs(step.strategy, step.meta, **{key: x}, position_ids=pos.reshape(1, n))
+        call.update(input_ids=sharded.get("input_ids"), inputs_embeds=sharded.get("inputs_embeds"),
+                    position_ids=sharded["position_ids"])
+    ctx = CPContext(step.strategy, step.meta, cache.group, cache.backend)
+    ctx._forward.update(active=True, cache=cache, sharded=step, module=module)
+    ctx._forward["token"] = _CONTEXT.set(ctx)
+    return (), call
+
+
+def _finish_sharded_forward(ctx: CPContext, output: Any) -> Any:
+    """Post-hook: gather the prompt's output rows (ONE collective) and close the cache's step."""
+    cache, step, token = ctx._forward["cache"], ctx._forward["sharded"], ctx._forward["token"]
+    ctx._forward.clear()
+    _CONTEXT.reset(token)
+    if output is None:  # the forward raised
+        cache.finish_step(False)
+        return None
+    try:
+        if not step.decode:
+            hidden = output[0]
+            full = gather_outputs(step.strategy, step.meta, hidden, cache.group)
+            if isinstance(output, tuple):
+                output = (full, *output[1:])
+            else:
+                output["last_hidden_state"] = full
+    except BaseException:
+        cache.finish_step(False)
+        raise
+    cache.finish_step(True)
+    return output
 
 
 def _check_cache_use(meta: CPMetadata) -> None:
@@ -454,6 +561,13 @@ def cpattn_attention_forward(
     if kwargs.get("indices") is not None:  # a DSA layer: sparse attention over the model's top-k (hf_dsa)
         return hf_dsa.sparse_attention_forward(ctx, module, query, key, value, attention_mask, kwargs["indices"],
                                                scaling, dropout)
+    sharded = ctx._forward.get("sharded")
+    if sharded is not None and sharded.decode:  # a later forward over a ShardedKVCache (hf_cache)
+        _check_attention_args(attention_mask, dropout, softcap)
+        out = ctx._forward["cache"].decode_attention(_layer_index(module), query, key, value, scaling=scaling,
+                                                     sliding_window=sliding_window, sinks=s_aux,
+                                                     module=module)
+        return out, None
     meta = ctx.meta
     rows = meta.num_physical_tokens
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -462,15 +576,7 @@ def cpattn_attention_forward(
                 f"{name} must be [1, heads, P={rows}, head_dim] (packed batch of the rank's physical rows; "
                 f"use shard_inputs), got shape {tuple(t.shape)}"
             )
-    if attention_mask is not None:
-        raise ValueError(
-            "attn_implementation='cpattn' takes its mask from the CP metadata; the model passed an explicit "
-            f"attention_mask of shape {tuple(attention_mask.shape)} (do not pass custom 4-D masks)"
-        )
-    if dropout:
-        raise ValueError(f"cpattn attention is for inference: dropout must be 0, got {dropout} (call model.eval())")
-    if softcap:
-        raise NotImplementedError(f"cpattn attention does not support logit softcapping (softcap={softcap})")
+    _check_attention_args(attention_mask, dropout, softcap)
     window = (-1, -1) if sliding_window is None else (int(sliding_window) - 1, 0)
     q = query[0].transpose(0, 1).contiguous()  # [P, Hq, D]
     k = key[0].transpose(0, 1)  # [P, Hkv, D]
@@ -479,7 +585,9 @@ def cpattn_attention_forward(
     # prefix, the logical extend K/V is already the packed layout strategy.attention reads.
     k_all, v_all = ctx.strategy.gather_kv(k, v, meta, ctx.group)
     cache = ctx._forward.get("cache")
-    if cache is not None:  # the model cached its rank-local rows: replace them by the logical K/V
+    if sharded is not None:  # the prompt's forward over a ShardedKVCache: store the keys this rank owns
+        cache.store_prefill(_layer_index(module), k_all, v_all, sliding_window)
+    elif cache is not None:  # the model cached its rank-local rows: replace them by the logical K/V
         layer = cache.layers[_layer_index(module)]
         layer.reset()
         layer.update(k_all.transpose(0, 1).unsqueeze(0), v_all.transpose(0, 1).unsqueeze(0))
@@ -494,3 +602,23 @@ def cpattn_attention_forward(
         backend=ctx.backend,
     )
     return out.unsqueeze(0), None  # [1, P, Hq, Dv]; pad rows are zero
+
+
+def _check_attention_args(attention_mask: Optional[Tensor], dropout: float, softcap: Optional[float]) -> None:
+    if attention_mask is not None:
+        raise ValueError(
+            "attn_implementation='cpattn' takes its mask from the CP metadata; the model passed an explicit "
+            f"attention_mask of shape {tuple(attention_mask.shape)} (do not pass custom 4-D masks)"
+        )
+    if dropout:
+        raise ValueError(f"cpattn attention is for inference: dropout must be 0, got {dropout} (call model.eval())")
+    if softcap:
+        raise NotImplementedError(f"cpattn attention does not support logit softcapping (softcap={softcap})")
+
+
+def __getattr__(name: str):
+    if name in ("ShardedKVCache", "hf_cache"):  # imports transformers
+        from . import hf_cache
+
+        return hf_cache if name == "hf_cache" else hf_cache.ShardedKVCache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

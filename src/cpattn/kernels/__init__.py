@@ -89,8 +89,8 @@ class AttentionBackend(Protocol):
 #: Plan kinds: "dense" (causal attention of local queries, :func:`cpattn.plan_attention`),
 #: "shard" (attention over one rank's key shard of a sharded KV cache,
 #: algorithm "shard_merge" of :func:`cpattn.plan_attention`), "sparse" (DSA attention over selected
-#: keys, a spec with ``topk``) and "index" (DSA index top-k,
-#: :func:`cpattn.dsa.index_topk`).
+#: keys, a spec with ``topk``), "index" (DSA index top-k, :func:`cpattn.dsa.index_topk`) and
+#: "shard_index" (the index top-k candidates of one rank's key shard, decode over a sharded cache).
 _REGISTRY: dict[tuple[str, str], Callable[[], AttentionBackend]] = {}
 _INSTANCES: dict[tuple[str, str], AttentionBackend] = {}
 
@@ -316,3 +316,6 @@ register_backend("triton", _lazy(".dsa_backend", "TritonSparseBackend"), kind="s
 register_backend("torch", _lazy(".reference", "TorchSparseBackend"), kind="sparse")
 register_backend("triton", _lazy(".dsa_backend", "TritonIndexBackend"), kind="index")
 register_backend("torch", _lazy(".reference", "TorchIndexBackend"), kind="index")
+# DSA index top-k candidates over one rank's key shard (decode over a sharded cache)
+register_backend("triton", _lazy(".shard_index", "TritonShardIndexBackend"), kind="shard_index")
+register_backend("gemm", _lazy(".shard_index", "GemmShardIndexBackend"), kind="shard_index")

@@ -369,6 +369,23 @@ class _TritonIndexRun:
                     best_v = best_p = None
 
 
+def index_spec_reason(spec: IndexTopkSpec, gpu: bool) -> Optional[str]:
+    """Why the Triton index kernels cannot take ``spec``'s dtypes and head dim (None if they can):
+    bf16 / fp16 / fp8 e4m3 (fp32 under the interpreter), fp8 queries only with fp8 keys, keys of
+    the queries' dtype or fp8, D_i a multiple of 16 up to 256."""
+    ok = (*_HALF, _FP8) + (() if gpu else (torch.float32,))
+    if spec.q_dtype not in ok or spec.k_dtype not in ok:
+        return (f"dtypes q {spec.q_dtype} / k {spec.k_dtype} not supported (bf16, fp16, fp8 e4m3; "
+                "fp32 under the interpreter)")
+    if spec.q_dtype == _FP8 and spec.k_dtype != _FP8:
+        return "fp8 index queries need fp8 index keys"
+    if spec.q_dtype != spec.k_dtype and spec.k_dtype != _FP8:
+        return f"q_idx {spec.q_dtype} and k_idx {spec.k_dtype} must match (or k_idx fp8)"
+    if spec.head_dim > 256 or spec.head_dim % 16:
+        return f"index head dim {spec.head_dim} not supported (a multiple of 16, <= 256)"
+    return None
+
+
 class TritonIndexBackend:
     name = "triton"
 
@@ -379,19 +396,7 @@ class TritonIndexBackend:
         reason = _device_reason(meta, _INDEX_MODULE)
         if reason is not None:
             return reason
-        gpu = meta.device.type == "cuda"
-        q_ok = (*_HALF, _FP8) + (() if gpu else (torch.float32,))
-        k_ok = (*_HALF, _FP8) + (() if gpu else (torch.float32,))
-        if spec.q_dtype not in q_ok or spec.k_dtype not in k_ok:
-            return (f"dtypes q {spec.q_dtype} / k {spec.k_dtype} not supported (bf16, fp16, fp8 e4m3; "
-                    "fp32 under the interpreter)")
-        if spec.q_dtype == _FP8 and spec.k_dtype != _FP8:
-            return "fp8 index queries need fp8 index keys"
-        if spec.q_dtype != spec.k_dtype and spec.k_dtype != _FP8:
-            return f"q_idx {spec.q_dtype} and k_idx {spec.k_dtype} must match (or k_idx fp8)"
-        if spec.head_dim > 256 or spec.head_dim % 16:
-            return f"index head dim {spec.head_dim} not supported (a multiple of 16, <= 256)"
-        return None
+        return index_spec_reason(spec, meta.device.type == "cuda")
 
     def plan(self, spec: IndexTopkSpec, meta: CPMetadata, options: Mapping) -> _TritonIndexRun:
         return _TritonIndexRun(spec, meta, options)

@@ -25,6 +25,7 @@ from . import AttentionSpec, IndexTopkSpec
 from ._dsa_rows import device_rows
 from ..metadata import CPMetadata
 from ..quant import dequantize_fp8
+from ..selection import NO_KEY, key_positions, pack_keys, top_keys
 
 _ROW_CHUNK = 512  # query rows per score matrix (bounds memory to chunk * keys * Hq floats)
 
@@ -125,19 +126,27 @@ class _TorchRun:
                     lse[row0 + c0 : row0 + c1] = l.to(lse.dtype)  # float64 buffers keep float64 math
 
 
-class TorchReferenceBackend:
+class _TorchBackend:
+    """A torch reference backend of one kind: always available, any spec, no backend options;
+    ``plan`` builds the kind's ``run_class`` (a host loop for eager use and tests)."""
+
     name = "torch"
+    run_class: type
 
     def available(self) -> Optional[str]:
         return None
 
-    def unsupported_reason(self, spec: AttentionSpec, meta: CPMetadata) -> Optional[str]:
+    def unsupported_reason(self, spec, meta) -> Optional[str]:
         return None
 
-    def plan(self, spec: AttentionSpec, meta: CPMetadata, options: Mapping) -> _TorchRun:
+    def plan(self, spec, meta, options: Mapping):
         if options:
             raise ValueError(f"backend 'torch' takes no backend_options, got {sorted(options)}")
-        return _TorchRun(spec, meta)
+        return self.run_class(spec, meta)
+
+
+class TorchReferenceBackend(_TorchBackend):
+    run_class = _TorchRun
 
 
 # =============================================================================================
@@ -183,19 +192,8 @@ class _TorchShardRun:
             lse[r0 : r0 + ql] = l.to(lse.dtype)
 
 
-class TorchShardBackend:
-    name = "torch"
-
-    def available(self) -> Optional[str]:
-        return None
-
-    def unsupported_reason(self, spec: AttentionSpec, dmeta) -> Optional[str]:
-        return None
-
-    def plan(self, spec: AttentionSpec, dmeta, options: Mapping) -> _TorchShardRun:
-        if options:
-            raise ValueError(f"backend 'torch' takes no backend_options, got {sorted(options)}")
-        return _TorchShardRun(spec, dmeta)
+class TorchShardBackend(_TorchBackend):
+    run_class = _TorchShardRun
 
 
 # =============================================================================================
@@ -239,6 +237,8 @@ class _TorchSparseRun:
         ps = spec.page_size or 1
 
         def take(x: Tensor, rows: Tensor) -> Tensor:  # rows of the flattened K/V, without flattening x
+            if x.shape[0] == 0:  # an empty key shard: every entry is masked
+                return x.new_zeros(*rows.shape, *x.shape[(2 if spec.paged else 1):])
             return x[rows // ps, rows % ps] if spec.paged else x[rows]
 
         topk = idx.shape[1]
@@ -280,19 +280,8 @@ class _TorchSparseRun:
                 lse[r0:r1] = row_lse.reshape(r1 - r0, hq).masked_fill(pad, float("-inf")).to(lse.dtype)
 
 
-class TorchSparseBackend:
-    name = "torch"
-
-    def available(self) -> Optional[str]:
-        return None
-
-    def unsupported_reason(self, spec: AttentionSpec, meta: CPMetadata) -> Optional[str]:
-        return None
-
-    def plan(self, spec: AttentionSpec, meta: CPMetadata, options: Mapping) -> _TorchSparseRun:
-        if options:
-            raise ValueError(f"backend 'torch' takes no backend_options, got {sorted(options)}")
-        return _TorchSparseRun(spec, meta)
+class TorchSparseBackend(_TorchBackend):
+    run_class = _TorchSparseRun
 
 
 def index_scores(q_idx: Tensor, keys: Tensor, weights: Tensor, softmax_scale: float) -> Tensor:
@@ -304,7 +293,8 @@ def index_scores(q_idx: Tensor, keys: Tensor, weights: Tensor, softmax_scale: fl
 
 class _TorchIndexRun:
     """Index top-k one segment at a time (host loop over the plan's segments), over key chunks
-    with a running top-k merge: memory stays bounded at any context length."""
+    with a running top-k merge of packed (score, position) keys (:mod:`cpattn.selection`: ties
+    go to the lower position): memory stays bounded at any context length."""
 
     def __init__(self, spec: IndexTopkSpec, meta: CPMetadata) -> None:
         host = meta.host if meta.host is not None else meta
@@ -327,19 +317,15 @@ class _TorchIndexRun:
                 pos = torch.arange(pos0 + c0 * stride, pos0 + (c1 - 1) * stride + 1, stride, device=dev)
                 last = pos0 + (c1 - 1) * stride
                 qr, wr = q_idx[rows].to(work), weights[rows].to(work)
-                best_v = torch.full((c1 - c0, topk), float("-inf"), dtype=work, device=dev)
-                best_p = torch.full((c1 - c0, topk), -1, dtype=torch.int64, device=dev)
+                best = torch.full((c1 - c0, topk), NO_KEY, dtype=torch.int64, device=dev)
                 for k0 in range(0, last + 1, key_chunk):
                     k1 = min(last + 1, k0 + key_chunk)
                     key_pos = torch.arange(k0, k1, device=dev)
                     keys = self._keys(k_idx, k_scale, page_table, seq, key_pos, work)
                     s = index_scores(qr, keys, wr, softmax_scale)
-                    s = s.masked_fill(key_pos[None, :] > pos[:, None], float("-inf"))
-                    cand_v = torch.cat([best_v, s], dim=1)
-                    cand_p = torch.cat([best_p, key_pos[None, :].expand(c1 - c0, -1)], dim=1)
-                    best_v, at = torch.topk(cand_v, topk, dim=1, sorted=False)
-                    best_p = cand_p.gather(1, at)
-                best_p = best_p.masked_fill(torch.isneginf(best_v), -1)
+                    packed = pack_keys(s, key_pos[None, :], key_pos[None, :] <= pos[:, None])
+                    best = top_keys(torch.cat([best, packed], dim=1), topk)
+                best_p = key_positions(best)
                 out[rows] = best_p.to(out.dtype)
 
     def _keys(self, k_idx, k_scale, page_table, seq, key_pos, work) -> Tensor:
@@ -354,16 +340,5 @@ class _TorchIndexRun:
         return keys if scale is None else keys * scale.to(work)[:, None]
 
 
-class TorchIndexBackend:
-    name = "torch"
-
-    def available(self) -> Optional[str]:
-        return None
-
-    def unsupported_reason(self, spec: IndexTopkSpec, meta: CPMetadata) -> Optional[str]:
-        return None
-
-    def plan(self, spec: IndexTopkSpec, meta: CPMetadata, options: Mapping) -> _TorchIndexRun:
-        if options:
-            raise ValueError(f"backend 'torch' takes no backend_options, got {sorted(options)}")
-        return _TorchIndexRun(spec, meta)
+class TorchIndexBackend(_TorchBackend):
+    run_class = _TorchIndexRun

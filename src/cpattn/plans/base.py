@@ -16,7 +16,7 @@ scale. Subclasses (one module per algorithm) add only what differs.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,8 @@ from .._validation import check_softmax_scale, check_tensor
 from ..metadata import CPMetadata
 from ..spec import AttentionSpec
 
-__all__ = ["ALGORITHMS", "AttentionPlan", "check_group_rank", "check_qkv", "check_sinks", "result_buffers"]
+__all__ = ["ALGORITHMS", "AttentionPlan", "KernelCall", "check_group_rank", "check_qkv", "check_sinks",
+           "result_buffers"]
 
 #: Every algorithm a plan can run: "local" (no collective: replicated queries and KV cache, or
 #: C = 1), "gather_kv" (all-gather the new K/V, attend locally), "pass_kv" / "pass_q" (an extend
@@ -35,6 +36,32 @@ __all__ = ["ALGORITHMS", "AttentionPlan", "check_group_rank", "check_qkv", "chec
 ALGORITHMS = ("local", "gather_kv", "pass_kv", "pass_q", "shard_merge")
 
 _PAGE_TABLE_DTYPES = (torch.int32, torch.int64)
+
+
+class KernelCall(TypedDict, total=False):
+    """The per-call keywords of the kernel that plans' ``attend`` and ``run`` share (each method
+    says which it takes; an unknown one is a TypeError before any collective or write):
+
+    page_table: [num_seq_rows, max_pages] int32/int64 of a paged spec. sinks: [Hq] float when
+    the spec has sinks. softmax_scale: float > 0 (default D ** -0.5). out: [rows, Hq, Dv] buffer
+    in the plan's dtype; lse: [rows, Hq] float32 buffer. return_lse: also return lse.
+    k_scale, v_scale: an FP8 spec (``kv_dtype``) only, required there: float32 ``[]`` (per
+    tensor) or ``[Hkv]`` (per KV head) device tensors; the caches hold ``x / scale``
+    (:mod:`cpattn.quant`). Any other spec refuses them.
+    """
+
+    page_table: Optional[Tensor]
+    sinks: Optional[Tensor]
+    softmax_scale: Optional[float]
+    out: Optional[Tensor]
+    lse: Optional[Tensor]
+    return_lse: bool
+    k_scale: Optional[Tensor]
+    v_scale: Optional[Tensor]
+
+
+#: the keywords of a kernel call (:class:`KernelCall`)
+KERNEL_CALL = frozenset(KernelCall.__annotations__)
 
 
 def check_group_rank(meta: CPMetadata) -> None:
@@ -118,9 +145,10 @@ class AttentionPlan:
     """One layer kind's attention over one placement plan (build with :func:`cpattn.plan_attention`).
 
     Attributes:
-        meta: the placement plan. spec: the :class:`cpattn.AttentionSpec`.
+        meta: the placement plan. spec: the :class:`cpattn.AttentionSpec` (an index top-k
+            plan, :class:`cpattn.plans.IndexTopkPlan`: its ``IndexTopkSpec``).
         algorithm: one of :data:`ALGORITHMS`. backend: the backend that runs the kernel
-            ("triton", "fa4" or "torch"). family: the kernel family (e.g. "sm90", "portable",
+            ("triton", "fa4", "torch"; "gemm" for the index scores over a key shard). family: the kernel family (e.g. "sm90", "portable",
             "split-kv"; the backend's name when it has one family).
 
     ``attend``'s K/V (``kv_rows`` rule): a plan whose keys are packed expects
@@ -136,9 +164,8 @@ class AttentionPlan:
     def __init__(self, meta: CPMetadata, spec: AttentionSpec, backend: str, run_impl, *, rows: int,
                  kv_rows_exact: Optional[int] = None, kv_rows_min: int = 0, max_keys: int = 0,
                  q_name: str = "q", rows_name: str = "P") -> None:
-        self.meta, self.spec, self.backend = meta, spec, backend
-        self._impl = run_impl
-        self._device = device = meta.device
+        self._bind(meta, spec, backend, run_impl)
+        device = self._device
         self._rows_name, self._q_name = rows_name, q_name
         self._q_shape = (rows, spec.num_q_heads, spec.head_dim)
         self._out_shape = (rows, spec.num_q_heads, spec.head_dim_v)
@@ -157,6 +184,13 @@ class AttentionPlan:
         self._pt_expect = (meta.num_seq_rows, device)
         self._max_keys = max_keys
         self._min_pages = -(-max_keys // spec.page_size) if spec.paged else 0
+
+    def _bind(self, meta: CPMetadata, spec, backend: str, run_impl) -> None:
+        """What every plan binds (attention and index top-k plans): placement plan, spec,
+        backend name, the planned launch and the device."""
+        self.meta, self.spec, self.backend = meta, spec, backend
+        self._impl = run_impl
+        self._device = meta.device
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(algorithm={self.algorithm!r}, backend={self.backend!r}, {self.spec}, "
@@ -251,6 +285,19 @@ class AttentionPlan:
         if page_table.shape[1] * ps < self._max_keys:
             raise ValueError(f"page_table holds {page_table.shape[1]} pages of {ps} = {page_table.shape[1] * ps} "
                              f"keys, fewer than {self._keys_what} ({self._max_keys})")
+
+    def _kernel_call(self, call: dict, method: str, allowed: frozenset = KERNEL_CALL) -> tuple:
+        """(page_table, sinks, softmax_scale, out, lse, return_lse, scales) of a call's keywords
+        (absent: None / False; ``scales``: :meth:`_check_scales` of ``k_scale`` / ``v_scale``);
+        TypeError naming any keyword ``method`` does not take, ValueError for scales the spec
+        does not match (both before any collective or write)."""
+        if not call.keys() <= allowed:
+            raise TypeError(f"{type(self).__name__}.{method}() got unexpected keyword argument(s) "
+                            f"{sorted(call.keys() - allowed)}")
+        get = call.get
+        scales = self._check_scales(get("k_scale"), get("v_scale"))
+        return (get("page_table"), get("sinks"), get("softmax_scale"), get("out"), get("lse"), get("return_lse", False),
+                scales)
 
     def _check_scales(self, k_scale, v_scale) -> Optional[tuple[Tensor, Tensor]]:
         """The K/V scales of a call: None for a cache in the query dtype (both must be None), the

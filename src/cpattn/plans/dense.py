@@ -19,14 +19,17 @@ without a causal mask (e.g. every key of a sequence shorter than top-k) stays ca
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor
 
 from ..cache import CacheWritePlan
-from .base import AttentionPlan
+from .base import AttentionPlan, KernelCall
 from .sparse import check_index
+
+if TYPE_CHECKING:  # annotations only (typing.Unpack: Python >= 3.11)
+    from typing_extensions import Unpack
 
 __all__ = ["ReplicatedKVPlan"]
 
@@ -43,22 +46,8 @@ class ReplicatedKVPlan(AttentionPlan):
         self.algorithm = algorithm
         self._idx_shape = (meta.num_physical_tokens, spec.topk) if spec.sparse else None
 
-    def attend(
-        self,
-        q_local: Tensor,
-        k: Tensor,
-        v: Tensor,
-        idx: Optional[Tensor] = None,
-        *,
-        page_table: Optional[Tensor] = None,
-        sinks: Optional[Tensor] = None,
-        softmax_scale: Optional[float] = None,
-        out: Optional[Tensor] = None,
-        lse: Optional[Tensor] = None,
-        return_lse: bool = False,
-        k_scale: Optional[Tensor] = None,
-        v_scale: Optional[Tensor] = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def attend(self, q_local: Tensor, k: Tensor, v: Tensor, idx: Optional[Tensor] = None,
+               **call: Unpack[KernelCall]) -> Tensor | tuple[Tensor, Tensor]:
         """The kernel alone: local queries over K/V every key of which is given (device-only).
 
         Args:
@@ -72,23 +61,26 @@ class ReplicatedKVPlan(AttentionPlan):
             idx: sparse specs only: [P, topk] int32/int64 key positions per row (index in the
                 row's sequence, prefix counted); negative, future and out-of-sequence entries
                 are ignored; a position counts once per occurrence.
-            sinks: [Hq] float (any float dtype and stride) when the spec has sinks.
-            softmax_scale: default D ** -0.5.
-            out: [P, Hq, Dv] buffer (q's dtype, contiguous last dim); lse: [P, Hq] float32.
-            return_lse: also return lse (natural log, float32, sinks counted; a sparse row with
-                no valid key has lse = its sink, or -inf without sinks).
-            k_scale, v_scale: an FP8 spec (``kv_dtype``) only, required there: float32 ``[]``
-                (per tensor) or ``[Hkv]`` (per KV head) device tensors; K/V hold ``x / scale``
-                (:mod:`cpattn.quant`).
+            **call: :class:`KernelCall`: ``page_table`` (paged specs), ``sinks`` ([Hq] float,
+                any float dtype and stride, when the spec has sinks), ``softmax_scale`` (default
+                D ** -0.5), ``out`` ([P, Hq, Dv] buffer, q's dtype, contiguous last dim), ``lse``
+                ([P, Hq] float32), ``return_lse`` (also return lse: natural log, float32, sinks
+                counted; a sparse row with no valid key has lse = its sink, or -inf without sinks),
+                ``k_scale`` / ``v_scale`` (an FP8 spec only, required there: float32 ``[]`` or
+                ``[Hkv]`` device tensors; K/V hold ``x / scale``, :mod:`cpattn.quant`).
 
         Returns:
             out [P, Hq, Dv] (pad rows, and sparse rows with no valid key, exactly 0), or
             (out, lse) with return_lse (pad rows -inf).
         """
+        page_table, sinks, softmax_scale, out, lse, return_lse, scales = self._kernel_call(call, "attend")
         self._check_call(q_local, k, v, page_table, sinks)
         self._check_idx(idx)
-        scales = self._check_scales(k_scale, v_scale)
         out, lse = self._result(out, lse, return_lse)
+        return self._attend(q_local, k, v, idx, page_table, sinks, softmax_scale, out, lse, return_lse, scales)
+
+    def _attend(self, q_local, k, v, idx, page_table, sinks, softmax_scale, out, lse, return_lse, scales):
+        """The launch, after the checks (``out`` / ``lse``: the call's buffers)."""
         scale = self._softmax_scale(softmax_scale)
         if self._idx_shape is None:
             self._launch(q_local, k, v, page_table, sinks, scale, out, lse, scales=scales)
@@ -96,25 +88,9 @@ class ReplicatedKVPlan(AttentionPlan):
             self._launch(q_local, k, v, idx, page_table, sinks, scale, out, lse, scales=scales)
         return (out, lse) if return_lse else out
 
-    def run(
-        self,
-        q_local: Tensor,
-        k_local: Tensor,
-        v_local: Tensor,
-        cache=None,
-        *,
-        idx: Optional[Tensor] = None,
-        writes: Optional[CacheWritePlan] = None,
-        group=None,
-        page_table: Optional[Tensor] = None,
-        sinks: Optional[Tensor] = None,
-        softmax_scale: Optional[float] = None,
-        out: Optional[Tensor] = None,
-        lse: Optional[Tensor] = None,
-        return_lse: bool = False,
-        k_scale: Optional[Tensor] = None,
-        v_scale: Optional[Tensor] = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def run(self, q_local: Tensor, k_local: Tensor, v_local: Tensor, cache=None, *, idx: Optional[Tensor] = None,
+            writes: Optional[CacheWritePlan] = None, group=None,
+            **call: Unpack[KernelCall]) -> Tensor | tuple[Tensor, Tensor]:
         """One layer: gather the new K/V (one collective; none for "local"), write them, attend.
 
         Args:
@@ -130,21 +106,22 @@ class ReplicatedKVPlan(AttentionPlan):
                 :func:`cpattn.dsa.index_topk`, :meth:`attend`).
             writes: paged spec: :func:`cpattn.plan_cache_writes` of this forward (required).
             group: the CP group (None: the default group; unused by "local").
-            page_table, sinks, softmax_scale, out, lse, return_lse: as :meth:`attend`.
-            k_scale, v_scale: an FP8 spec: the scales of the caches (as :meth:`attend`); the new
-                K/V (in the plan's dtype) are quantized on this rank before the all-gather, which
-                then moves FP8 bytes; a packed plan's cached prefix is FP8 too.
+            **call: :class:`KernelCall` (``page_table``, ``sinks``, ``softmax_scale``, ``out``,
+                ``lse``, ``return_lse``, ``k_scale`` / ``v_scale``), as :meth:`attend`. An FP8
+                spec: the new K/V (in the plan's dtype) are quantized on this rank before the
+                all-gather, which then moves FP8 bytes; a packed plan's cached prefix is FP8 too.
 
         Every check runs before the collective and the write (ValueError / TypeError naming the
         argument; the caches are unchanged when one fails).
         """
+        page_table, sinks, softmax_scale, out, lse, return_lse, scales = self._kernel_call(call, "run")
         self._check_idx(idx)
-        scales = self._check_scales(k_scale, v_scale)
         out, lse = self._result(out, lse, return_lse)  # checked (and allocated) before the collective and write
         k_all, v_all = self._gather_and_write(q_local, k_local, v_local, cache, writes, group, page_table, sinks,
                                               scales)
-        return self.attend(q_local, k_all, v_all, idx, page_table=page_table, sinks=sinks, softmax_scale=softmax_scale,
-                           out=out, lse=lse, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
+        self._check_call(q_local, k_all, v_all, page_table, sinks)
+        return self._attend(q_local, k_all, v_all, idx, page_table, sinks, softmax_scale, out, lse, return_lse,
+                            scales)
 
     def _check_idx(self, idx) -> None:
         if self._idx_shape is None:

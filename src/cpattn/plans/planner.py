@@ -9,7 +9,9 @@ cache lives (``meta.kv``):
 | replicated | "local" (no collective) | "shard_merge" |
 
 A spec with ``topk`` (DSA sparse attention) runs over a replicated cache ("local" /
-"gather_kv").
+"gather_kv") and, with replicated queries, over a sharded cache ("shard_merge": the selected keys
+each rank owns, merged; the selection comes from :func:`cpattn.plans.plan_index_topk` over the
+same placement plan).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ..metadata import CPMetadata
 from ..spec import AttentionSpec
 from .base import ALGORITHMS, AttentionPlan, check_group_rank
 from .dense import ReplicatedKVPlan
-from .shard import ShardMergePlan
+from .shard import ShardMergePlan, SparseShardMergePlan, local_key_view
 from .sharded_extend import build_sharded_extend, replicated_view
 
 __all__ = ["algorithms_for", "plan_attention"]
@@ -37,7 +39,7 @@ def algorithms_for(meta: CPMetadata, spec: AttentionSpec) -> tuple[str, ...]:
     if meta.kv is None:
         return ("local",) if meta.replicated or meta.cp_size == 1 else ("gather_kv",)
     if spec.sparse:
-        return ()
+        return ("shard_merge",) if meta.replicated else ()
     return ("shard_merge",) if meta.replicated else ("pass_kv", "pass_q")
 
 
@@ -50,6 +52,7 @@ def plan_attention(
     backend_options: Optional[Mapping] = None,
     page_table: Optional[Tensor] = None,
     num_pages: Optional[int] = None,
+    pad_slot: Optional[int] = None,
     cost_model: Optional[CostModel] = None,
 ) -> AttentionPlan:
     """Plan one layer kind's attention over ``meta`` (host, once per forward; may copy once).
@@ -66,6 +69,9 @@ def plan_attention(
         page_table, num_pages: this rank's page table [B, max_pages] and page count, for an
             extend over a sharded cache ("pass_kv" / "pass_q": they plan its cache writes and
             prefix reads; read once here).
+        pad_slot: a reserved slot of this rank's cache where a static plan's padding rows write
+            ("pass_kv" / "pass_q" over a :class:`cpattn.StaticPlanner` plan, which also names its
+            algorithm: a captured graph replays one).
         cost_model: a :class:`cpattn.CostModel` choosing pass-KV or pass-Q ("auto").
 
     Returns:
@@ -92,7 +98,8 @@ def plan_attention(
     options = dict(backend_options or {})
     allowed = algorithms_for(meta, spec)
     if not allowed:
-        raise NotImplementedError("sparse (topk) attention over a sharded KV cache is not supported yet")
+        raise NotImplementedError("sparse (topk) attention over a sharded KV cache runs replicated queries (a decode "
+                                  "step); an extend over a sharded cache is not supported")
     if algorithm != "auto" and algorithm not in allowed:
         raise ValueError(f"algorithm {algorithm!r} cannot run strategy={meta.strategy!r} with "
                          f"kv={'sharded' if meta.kv is not None else 'replicated'} (C={meta.cp_size}): "
@@ -101,10 +108,15 @@ def plan_attention(
     if meta.kv is not None and spec.paged:
         meta.kv.check_page_size(spec.page_size)
     if allowed == ("pass_kv", "pass_q"):
-        return _plan_sharded_extend(meta, spec, backend, algorithm, options, page_table, num_pages, cost_model)
-    if page_table is not None or num_pages is not None:
-        raise ValueError(f"page_table= / num_pages= are for an extend over a sharded cache; algorithm "
-                         f"{allowed[0]!r} reads the page table per layer")
+        return _plan_sharded_extend(meta, spec, backend, algorithm, options, page_table, num_pages, pad_slot,
+                                    cost_model)
+    if page_table is not None or num_pages is not None or pad_slot is not None:
+        raise ValueError(f"page_table= / num_pages= are for an extend over a sharded cache (pad_slot= too); "
+                         f"algorithm {allowed[0]!r} reads the page table per layer")
+    if allowed == ("shard_merge",) and spec.sparse:
+        view = local_key_view(meta)
+        chosen = select_backend(spec, view, backend, kind="sparse")
+        return SparseShardMergePlan(meta, spec, chosen.name, chosen.plan(spec, view, options))
     if allowed == ("shard_merge",):
         chosen = select_backend(spec, meta, backend, kind="shard")
         return ShardMergePlan(meta, spec, chosen.name, chosen.plan(spec, meta, options))
@@ -112,9 +124,10 @@ def plan_attention(
     return ReplicatedKVPlan(meta, spec, chosen.name, chosen.plan(spec, meta, options), allowed[0])
 
 
-def _plan_sharded_extend(meta, spec, backend, algorithm, options, page_table, num_pages, cost_model):
-    if meta.is_static:
-        raise ValueError("an extend over a sharded cache needs a plan sized for its batch, not a static plan")
+def _plan_sharded_extend(meta, spec, backend, algorithm, options, page_table, num_pages, pad_slot, cost_model):
+    if meta.is_static and algorithm == "auto":
+        raise ValueError("a static plan of an extend over a sharded cache replays one algorithm: pass "
+                         "algorithm='pass_kv' or 'pass_q' (the cost model's choice may differ between batches)")
     if not spec.paged:
         raise ValueError("an extend over a sharded cache needs a paged spec (page_size=)")
     if page_table is None or num_pages is None:
@@ -137,4 +150,4 @@ def _plan_sharded_extend(meta, spec, backend, algorithm, options, page_table, nu
         view = replicated_view(meta)
         chosen = select_backend(spec, view, backend, kind="shard")
         inner = ShardMergePlan(view, spec, chosen.name, chosen.plan(spec, view, options))
-    return build_sharded_extend(meta, spec, algorithm, estimate, page_table, num_pages, inner)
+    return build_sharded_extend(meta, spec, algorithm, estimate, page_table, num_pages, inner, pad_slot)

@@ -14,20 +14,35 @@ this rank stores, attends, and merges the partials exactly in ONE collective
 (:func:`cpattn.merge_partials`). With a static plan every table sits at a fixed address, grids
 are sized for the capacity and kernels read counts from device memory: a CUDA graph of a step
 replays for every step (``triton``; ``torch`` loops on the host).
+
+With a spec's ``topk`` (DSA) the plan is a :class:`SparseShardMergePlan`: the sparse kernel over
+the selected keys this rank owns (kind ``"sparse"``), the same exact merge.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import TYPE_CHECKING, Optional
 
+import torch
 from torch import Tensor
 
 from ..cache import CacheWritePlan, check_kv_writes, write_kv_cache
 from ..collectives import check_group
 from ..merge import merge_partials
-from .base import AttentionPlan
+from ..metadata import CPMetadata
+from .base import KERNEL_CALL, AttentionPlan, KernelCall
+from .sparse import check_index
 
-__all__ = ["ShardMergePlan"]
+if TYPE_CHECKING:  # annotations only (typing.Unpack: Python >= 3.11)
+    from typing_extensions import Unpack
+
+__all__ = ["ShardMergePlan", "SparseShardMergePlan", "local_key_view"]
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+_ATTEND = KERNEL_CALL - {"return_lse"}  # the partials come back with their lse
+_RUN = KERNEL_CALL - {"out", "lse"}  # merge_partials allocates the merged result
 
 
 class ShardMergePlan(AttentionPlan):
@@ -40,20 +55,8 @@ class ShardMergePlan(AttentionPlan):
         super().__init__(meta, spec, backend, run_impl, rows=meta.num_physical_tokens,
                          kv_rows_min=meta.num_local_kv_tokens, max_keys=meta.max_local_kv_len, rows_name="Nq")
 
-    def attend(
-        self,
-        q: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        *,
-        page_table: Optional[Tensor] = None,
-        sinks: Optional[Tensor] = None,
-        softmax_scale: Optional[float] = None,
-        out: Optional[Tensor] = None,
-        lse: Optional[Tensor] = None,
-        k_scale: Optional[Tensor] = None,
-        v_scale: Optional[Tensor] = None,
-    ) -> tuple[Tensor, Tensor]:
+    def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor,
+               **call: Unpack[KernelCall]) -> tuple[Tensor, Tensor]:
         """The kernel alone: this rank's partial attention over its key shard (device-only).
 
         Args:
@@ -65,40 +68,25 @@ class ShardMergePlan(AttentionPlan):
                 Hkv, D] / [.., Dv], local key j of sequence b at row ``cu_local_kv_lens[b] + j``.
                 Any row strides; ``v_cache`` may be a view of ``k_cache[..., :Dv]`` (MLA's
                 absorbed form: K is then read once). Slots past a sequence's keys are never read.
-            sinks: [Hq] float when the spec has sinks (joins rank 0's partial only).
-            softmax_scale: default D ** -0.5.
-            out, lse: optional [Nq, Hq, Dv] (q's dtype) / [Nq, Hq] float32 buffers.
-            k_scale, v_scale: an FP8 spec (``kv_dtype``) only, required there: float32 ``[]`` or
-                ``[Hkv]`` device tensors (:mod:`cpattn.quant`).
+            **call: :class:`KernelCall` but ``return_lse`` (both are returned): ``page_table``,
+                ``sinks`` ([Hq] float when the spec has sinks; joins rank 0's partial only),
+                ``softmax_scale`` (default D ** -0.5), ``out`` / ``lse`` ([Nq, Hq, Dv] in q's
+                dtype / [Nq, Hq] float32 buffers), ``k_scale`` / ``v_scale`` (an FP8 spec only,
+                required there: float32 ``[]`` or ``[Hkv]`` device tensors, :mod:`cpattn.quant`).
 
         Returns:
             (out_part [Nq, Hq, Dv] in q's dtype, lse_part [Nq, Hq] float32, natural log; rows
             with no visible key on this rank 0 / -inf; pad rows 0 / -inf).
         """
+        page_table, sinks, softmax_scale, out, lse, _, scales = self._kernel_call(call, "attend", _ATTEND)
         self._check_call(q, k_cache, v_cache, page_table, sinks)
-        scales = self._check_scales(k_scale, v_scale)
         out, lse = self._result(out, lse, True)
         self._launch(q, k_cache, v_cache, page_table, sinks, self._softmax_scale(softmax_scale), out, lse,
                      scales=scales)
         return out, lse
 
-    def run(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        cache,
-        *,
-        writes: Optional[CacheWritePlan] = None,
-        group=None,
-        page_table: Optional[Tensor] = None,
-        sinks: Optional[Tensor] = None,
-        softmax_scale: Optional[float] = None,
-        scatter_heads: bool = False,
-        return_lse: bool = False,
-        k_scale: Optional[Tensor] = None,
-        v_scale: Optional[Tensor] = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def run(self, q: Tensor, k: Tensor, v: Tensor, cache, *, writes: Optional[CacheWritePlan] = None, group=None,
+            scatter_heads: bool = False, **call: Unpack[KernelCall]) -> Tensor | tuple[Tensor, Tensor]:
         """One layer: write this rank's share of the new K/V, attend the shard, merge (ONE collective).
 
         Args:
@@ -108,17 +96,31 @@ class ShardMergePlan(AttentionPlan):
             writes: :func:`cpattn.plan_cache_writes` of this step (the rows this rank stores), or
                 None when the caches already hold the step's keys.
             group: the CP group (None: the default group).
-            page_table, sinks, softmax_scale: as :meth:`attend`.
-            scatter_heads, return_lse: as :func:`cpattn.merge_partials`.
-            k_scale, v_scale: an FP8 spec: the caches' scales (as :meth:`attend`); the rows this
-                rank stores are quantized as they are written.
+            scatter_heads: as :func:`cpattn.merge_partials`.
+            **call: :class:`KernelCall` but ``out`` / ``lse``: ``page_table``, ``sinks``,
+                ``softmax_scale``, ``k_scale`` / ``v_scale`` as :meth:`attend` (an FP8 spec: the
+                rows this rank stores are quantized as they are written); ``return_lse`` as
+                :func:`cpattn.merge_partials`.
 
         Returns:
             out [Nq, Hq, Dv] (or this rank's heads with scatter_heads), or (out, lse).
         """
+        page_table, sinks, softmax_scale, _, _, return_lse, scales = self._kernel_call(call, "run", _RUN)
+        k_cache, v_cache = self._write_step(q, k, v, cache, writes, group, page_table, sinks, scales)
+        k_scale, v_scale = scales or (None, None)
+        out_p, lse_p = self.attend(q, k_cache, v_cache, page_table=page_table, sinks=sinks,
+                                   softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
+        return merge_partials(out_p, lse_p, group, scatter_heads=scatter_heads, meta=self.meta,
+                              return_lse=return_lse)
+
+    def _write_step(self, q, k, v, cache, writes, group, page_table, sinks,
+                    scales: Optional[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        """``run``'s steps before the kernel: every local check (before any write or collective),
+        then the write of this rank's share of the new K/V (quantized with ``scales``, the
+        checked pair of an FP8 cache) -> this rank's (k_cache, v_cache)."""
         meta = self.meta
         self._check_new_rows(q, k, v, meta.num_physical_tokens)
-        scales = self._check_scales(k_scale, v_scale)
+        k_scale, v_scale = scales or (None, None)
         k_cache, v_cache = self._cache_pair(cache, "this rank's caches")
         if writes is not None:
             check_kv_writes(writes, k_cache, v_cache, meta.num_physical_tokens, k, v, k_scale=k_scale,
@@ -127,6 +129,91 @@ class ShardMergePlan(AttentionPlan):
         check_group(meta, group)  # local checks, before any write or collective
         if writes is not None:
             write_kv_cache(k, v, k_cache, v_cache, writes, k_scale=k_scale, v_scale=v_scale)
-        out_p, lse_p = self.attend(q, k_cache, v_cache, page_table=page_table, sinks=sinks,
+        return k_cache, v_cache
+
+
+def local_key_view(meta: CPMetadata) -> CPMetadata:
+    """``meta`` (replicated queries over a sharded cache) with each sequence's packed K/V rows
+    starting at ``cu_local_kv_lens`` (this rank's packed cache): what the sparse kernels read
+    (row positions stay global)."""
+    host = meta.host if meta.host is not None else meta
+    local_host = dataclasses.replace(host, cu_kv_lens=host.cu_local_kv_lens, host=None)
+    return dataclasses.replace(meta, cu_kv_lens=meta.cu_local_kv_lens, host=local_host)
+
+
+class SparseShardMergePlan(ShardMergePlan):
+    """DSA sparse attention (``spec.topk``) of replicated queries over this rank's key shard,
+    merged over the ranks (decode over a sharded cache).
+
+    The selection ``idx`` holds GLOBAL positions (the same on every rank:
+    :meth:`cpattn.plans.IndexTopkPlan.run` over the same plan); a rank attends the selected
+    keys it owns (position ``p`` -> local key ``KVSharding.local_index(p)``; positions it does
+    not own are masked) with the sparse kernel, and the partials merge exactly in ONE collective.
+    """
+
+    def __init__(self, meta, spec, backend: str, run_impl) -> None:
+        super().__init__(meta, spec, backend, run_impl)
+        self._idx_shape = (meta.num_physical_tokens, spec.topk)
+        sh = meta.kv
+        self._cp, self._interleave = sh.cp_size, sh.interleave
+
+    def local_index(self, idx: Tensor) -> Tensor:
+        """Global positions [N, topk] -> this rank's local key indices (int64; -1 where the
+        position is not this rank's, or negative). Device-only."""
+        c, il, r = self._cp, self._interleave, self.meta.rank
+        e = idx.long()
+        owned = (e >= 0) & ((e // il) % c == r)
+        local = (e // (c * il)) * il + e % il
+        return torch.where(owned, local, torch.full((), -1, dtype=torch.int64, device=e.device))
+
+    def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, idx: Optional[Tensor] = None,
+               **call: Unpack[KernelCall]) -> tuple[Tensor, Tensor]:
+        """The kernel alone: this rank's partial sparse attention over its selected keys.
+
+        Args:
+            q, k_cache, v_cache: as :meth:`ShardMergePlan.attend` (this rank's caches).
+            idx: [Nq, topk] int32/int64 GLOBAL key positions per row (the agreed selection;
+                -1 padding; future positions ignored).
+            **call: as :meth:`ShardMergePlan.attend` (``sinks`` join rank 0's partial only;
+                an FP8 spec's ``k_scale`` / ``v_scale`` are required).
+
+        Returns:
+            (out_part [Nq, Hq, Dv], lse_part [Nq, Hq] float32): rows selecting none of this
+            rank's keys 0 / -inf (rank 0 with sinks: 0 / the sink); pad rows 0 / -inf.
+        """
+        page_table, sinks, softmax_scale, out, lse, _, scales = self._kernel_call(call, "attend", _ATTEND)
+        self._check_call(q, k_cache, v_cache, page_table, sinks)
+        self._check_idx(idx)
+        out, lse = self._result(out, lse, True)
+        local = self.local_index(idx)
+        self._launch(q, k_cache, v_cache, local, page_table, sinks if self.meta.rank == 0 else None,
+                     self._softmax_scale(softmax_scale), out, lse, scales=scales)
+        return out, lse
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor, cache, *, idx: Optional[Tensor] = None,
+            writes: Optional[CacheWritePlan] = None, group=None, scatter_heads: bool = False,
+            **call: Unpack[KernelCall]) -> Tensor | tuple[Tensor, Tensor]:
+        """One layer: write this rank's share of the new K/V, attend its selected keys, merge
+        (ONE collective). Arguments as :meth:`ShardMergePlan.run`, plus ``idx`` (as
+        :meth:`attend`). Every check runs before the write and the collective."""
+        page_table, sinks, softmax_scale, _, _, return_lse, scales = self._kernel_call(call, "run", _RUN)
+        self._check_idx(idx)
+        k_cache, v_cache = self._write_step(q, k, v, cache, writes, group, page_table, sinks, scales)
+        k_scale, v_scale = scales or (None, None)
+        out_p, lse_p = self.attend(q, k_cache, v_cache, idx, page_table=page_table, sinks=sinks,
                                    softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
-        return merge_partials(out_p, lse_p, group, scatter_heads=scatter_heads, meta=meta, return_lse=return_lse)
+        return merge_partials(out_p, lse_p, group, scatter_heads=scatter_heads, meta=self.meta,
+                              return_lse=return_lse)
+
+    def _check_idx(self, idx) -> None:
+        if type(idx) is Tensor and idx.shape == self._idx_shape and idx.dtype in _INDEX_DTYPES \
+                and idx.device == self._device:
+            return
+        if idx is None:
+            raise ValueError("idx is required: the plan is sparse (AttentionSpec(topk=)); pass the agreed selection")
+        check_index(idx, self.meta.num_physical_tokens)
+        if idx.shape != self._idx_shape:
+            raise ValueError(f"idx must be [Nq, topk] = {list(self._idx_shape)} (the plan's topk), got "
+                             f"{list(idx.shape)}")
+        if idx.device != self._device:
+            raise ValueError(f"idx is on {idx.device} but the plan is on {self._device} (use meta.to(device))")

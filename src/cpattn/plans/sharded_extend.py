@@ -21,25 +21,43 @@ the sharded cache write, attention):
 on every rank: only batch-wide numbers enter); "pass_kv" / "pass_q" force one. Both write this
 rank's share of the extend K/V into its cache (validated at plan time; nothing is written when
 planning fails) and return the local rows' output [P, Hq, Dv], pad rows 0.
+
+Static plans (:class:`cpattn.StaticPlanner`): every table a layer reads (the page table, the
+write plan, pass-KV's prefix slots and row map, pass-Q's return map and the replicated view of
+the batch the shard kernel runs) sits at a fixed address of the planner's arena, sized for the
+capacity, and every per-layer shape is the capacity's: a CUDA graph captured over ``run``
+replays for any batch within it. The price is the collectives' size: pass-KV gathers ``C (P +
+Np_cap)`` rows (``Np_cap`` bounds any rank's prefix keys: ``ceil(max_kv_tokens / C) + 2
+max_seqs I``, at most ``max_kv_tokens``) and pass-Q ``C P`` rows, whatever the batch. One
+algorithm replays, so a static plan names it (``algorithm="pass_kv"`` or ``"pass_q"``) and its
+cache writes a reserved ``pad_slot``; the plans of one planner share one page table per
+forward (their fixed tables have one home per planner).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor
 
+from .. import _buffers
 from .. import collectives as _collectives
 from ..cache import write_kv_cache
 from ..collectives import all_gather_rows, check_group, pack_rows, row_layout, unpack_rows
 from ..merge import merge_states
-from ..metadata import CPMetadata, build_metadata
+from ..metadata import Capacity, CPMetadata, build_metadata
 from ..quant import quantize_fp8
-from .base import AttentionPlan, check_sinks
+from .base import KERNEL_CALL, AttentionPlan, KernelCall, check_sinks
+from .static import place_static
+
+if TYPE_CHECKING:  # annotations only (typing.Unpack: Python >= 3.11)
+    from typing_extensions import Unpack
 
 __all__ = ["ShardedExtendPlan", "build_sharded_extend", "replicated_view"]
+
+_RUN = KERNEL_CALL - {"out", "lse"}
 
 
 class ShardedExtendPlan(AttentionPlan):
@@ -64,22 +82,21 @@ class ShardedExtendPlan(AttentionPlan):
         extend K/V; pass-Q: this rank's partial over its shard)."""
         return self.attention.attend(*args, **kwargs)
 
-    def run(
-        self,
-        q_local: Tensor,
-        k_local: Tensor,
-        v_local: Tensor,
-        cache,
-        *,
-        writes=None,
-        group=None,
-        page_table: Optional[Tensor] = None,
-        sinks: Optional[Tensor] = None,
-        softmax_scale: Optional[float] = None,
-        return_lse: bool = False,
-        k_scale: Optional[Tensor] = None,
-        v_scale: Optional[Tensor] = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    @property
+    def tables(self) -> dict[str, Tensor]:
+        """The device tables a layer reads beyond the placement plans (``meta``,
+        ``attention.meta``): the page table, the write plan and the algorithm's gather / return
+        maps (fixed addresses for a static plan; read-only introspection)."""
+        out = {"page_table": self.page_table, "write_slots": self.writes.slots}
+        if self.writes.rows is not None:
+            out["write_rows"] = self.writes.rows
+        out.update((k, v) for k, v in self._extra.items() if isinstance(v, Tensor))
+        if "packed_writes" in self._extra:
+            out["packed_write_rows"] = self._extra["packed_writes"].rows
+        return out
+
+    def run(self, q_local: Tensor, k_local: Tensor, v_local: Tensor, cache, *, writes=None, group=None,
+            **call: Unpack[KernelCall]) -> Tensor | tuple[Tensor, Tensor]:
         """One layer: collectives, this rank's cache write, attention (device-only).
 
         Args:
@@ -89,20 +106,21 @@ class ShardedExtendPlan(AttentionPlan):
                 D] / [.., Dv] (the layer's), holding its prefix shard; its share of the extend
                 K/V is written into them.
             writes: None (the plan's own, planned from the page table at plan time) or that
-                same plan. page_table: None or the plan's (read at plan time).
+                same plan.
             group: the CP group (None: default group; no collective at C = 1).
-            sinks: [Hq] float when the spec has sinks. softmax_scale: default D ** -0.5.
-            return_lse: also return lse [P, Hq] float32.
-            k_scale, v_scale: an FP8 spec (``kv_dtype``): float32 ``[]`` or ``[Hkv]`` device
-                tensors. The new K/V are quantized on this rank before the collective, which
-                moves FP8 bytes (pass-KV: the prefix rows too, as cached).
+            **call: :class:`KernelCall` but ``out`` / ``lse``: ``page_table`` (None or the plan's,
+                read at plan time), ``sinks`` ([Hq] float when the spec has sinks),
+                ``softmax_scale`` (default D ** -0.5), ``return_lse`` (also return lse [P, Hq]
+                float32), ``k_scale`` / ``v_scale`` (an FP8 spec only, required there: float32
+                ``[]`` or ``[Hkv]`` device tensors; the new K/V are quantized on this rank before
+                the collective, which moves FP8 bytes; pass-KV: the prefix rows too, as cached).
 
         Returns:
             out [P, Hq, Dv] in q's dtype (pad rows 0), with return_lse (out, lse).
         """
+        _, sinks, softmax_scale, _, _, return_lse, scales = self._kernel_call(call, "run", _RUN)
         meta, spec = self.meta, self.spec
         self._check_new_rows(q_local, k_local, v_local, meta.num_physical_tokens)
-        scales = self._check_scales(k_scale, v_scale)
         if writes is not None and writes is not self.writes:
             raise ValueError("writes= of a pass-KV / pass-Q plan are planned from its page table at plan time; "
                              "pass None")
@@ -139,7 +157,7 @@ class ShardedExtendPlan(AttentionPlan):
         slots = x["prefix_slots"]
         k_pre = k_cache.view(-1, hkv, d).index_select(0, slots)  # read before this layer's writes
         v_pre = v_cache.view(-1, hkv, dv).index_select(0, slots)
-        rows = p + x["np_max"]
+        rows = p + x["np_rows"]
         layout, row_bytes = x["layout"], x["row_bytes"]
         send = torch.empty((rows, row_bytes), dtype=torch.uint8, device=k_local.device)
         n_pre = k_pre.shape[0]
@@ -186,16 +204,45 @@ class ShardedExtendPlan(AttentionPlan):
         return out, lse
 
 
+def _fixed(meta: CPMetadata, name: str, values: Tensor, rows: Optional[int] = None) -> Tensor:
+    """``values`` on ``meta``'s device; for a static plan copied (device-only, plan time) into the
+    arena's fixed tensor of ``rows`` rows (default: as many as ``values``), rows past it 0."""
+    values = values.to(meta.device)
+    if not meta.is_static:
+        return values
+    n = values.shape[0]
+    buf = _buffers.scratch(meta, ("sharded-extend", name), (n if rows is None else rows, *values.shape[1:]),
+                           values.dtype)
+    buf[:n].copy_(values)
+    buf[n:].zero_()
+    return buf
+
+
+def _prefix_rows(meta: CPMetadata) -> int:
+    """Rows each rank puts its prefix shard in for pass-KV's all-gather: the most any rank holds,
+    or for a static plan a bound for every batch within the capacity (a rank holds at most
+    ``n / C + 2 I`` of a sequence's ``n`` keys)."""
+    most = max(meta.num_local_prefix_tokens_per_rank)
+    if not meta.is_static:
+        return most
+    cap = meta.capacity
+    bound = min(cap.max_kv_tokens, -(-cap.max_kv_tokens // meta.cp_size) + 2 * cap.max_seqs * meta.kv.interleave)
+    if most > bound:  # pragma: no cover - the bound holds for every batch within the capacity
+        raise ValueError(f"a rank holds {most} prefix keys, more than the static bound {bound}")
+    return bound
+
+
 def _device_index_plans(meta: CPMetadata, page_table: Tensor, page_size: int) -> dict:
     """pass-KV gather tables, built on the device at plan time (O(keys of the batch) device
-    work, nothing on the host beyond O(B C)): the cache slots of this rank's prefix shard and,
-    for every packed prefix+extend row, its row in the gathered buffer."""
+    work, nothing on the host beyond O(B C)): the cache slots of this rank's prefix shard (rows
+    past it: slot 0, never read back) and, for every packed prefix+extend row, its row in the
+    gathered buffer (rows past the batch's keys: 0, never read)."""
     sh, dev = meta.kv, meta.device
     host = meta.host if meta.host is not None else meta
     c, p, rank = meta.cp_size, meta.num_physical_tokens, meta.rank
-    np_all = meta.num_local_prefix_tokens_per_rank
-    np_max, np_mine = max(np_all), np_all[rank]
-    rows = p + np_max
+    np_mine = meta.num_local_prefix_tokens_per_rank[rank]
+    np_rows = _prefix_rows(meta)
+    rows = p + np_rows
     # this rank's prefix shard: local key j < local_prefix_len of every sequence
     lp = host.local_prefix_lens
     cu_lp = torch.zeros(meta.num_seqs + 1, dtype=torch.int64)
@@ -207,23 +254,26 @@ def _device_index_plans(meta: CPMetadata, page_table: Tensor, page_size: int) ->
     pt = page_table.to(device=dev, dtype=torch.int64)
     prefix_slots = pt[seq, j // page_size] * page_size + j % page_size
     # packed row -> gathered row
-    src = torch.empty(meta.num_kv_tokens, dtype=torch.int64, device=dev)
+    src = torch.zeros(meta.num_kv_rows, dtype=torch.int64, device=dev)
     if meta.num_tokens:
-        g = meta.gather_index
-        src[meta.kv_extend_index] = (g // p) * rows + g % p
+        t = meta.num_tokens
+        g = meta.gather_index[:t]
+        src[meta.kv_extend_index[:t]] = (g // p) * rows + g % p
     num_prefix = meta.num_kv_tokens - meta.num_tokens
     if num_prefix:
         per_rank = torch.stack([sh.local_lengths(host.prefix_lens, r) for r in range(c)])  # [C, B]
         cu_all = torch.zeros(c, meta.num_seqs + 1, dtype=torch.int64)
         torch.cumsum(per_rank, 1, out=cu_all[:, 1:])
-        cu_pre = torch.zeros(meta.num_seqs + 1, dtype=torch.int64, device=dev)
-        torch.cumsum(meta.prefix_lens, 0, out=cu_pre[1:])
+        cu_pre = torch.zeros(meta.num_seqs + 1, dtype=torch.int64)
+        torch.cumsum(host.prefix_lens, 0, out=cu_pre[1:])
+        cu_pre = cu_pre.to(dev)
         t = torch.arange(num_prefix, device=dev)
         b = torch.searchsorted(cu_pre, t, right=True) - 1
         pos = t - cu_pre[b]
         owner = sh.owner(pos)
         src[meta.cu_kv_lens[b] + pos] = owner * rows + p + cu_all.to(dev)[owner, b] + sh.local_index(pos)
-    return {"prefix_slots": prefix_slots, "src_index": src, "np_max": np_max}
+    return {"prefix_slots": _fixed(meta, "prefix_slots", prefix_slots, np_rows),
+            "src_index": _fixed(meta, "src_index", src), "np_rows": np_rows}
 
 
 def _kv_row_layout(spec) -> tuple[list[tuple[int, int]], int]:
@@ -236,31 +286,41 @@ def _kv_row_layout(spec) -> tuple[list[tuple[int, int]], int]:
 
 
 def build_sharded_extend(meta: CPMetadata, spec, algorithm: str, estimate: dict, page_table: Tensor,
-                         num_pages: int, attention) -> ShardedExtendPlan:
+                         num_pages: int, attention, pad_slot: Optional[int] = None) -> ShardedExtendPlan:
     """The pass-KV / pass-Q plan around its inner plan (``attention``: a dense plan over packed K/V
     for pass-KV, a shard plan over the replicated view of the batch for pass-Q): this rank's
-    cache writes (validated: nothing is written when the table does not fit) and the gather /
-    return tables, built at plan time."""
+    cache writes (validated: nothing is written when the table does not fit; ``pad_slot``: where
+    a static plan's padding rows write) and the gather / return tables, built at plan time (at
+    the planner's fixed addresses for a static plan)."""
     from ..cache import plan_cache_writes
 
-    writes = plan_cache_writes(meta, page_table, page_size=spec.page_size, num_pages=num_pages)
-    pt_dev = page_table.to(meta.device)
+    writes = plan_cache_writes(meta, page_table, page_size=spec.page_size, num_pages=num_pages, pad_slot=pad_slot)
+    pt_dev = _fixed(meta, "page_table", page_table)
     if algorithm == "pass_kv":
         extra = _device_index_plans(meta, page_table, spec.page_size)
         extra["layout"], extra["row_bytes"] = _kv_row_layout(spec)
-        extra["packed_writes"] = dataclasses.replace(writes, rows=meta.kv_extend_index.index_select(0, writes.rows),
-                                                     num_source_rows=meta.num_kv_rows)
+        packed_rows = _fixed(meta, "packed_write_rows", meta.kv_extend_index.index_select(0, writes.rows))
+        extra["packed_writes"] = dataclasses.replace(writes, rows=packed_rows, num_source_rows=meta.num_kv_rows)
     else:
         send_index = torch.zeros(meta.cp_size * meta.num_physical_tokens, dtype=torch.int64, device=meta.device)
         if meta.num_tokens:
-            send_index[meta.gather_index] = torch.arange(meta.num_tokens, device=meta.device)
-        extra = {"send_index": send_index}
+            send_index[meta.gather_index[: meta.num_tokens]] = torch.arange(meta.num_tokens, device=meta.device)
+        extra = {"send_index": _fixed(meta, "send_index", send_index)}
     return ShardedExtendPlan(meta, spec, algorithm, estimate, writes, pt_dev, attention, extra)
 
 
 def replicated_view(meta: CPMetadata) -> CPMetadata:
-    """The batch of ``meta`` with every query on every rank (what pass-Q's shard kernel runs)."""
+    """The batch of ``meta`` with every query on every rank (what pass-Q's shard kernel runs); for
+    a static plan sized for its capacity (every one of ``max_tokens`` gathered rows a query row)
+    at fixed addresses of its planner's arena."""
     host = meta.host if meta.host is not None else meta
+    cap = meta.capacity
     view = build_metadata("replicated", None, 1, meta.cp_size, meta.rank, 1, host.extend_lens, host.prefix_lens,
-                          kv=meta.kv, replicated=True).to(meta.device)
+                          physical_rows=None if cap is None else cap.max_tokens, kv=meta.kv, replicated=True)
+    if cap is None:
+        view = view.to(meta.device)
+    else:
+        view_cap = Capacity(cap.max_tokens, cap.max_seqs, cap.max_kv_tokens, cap.max_tokens, cap.max_seqs,
+                            cap.max_q_len)
+        view = place_static(meta.arena, "replicated-view", view, view_cap)
     return dataclasses.replace(view, group=meta.group)

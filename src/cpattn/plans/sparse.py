@@ -3,7 +3,8 @@ per forward, run per layer).
 
 :func:`cpattn.plan_attention` with a spec's ``topk`` binds a placement plan to a sparse
 attention backend (kind ``"sparse"`` of the registry); :func:`plan_index_topk` binds it to the
-indexer's heads, dims, dtypes and top-k (kind ``"index"``). Both upload what their kernels read
+indexer's heads, dims, dtypes and top-k (kind ``"index"``; over a sharded cache kind
+``"shard_index"``, algorithm "shard_merge": the exact global top-k of a decode step). Both upload what their kernels read
 once (the per-row table of :mod:`cpattn.kernels._dsa_rows`: sequence, position, first K/V row of
 every physical row). The per-layer calls check only per-layer facts (shapes, dtypes, devices),
 then launch.
@@ -16,19 +17,23 @@ without a causal mask (e.g. every key of a sequence shorter than top-k) stays ca
 
 from __future__ import annotations
 
+import weakref
 from typing import Mapping, Optional
 
 import torch
 from torch import Tensor
 
-from .._validation import check_int, check_softmax_scale, check_tensor
+from .._validation import check_int, check_tensor
 from ..kernels import IndexTopkSpec, select_backend
 from ..metadata import CPMetadata
-from .base import check_group_rank
+from ..selection import key_positions, top_keys
+from .base import AttentionPlan, check_group_rank
 
-__all__ = ["IndexTopkPlan", "check_index", "make_index_spec", "plan_index_topk"]
+__all__ = ["IndexTopkPlan", "check_index", "make_index_spec", "plan_index_topk", "select_candidates"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+#: Positions travel in the low 32 bits of a packed candidate (:mod:`cpattn.selection`).
+_MAX_POSITIONS = (1 << 32) - 1
 
 
 # ----------------------------------------------------------------------------- specs
@@ -75,54 +80,50 @@ def _check_device(t: Tensor, name: str, device: torch.device) -> None:
         raise ValueError(f"{name} is on {t.device} but the plan is on {device} (use meta.to(device))")
 
 
-def _check_page_table(page_table, meta: CPMetadata, page_size: int) -> None:
+def _check_page_table(page_table, meta: CPMetadata, page_size: int, max_keys: int) -> None:
     check_tensor(page_table, "page_table")
     if page_table.dtype not in _INDEX_DTYPES:
         raise TypeError(f"page_table must be int32 or int64, got {page_table.dtype}")
     if page_table.dim() != 2 or page_table.shape[0] != meta.num_seq_rows:
         raise ValueError(f"page_table must be [B={meta.num_seq_rows}, max_pages], got {list(page_table.shape)}")
     _check_device(page_table, "page_table", meta.device)
-    if page_table.shape[1] * page_size < meta.max_kv_len:
+    if page_table.shape[1] * page_size < max_keys:
         raise ValueError(
             f"page_table holds {page_table.shape[1]} pages of {page_size} = {page_table.shape[1] * page_size} keys, "
-            f"fewer than the longest sequence ({meta.max_kv_len})"
+            f"fewer than the longest sequence ({max_keys})"
         )
 
 
-# ----------------------------------------------------------------------------- sparse attention
 # ----------------------------------------------------------------------------- index top-k
-class IndexTopkPlan:
-    """The DSA lightning indexer's top-k selection for a rank's local rows, bound to one
-    placement plan. Build with :func:`plan_index_topk`; ``run`` per layer."""
+class IndexTopkPlan(AttentionPlan):
+    """The DSA lightning indexer's top-k selection for a rank's query rows, bound to one placement
+    plan (on the plan base, like the sparse attention it feeds). Build with
+    :func:`plan_index_topk`; ``run`` per layer.
 
-    def __init__(self, meta: CPMetadata, spec: IndexTopkSpec, backend: str, run_impl) -> None:
-        self.meta, self.spec, self.backend = meta, spec, backend
-        self._impl = run_impl
+    ``algorithm``: "local" (a replicated index-key cache: every key is given; no collective) or
+    "shard_merge" (replicated queries over a sharded cache: each rank scores its own keys,
+    :meth:`candidates`, and ONE all-gather of the candidates gives every rank the exact global
+    top-k, :func:`select_candidates`).
+    """
+
+    def __init__(self, meta: CPMetadata, spec: IndexTopkSpec, backend: str, run_impl, algorithm: str) -> None:
+        self._bind(meta, spec, backend, run_impl)
+        self.algorithm = algorithm
         p = meta.num_physical_tokens
         self._q_shape = (p, spec.num_heads, spec.head_dim)
         self._w_shape = (p, spec.num_heads)
         self._out_shape = (p, spec.topk)
         self._scale = spec.head_dim**-0.5
+        self._sharded = algorithm == "shard_merge"
 
     def __repr__(self) -> str:
-        return f"IndexTopkPlan(backend={self.backend!r}, {self.spec}, P={self.meta.num_physical_tokens})"
+        return (f"IndexTopkPlan(algorithm={self.algorithm!r}, backend={self.backend!r}, {self.spec}, "
+                f"P={self.meta.num_physical_tokens})")
 
-    def run(
-        self,
-        q_idx: Tensor,
-        k_idx: Tensor,
-        weights: Tensor,
-        *,
-        k_scale: Optional[Tensor] = None,
-        page_table: Optional[Tensor] = None,
-        softmax_scale: Optional[float] = None,
-        out: Optional[Tensor] = None,
-    ) -> Tensor:
-        """Top-k key positions per local row (see :func:`cpattn.dsa.index_topk` for the
-        arguments); ``out``: an int32 [P, topk] buffer to write. Device work plus a host loop
-        over the plan's score chunks (no host sync)."""
+    def _check_inputs(self, q_idx, k_idx, weights, k_scale, page_table) -> None:
+        """The per-layer checks of an index call (raises on the first failure, naming it)."""
         spec, meta = self.spec, self.meta
-        device = meta.device
+        device = self._device
         check_tensor(q_idx, "q_idx")
         check_tensor(k_idx, "k_idx")
         check_tensor(weights, "weights")
@@ -134,21 +135,29 @@ class IndexTopkPlan:
         if weights.shape != self._w_shape or not weights.dtype.is_floating_point:
             raise ValueError(f"weights must be a float [P, H_i] = {list(self._w_shape)} tensor, got "
                              f"{weights.dtype} {list(weights.shape)}")
+        max_keys = meta.max_local_kv_len if self._sharded else meta.max_kv_len
         if spec.paged:
             if page_table is None:
                 raise ValueError(f"the plan is paged (page_size={spec.page_size}): pass page_table")
             want = f"[num_pages, {spec.page_size}, {spec.head_dim}]"
             if k_idx.dim() != 3 or k_idx.shape[1:] != (spec.page_size, spec.head_dim):
                 raise ValueError(f"paged k_idx must be {want}, got {list(k_idx.shape)}")
-            _check_page_table(page_table, meta, spec.page_size)
+            _check_page_table(page_table, meta, spec.page_size, max_keys)
             scale_shape = tuple(k_idx.shape[:2])
         else:
             if page_table is not None:
                 raise ValueError("page_table given but the plan is for packed index keys (plan with page_size=)")
-            if k_idx.shape != (meta.num_kv_rows, spec.head_dim):
-                raise ValueError(f"k_idx must be [num_kv_tokens, D_i] = {[meta.num_kv_rows, spec.head_dim]} "
-                                 f"(rows = sum(prefix_lens + extend_lens)), got {list(k_idx.shape)}")
-            scale_shape = (meta.num_kv_rows,)
+            if self._sharded:
+                if k_idx.dim() != 2 or k_idx.shape[1] != spec.head_dim or k_idx.shape[0] < meta.num_local_kv_tokens:
+                    raise ValueError(f"k_idx must be this rank's packed index keys [>= {meta.num_local_kv_tokens}, "
+                                     f"{spec.head_dim}] (local key j of sequence b at row cu_local_kv_lens[b] + j), "
+                                     f"got {list(k_idx.shape)}")
+                scale_shape = (k_idx.shape[0],)
+            else:
+                if k_idx.shape != (meta.num_kv_rows, spec.head_dim):
+                    raise ValueError(f"k_idx must be [num_kv_tokens, D_i] = {[meta.num_kv_rows, spec.head_dim]} "
+                                     f"(rows = sum(prefix_lens + extend_lens)), got {list(k_idx.shape)}")
+                scale_shape = (meta.num_kv_rows,)
         if (k_scale is not None) != spec.has_k_scale:
             raise ValueError(f"the plan was built with has_k_scale={spec.has_k_scale}; "
                              f"got k_scale={'a tensor' if k_scale is not None else None}")
@@ -160,16 +169,158 @@ class IndexTopkPlan:
         for name, t in (("q_idx", q_idx), ("k_idx", k_idx), ("weights", weights), ("k_scale", k_scale)):
             if t is not None:
                 _check_device(t, name, device)
+
+    def _check_out(self, out, shape, dtype, what: str) -> Tensor:
         if out is None:
-            out = torch.empty(self._out_shape, dtype=torch.int32, device=device)
-        else:
-            check_tensor(out, "out")
-            if out.shape != self._out_shape or out.dtype != torch.int32 or out.device != device:
-                raise ValueError(f"out must be int32 [P, topk] = {list(self._out_shape)} on {device}, got "
-                                 f"{out.dtype} {list(out.shape)} on {out.device}")
-        scale = self._scale if softmax_scale is None else check_softmax_scale(softmax_scale)
+            return torch.empty(shape, dtype=dtype, device=self._device)
+        check_tensor(out, "out")
+        if out.shape != shape or out.dtype != dtype or out.device != self._device:
+            raise ValueError(f"out must be {what} {list(shape)} on {self._device}, got "
+                             f"{out.dtype} {list(out.shape)} on {out.device}")
+        return out
+
+    def candidates(
+        self,
+        q_idx: Tensor,
+        k_idx: Tensor,
+        weights: Tensor,
+        *,
+        k_scale: Optional[Tensor] = None,
+        page_table: Optional[Tensor] = None,
+        softmax_scale: Optional[float] = None,
+        out: Optional[Tensor] = None,
+    ) -> Tensor:
+        """"shard_merge" only: this rank's top-k candidates, no collective (device-only).
+
+        Args:
+            q_idx: [N, H_i, D_i], weights: [N, H_i]: the step's index queries, the same on every rank.
+            k_idx: this rank's index keys: packed [>= num_local_kv_tokens, D_i] (local key j of
+                sequence b at row ``cu_local_kv_lens[b] + j``) or paged [num_pages, page_size,
+                D_i] with ``page_table`` [B, max_pages] (this rank's pages); ``k_scale``
+                float32 per key ([rows] / [num_pages, page_size]) when the plan has it.
+            out: an int64 [N, topk] buffer.
+
+        Returns:
+            int64 [N, topk] packed (score, global position) keys (:mod:`cpattn.selection`): the
+            ``topk`` best of this rank's keys at global positions <= each row's position
+            (ties: the lower position), :data:`cpattn.selection.NO_KEY` where fewer.
+        """
+        if not self._sharded:
+            raise ValueError(f"candidates() is for a plan over a sharded cache (algorithm 'shard_merge'); "
+                             f"this plan's algorithm is {self.algorithm!r}: call run()")
+        self._check_inputs(q_idx, k_idx, weights, k_scale, page_table)
+        out = self._check_out(out, self._out_shape, torch.int64, "int64 [N, topk] =")
+        scale = self._softmax_scale(softmax_scale)
         self._impl(q_idx, k_idx, weights, k_scale, page_table, scale, out)
         return out
+
+    def run(
+        self,
+        q_idx: Tensor,
+        k_idx: Tensor,
+        weights: Tensor,
+        *,
+        k_scale: Optional[Tensor] = None,
+        page_table: Optional[Tensor] = None,
+        softmax_scale: Optional[float] = None,
+        out: Optional[Tensor] = None,
+        group=None,
+    ) -> Tensor:
+        """Top-k key positions per row (see :func:`cpattn.dsa.index_topk` for the arguments);
+        ``out``: an int32 [P, topk] buffer to write.
+
+        "local": the keys of every sequence are given (``k_idx`` packed like K/V or paged);
+        device work plus a host loop over the plan's score chunks (no host sync).
+        "shard_merge": ``k_idx`` / ``k_scale`` / ``page_table`` are this rank's shard (as
+        :meth:`candidates`); ONE all-gather over ``group`` of every rank's candidates (8 bytes
+        each: :func:`cpattn.dsa.topk_agreement_bytes`), then every rank returns the same exact
+        global top-k (global positions; ties: the lower position; -1 padding). Every check runs
+        before the collective; the first call per process group and shape runs a tiny [2] int64
+        all-gather first, so ranks planned with different ``topk`` all raise the same
+        ValueError instead of hanging.
+        """
+        if not self._sharded and group is not None:
+            raise ValueError("group= is for a plan over a sharded cache (algorithm 'shard_merge')")
+        self._check_inputs(q_idx, k_idx, weights, k_scale, page_table)
+        out = self._check_out(out, self._out_shape, torch.int32, "int32 [P, topk] =")
+        if not self._sharded:
+            scale = self._softmax_scale(softmax_scale)
+            self._impl(q_idx, k_idx, weights, k_scale, page_table, scale, out)
+            return out
+        from ..collectives import all_gather_into, check_group
+
+        scale = self._softmax_scale(softmax_scale)
+        check_group(self.meta, group)  # local checks, before the collective
+        _check_group_size(self.meta, group)
+        cand = torch.empty(self._out_shape, dtype=torch.int64, device=self._device)
+        self._impl(q_idx, k_idx, weights, k_scale, page_table, scale, cand)
+        c = self.meta.cp_size
+        if c > 1:
+            _check_same_candidates((cand.shape[0], cand.shape[1]), group, c)
+            gathered = torch.empty((c * cand.shape[0], cand.shape[1]), dtype=torch.int64, device=self._device)
+            all_gather_into(gathered, cand, group, False)  # the one collective
+        else:
+            gathered = cand
+        out.copy_(select_candidates(gathered.view(c, *cand.shape), self.spec.topk))
+        return out
+
+
+def _check_group_size(meta: CPMetadata, group) -> None:
+    """ValueError unless ``group`` (None: the default group) has ``meta.cp_size`` ranks with this
+    process at ``meta.rank`` (``check_group`` lets replicated plans pass without a group)."""
+    import torch.distributed as dist
+
+    if meta.cp_size == 1:
+        return
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"cp_size={meta.cp_size} needs an initialized torch.distributed process group (pass group=)")
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if size != meta.cp_size or rank != meta.rank:
+        raise ValueError(f"the group has {size} ranks with this process at rank {rank}, but the plan is rank "
+                         f"{meta.rank} of cp_size {meta.cp_size}")
+
+
+#: Candidate shapes (rows, topk) already agreed per process group (None: the default group).
+_AGREED: "weakref.WeakKeyDictionary[object, set]" = weakref.WeakKeyDictionary()
+_AGREED_DEFAULT: set = set()
+
+
+def _check_same_candidates(shape: tuple[int, int], group, size: int) -> None:
+    """Every rank passes candidates [N, topk] of one shape (else the same ValueError on every
+    rank, instead of an all-gather of mismatched sizes, which aborts or hangs): a tiny [2] int64
+    all-gather, once per process group and shape (a decode loop's later steps run the data
+    collective alone); skipped while a CUDA graph is being captured."""
+    from ..collectives import all_gather_into, group_device
+
+    try:
+        agreed = _AGREED_DEFAULT if group is None else _AGREED.setdefault(group, set())
+    except TypeError:  # a group object without weak references: check every call
+        agreed = set()
+    if shape in agreed or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return
+    device = group_device(group)
+    table = torch.empty(size * 2, dtype=torch.int64, device=device)
+    all_gather_into(table, torch.tensor(shape, dtype=torch.int64).to(device), group, False)
+    rows = table.view(size, 2).tolist()
+    if any(row != rows[0] for row in rows):
+        per_rank = "; ".join(f"rank {r}: [N={n}, topk={k}]" for r, (n, k) in enumerate(rows))
+        raise ValueError(f"index top-k over a sharded cache: the ranks planned different candidates (rows or topk "
+                         f"differ; nothing was selected): {per_rank}")
+    agreed.add(shape)
+
+
+def select_candidates(candidates: Tensor, topk: int) -> Tensor:
+    """The exact global top-k from every rank's candidates: ``candidates`` int64 [C, N, k]
+    packed keys (:meth:`IndexTopkPlan.candidates` of each rank) -> int32 [N, topk] global
+    positions (ties: the lower position; -1 where the ranks hold fewer than ``topk`` visible
+    keys in all). Pure device work: the same on every rank."""
+    check_tensor(candidates, "candidates")
+    if candidates.dtype != torch.int64 or candidates.dim() != 3:
+        raise ValueError(f"candidates must be int64 [C, N, k], got {candidates.dtype} {list(candidates.shape)}")
+    topk = check_int(topk, "topk", 1)
+    c, n, k = candidates.shape
+    flat = candidates.permute(1, 0, 2).reshape(n, c * k)
+    return key_positions(top_keys(flat, topk)).to(torch.int32)
 
 
 def plan_index_topk(
@@ -188,12 +339,29 @@ def plan_index_topk(
     """Plan the DSA index top-k over ``meta`` (host, once per forward). ``num_heads`` H_i,
     ``head_dim`` D_i, dtypes of q_idx / k_idx (fp8 index keys with ``has_k_scale``), ``topk``,
     ``page_size`` of a paged index-key cache (None: packed). ``backend``: "auto" (triton, then
-    torch), "triton" or "torch"."""
+    torch; "gemm" over a sharded cache), "triton", "torch" or "gemm".
+
+    The algorithm follows from ``meta`` as for :func:`cpattn.plan_attention`: a replicated
+    index-key cache (``meta.kv`` None) -> "local"; replicated queries over a sharded cache
+    (``kv=KVSharding(C)``, a decode step) -> "shard_merge" (static plans replay in CUDA graphs);
+    sharded queries over a sharded cache: NotImplementedError."""
     if not isinstance(meta, CPMetadata):
         raise TypeError(f"meta must be a CPMetadata, got {type(meta).__name__}")
     spec = make_index_spec(num_heads=num_heads, head_dim=head_dim, q_dtype=q_dtype, k_dtype=k_dtype, topk=topk,
                            page_size=page_size, has_k_scale=has_k_scale)
     options = dict(backend_options or {})
     check_group_rank(meta)
-    chosen = select_backend(spec, meta, backend, kind="index")
-    return IndexTopkPlan(meta, spec, chosen.name, chosen.plan(spec, meta, options))
+    if meta.kv is None:
+        chosen = select_backend(spec, meta, backend, kind="index")
+        return IndexTopkPlan(meta, spec, chosen.name, chosen.plan(spec, meta, options), "local")
+    if not meta.replicated:
+        raise NotImplementedError("the index top-k over a sharded cache runs replicated queries (a decode step: the "
+                                  "'replicated' strategy with kv=KVSharding); an extend over a sharded cache is not "
+                                  "supported")
+    if page_size is not None:
+        meta.kv.check_page_size(page_size)
+    if max(meta.max_kv_len, meta.capacity.max_kv_tokens if meta.capacity else 0) >= _MAX_POSITIONS:
+        raise ValueError(f"the index top-k over a sharded cache packs positions in 32 bits: sequences must be "
+                         f"shorter than {_MAX_POSITIONS} keys")
+    chosen = select_backend(spec, meta, "gemm" if backend == "auto" else backend, kind="shard_index")
+    return IndexTopkPlan(meta, spec, chosen.name, chosen.plan(spec, meta, options), "shard_merge")

@@ -4,7 +4,10 @@ A :class:`StaticPlanner` writes each batch's plan into the same device buffers (
 pinned staging buffer); attention plans built from such a plan reuse fixed buffers too (their
 uploads go through ``meta.arena``), and kernels read counts from device memory with grids sized
 for the capacity. A CUDA graph captured over ``shard`` / ``gather_kv`` / ``plan.run`` /
-``gather`` for one batch then replays for any batch within the capacity.
+``gather`` for one batch then replays for any batch within the capacity. That holds for every
+algorithm: "local", "gather_kv", "shard_merge", and "pass_kv" / "pass_q" (an extend over a
+sharded cache: their page table, write plan, gather / return maps and pass-Q's replicated view
+of the batch sit in the arena too, and their collectives move capacity-sized buffers).
 
 Replay support: ``triton`` (both kernel families) replays; ``fa4`` takes host sizes and is
 refused for static plans (``auto`` picks triton); ``torch`` runs its per-segment loop on the
@@ -19,11 +22,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._buffers import StaticArena
+from .._buffers import StaticArena, pad_to
 from .._validation import check_device, check_int
-from ..metadata import DEVICE_FIELDS, Capacity, CPMetadata, LengthsLike, as_lengths, plan_fingerprint
+from ..metadata import (DEVICE_FIELDS, SEGMENT_FIELDS, Capacity, CPMetadata, LengthsLike, as_lengths,
+                        plan_fingerprint)
 
-__all__ = ["StaticPlanner"]
+__all__ = ["StaticPlanner", "place_static"]
 
 
 class StaticPlanner:
@@ -91,15 +95,7 @@ class StaticPlanner:
         exceeds the capacity; with ``group`` the ranks agree on the plan first, as in
         ``strategy.build_metadata``)."""
         host = self.strategy.agreed(lambda: self._build(extend_lens, prefix_lens, rank), group, agree)
-        views = self.arena.upload("meta", _expand(host, self.capacity))
-        sized = {name: views[name] for name in DEVICE_FIELDS}
-        n, t, b, s = host.num_local_tokens, host.num_tokens, host.num_seqs, host.num_segments
-        sized.update(  # informational fields: views of the batch's real rows
-            local_token_indices=views["local_token_indices"][:n], local_positions=views["local_positions"][:n],
-            local_seq_ids=views["local_seq_ids"][:n], extend_lens=views["extend_lens"][:b],
-            prefix_lens=views["prefix_lens"][:b], kv_lens=views["kv_lens"][:b],
-        )
-        return dataclasses.replace(host, **sized, capacity=self.capacity, host=host, arena=self.arena)
+        return place_static(self.arena, "meta", host, self.capacity)
 
     def _build(self, extend_lens, prefix_lens, rank) -> CPMetadata:
         cap, s = self.capacity, self.strategy
@@ -125,10 +121,18 @@ class StaticPlanner:
         return dataclasses.replace(host, fingerprint=fingerprint)
 
 
-def _pad_to(x: Tensor, size: int, fill) -> Tensor:
-    out = torch.full((size,), fill, dtype=x.dtype) if x.dtype != torch.bool else torch.zeros(size, dtype=torch.bool)
-    out[: x.numel()] = x
-    return out
+def place_static(arena: StaticArena, key, host: CPMetadata, capacity: Capacity) -> CPMetadata:
+    """A host plan (its sizes within ``capacity``) at the arena's fixed buffers of ``key``: ONE
+    host-to-device copy; the same device tensors for every plan placed under that key."""
+    views = arena.upload(key, _expand(host, capacity))
+    sized = {name: views[name] for name in DEVICE_FIELDS}
+    n, b = host.num_local_tokens, host.num_seqs
+    sized.update(  # informational fields: views of the batch's real rows
+        local_token_indices=views["local_token_indices"][:n], local_positions=views["local_positions"][:n],
+        local_seq_ids=views["local_seq_ids"][:n], extend_lens=views["extend_lens"][:b],
+        prefix_lens=views["prefix_lens"][:b], kv_lens=views["kv_lens"][:b],
+    )
+    return dataclasses.replace(host, **sized, capacity=capacity, host=host, arena=arena)
 
 
 def _expand(host: CPMetadata, cap: Capacity) -> dict[str, Tensor]:
@@ -138,27 +142,27 @@ def _expand(host: CPMetadata, cap: Capacity) -> dict[str, Tensor]:
     last_kv = host.kv_extend_index[t - 1] if t else 0
     s = host.num_segments
     segs = {}
-    for name in ("seg_seq", "seg_row0", "seg_len", "seg_pos0", "seg_stride"):
-        segs[name] = _pad_to(getattr(host, name), cap.max_segments + 1, 0)
+    for name in SEGMENT_FIELDS:
+        segs[name] = pad_to(getattr(host, name), cap.max_segments + 1, 0)
     return {
-        "extend_lens": _pad_to(host.extend_lens, cap.max_seqs, 0),
-        "prefix_lens": _pad_to(host.prefix_lens, cap.max_seqs, 0),
-        "kv_lens": _pad_to(host.kv_lens, cap.max_seqs, 0),
-        "cu_extend_lens": _pad_to(host.cu_extend_lens, cap.max_seqs + 1, host.num_tokens),
-        "cu_kv_lens": _pad_to(host.cu_kv_lens, cap.max_seqs + 1, host.num_kv_tokens),
-        "local_token_indices": _pad_to(host.local_token_indices, cap.max_local_tokens, 0),
-        "local_positions": _pad_to(host.local_positions, cap.max_local_tokens, 0),
-        "local_seq_ids": _pad_to(host.local_seq_ids, cap.max_local_tokens, 0),
+        "extend_lens": pad_to(host.extend_lens, cap.max_seqs, 0),
+        "prefix_lens": pad_to(host.prefix_lens, cap.max_seqs, 0),
+        "kv_lens": pad_to(host.kv_lens, cap.max_seqs, 0),
+        "cu_extend_lens": pad_to(host.cu_extend_lens, cap.max_seqs + 1, host.num_tokens),
+        "cu_kv_lens": pad_to(host.cu_kv_lens, cap.max_seqs + 1, host.num_kv_tokens),
+        "local_token_indices": pad_to(host.local_token_indices, cap.max_local_tokens, 0),
+        "local_positions": pad_to(host.local_positions, cap.max_local_tokens, 0),
+        "local_seq_ids": pad_to(host.local_seq_ids, cap.max_local_tokens, 0),
         "shard_index": host.shard_index,
         "row_valid": host.row_valid,
         # rows past T repeat the last real token's row: their duplicate writes are identical
-        "gather_index": _pad_to(host.gather_index, cap.max_tokens, int(last_gather)),
-        "kv_extend_index": _pad_to(host.kv_extend_index, cap.max_tokens, int(last_kv)),
+        "gather_index": pad_to(host.gather_index, cap.max_tokens, int(last_gather)),
+        "kv_extend_index": pad_to(host.kv_extend_index, cap.max_tokens, int(last_kv)),
         **segs,
         "counts": host.counts,
         # sharded-cache fields: empty without a KV sharding; else sized for the capacity
         # (entries past the batch's are unspecified: writes go through a CacheWritePlan)
-        **{name: getattr(host, name) if host.kv is None else _pad_to(getattr(host, name), size, fill)
+        **{name: getattr(host, name) if host.kv is None else pad_to(getattr(host, name), size, fill)
            for name, size, fill in (("store_rows", cap.max_tokens, 0), ("store_index", cap.max_tokens, 0),
                                     ("local_prefix_lens", cap.max_seqs, 0), ("local_kv_lens", cap.max_seqs, 0),
                                     ("cu_local_kv_lens", cap.max_seqs + 1, host.num_local_kv_tokens))},

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from typing import ClassVar, Optional, Sequence
+from typing import TYPE_CHECKING, ClassVar, Optional, Sequence
 
 import numpy as np
 import torch
@@ -24,9 +24,12 @@ from ..collectives import PendingGather, agree_on_plan, all_gather_rows, check_g
 from ..metadata import CPMetadata, LengthsLike, as_lengths, build_metadata, token_owners
 from ..plan_cache import cached_plan
 from ..plans import AttentionPlan, plan_attention
-from ..plans.base import check_qkv
+from ..plans.base import KernelCall, check_qkv
 from ..plans.sparse import check_index
-from ..spec import AttentionSpec
+from ..spec import FP8_KV_DTYPES, AttentionSpec
+
+if TYPE_CHECKING:  # annotations only (typing.Unpack: Python >= 3.11)
+    from typing_extensions import Unpack
 
 __all__ = ["CPStrategy", "RotatingStrategy", "block_of", "rotation_offsets"]
 
@@ -352,20 +355,9 @@ class CPStrategy(ABC):
         result = self.gather_packed([kv_c_local, k_pe_local], meta, group, async_op=async_op)
         return result if async_op else (result[0], result[1])
 
-    def attention(
-        self,
-        q_local: Tensor,
-        k: Tensor,
-        v: Tensor,
-        meta: CPMetadata,
-        *,
-        page_table: Optional[Tensor] = None,
-        softmax_scale: Optional[float] = None,
-        window_size: Sequence[int] = (-1, -1),
-        sinks: Optional[Tensor] = None,
-        backend: str = "auto",
-        return_lse: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def attention(self, q_local: Tensor, k: Tensor, v: Tensor, meta: CPMetadata, *,
+                  window_size: Sequence[int] = (-1, -1), backend: str = "auto",
+                  **call: Unpack[KernelCall]) -> Tensor | tuple[Tensor, Tensor]:
         """Causal attention of this rank's local queries over their whole sequences.
 
         The kernel-only convenience form of ``cpattn.plan_attention(meta, spec).attend(...)``: it
@@ -378,55 +370,48 @@ class CPStrategy(ABC):
                 sequence 1, ...): [num_kv_tokens, Hkv, D] and [num_kv_tokens, Hkv, Dv]. With
                 ``page_table``: caches [num_pages, page_size, Hkv, D] / [.., Dv] where key j of
                 sequence b is at page ``page_table[b, j // page_size]``, slot ``j % page_size``.
-            page_table: [B, max_pages] int32/int64, or None for packed K/V.
-            softmax_scale: default D ** -0.5.
             window_size: (left, right) like flash-attn; a row at position p sees keys at positions
                 in [p - left, p] (left = -1: no limit; positions are global). Causal, so right
                 must be -1 or 0.
-            sinks: [Hq] float logits (any float dtype, any stride) that join each row's softmax
-                denominator only.
             backend: "auto", "torch", "triton" or "fa4" (``plan.backend`` of the plan says which ran).
-            return_lse: also return lse [P, Hq] float32 (float64 for float64 inputs on the
-                torch backend), natural log; it counts the sinks
-                (``lse = log(sum_j exp(s_j) + exp(sink))``) and is -inf on pad rows.
+            **call: the plan's :class:`cpattn.plans.base.KernelCall` keywords: ``page_table``
+                ([B, max_pages] int32/int64, or None for packed K/V), ``softmax_scale`` (default
+                D ** -0.5), ``sinks`` ([Hq] float logits, any float dtype and stride, that join
+                each row's softmax denominator only), ``out`` / ``lse`` buffers, ``return_lse``
+                (also return lse [P, Hq] float32, float64 for float64 inputs on the torch
+                backend, natural log; it counts the sinks (``lse = log(sum_j exp(s_j) +
+                exp(sink))``) and is -inf on pad rows), ``k_scale`` / ``v_scale`` (FP8 K/V only,
+                required there: float32 ``[]`` or ``[Hkv]`` scales, :mod:`cpattn.quant`).
 
         Returns:
             out [P, Hq, Dv] in q's dtype, pad rows exactly zero; with return_lse, (out, lse).
         """
-        plan = self._cached_plan(q_local, k, v, meta, page_table, window_size, sinks, backend)
-        return plan.attend(q_local, k, v, page_table=page_table, sinks=sinks, softmax_scale=softmax_scale,
-                           return_lse=return_lse)
+        plan = self._cached_plan(q_local, k, v, meta, call, backend, window_size=window_size)
+        return plan.attend(q_local, k, v, **call)
 
     def _check_replicated_cache(self, meta: CPMetadata) -> None:
         if meta.kv is not None:
             raise ValueError("strategy.attention / sparse_attention attend keys every rank holds; with a sharded KV "
                              "cache (meta.kv) use cpattn.plan_attention(meta, spec) and its run / attend")
 
-    def _cached_plan(self, q, k, v, meta, page_table, window_size, sinks, backend) -> AttentionPlan:
+    def _cached_plan(self, q, k, v, meta, call: dict, backend: str, *, window_size=(-1, -1),
+                     idx: Optional[Tensor] = None) -> AttentionPlan:
+        """The plan of a convenience call (its spec read from the tensors; ``idx``: sparse),
+        cached beside ``meta``."""
         self.check_metadata(meta)
         self._check_replicated_cache(meta)
-        paged = page_table is not None
+        paged = call.get("page_table") is not None
         hq, hkv = check_qkv(q, k, v, paged)
+        topk = None if idx is None else check_index(idx, meta.num_physical_tokens)
         spec = AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=q.shape[-1], head_dim_v=v.shape[-1],
                              dtype=q.dtype, window_size=window_size, page_size=k.shape[1] if paged else None,
-                             has_sinks=sinks is not None)
+                             has_sinks=call.get("sinks") is not None, topk=topk,
+                             kv_dtype=k.dtype if k.dtype in FP8_KV_DTYPES else None)
         return cached_plan(meta, (spec, backend), lambda: plan_attention(meta, spec, backend=backend))
 
     # ------------------------------------------------------------------ DSA
-    def sparse_attention(
-        self,
-        q_local: Tensor,
-        k: Tensor,
-        v: Tensor,
-        meta: CPMetadata,
-        idx: Tensor,
-        *,
-        page_table: Optional[Tensor] = None,
-        softmax_scale: Optional[float] = None,
-        sinks: Optional[Tensor] = None,
-        backend: str = "auto",
-        return_lse: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def sparse_attention(self, q_local: Tensor, k: Tensor, v: Tensor, meta: CPMetadata, idx: Tensor, *,
+                         backend: str = "auto", **call: Unpack[KernelCall]) -> Tensor | tuple[Tensor, Tensor]:
         """Sparse (DSA) attention: each local row attends the keys of its own sequence whose
         positions appear in its row of ``idx`` and are ``<=`` its position (-1, future and
         out-of-sequence entries are ignored, so a selection without a causal mask stays causal).
@@ -442,30 +427,19 @@ class CPStrategy(ABC):
                 form: Hkv = Hq or GQA (e.g. transformers' expanded K/V).
             idx: [P, topk] int32/int64 key positions per row (index in the sequence, prefix
                 counted), e.g. :func:`cpattn.dsa.index_topk`.
-            softmax_scale: default D ** -0.5. sinks: [Hq] float logits (denominator only).
             backend: "auto" (triton, then torch), "triton" or "torch".
-            return_lse: also return lse [P, Hq] float32 (float64 for float64 inputs on the
-                torch backend), natural log (sinks counted), -inf on pad rows and on real rows
-                with no valid key (without sinks).
+            **call: as :meth:`attention`: ``page_table``, ``softmax_scale`` (default D ** -0.5),
+                ``sinks`` ([Hq] float logits, denominator only), ``out`` / ``lse``,
+                ``return_lse`` (lse [P, Hq] float32, float64 for float64 inputs on the torch
+                backend, natural log, sinks counted; -inf on pad rows and on real rows with no
+                valid key without sinks).
 
         Returns:
             out [P, Hq, Dv] in q's dtype (pad rows and rows with no valid key exactly 0); with
             return_lse, (out, lse).
         """
-        plan = self._cached_sparse_plan(q_local, k, v, meta, idx, page_table, sinks, backend)
-        return plan.attend(q_local, k, v, idx, page_table=page_table, sinks=sinks, softmax_scale=softmax_scale,
-                           return_lse=return_lse)
-
-    def _cached_sparse_plan(self, q, k, v, meta, idx, page_table, sinks, backend) -> AttentionPlan:
-        self.check_metadata(meta)
-        self._check_replicated_cache(meta)
-        paged = page_table is not None
-        hq, hkv = check_qkv(q, k, v, paged)
-        topk = check_index(idx, meta.num_physical_tokens)
-        spec = AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=q.shape[-1], head_dim_v=v.shape[-1],
-                             dtype=q.dtype, topk=topk, page_size=k.shape[1] if paged else None,
-                             has_sinks=sinks is not None)
-        return cached_plan(meta, (spec, backend), lambda: plan_attention(meta, spec, backend=backend))
+        plan = self._cached_plan(q_local, k, v, meta, call, backend, idx=idx)
+        return plan.attend(q_local, k, v, idx, **call)
 
 
 class RotatingStrategy(CPStrategy):

@@ -1,0 +1,242 @@
+"""DSA index scores over one rank's key shard and its top-k candidates (plan kind
+``"shard_index"``; backends ``triton``, then ``gemm``): the first half of the exact global top-k
+of a decode step over a sharded cache (:class:`cpattn.plans.IndexTopkPlan`, algorithm
+"shard_merge").
+
+Every rank holds the same query rows (replicated queries, global positions) and the index keys of
+its shard (:class:`cpattn.KVSharding`: local key ``j`` of a sequence at global position
+``(j // I) C I + r I + j % I``). A row at global position ``p`` sees the local keys
+``j < local_key_counts(p + 1)`` (causal by global position: a prefix of the local keys). Per
+layer the plan loops over fixed key chunks of ``width`` local keys (the count is fixed at plan
+time: from the longest local sequence, or from the capacity of a static plan, so a CUDA graph of
+the step replays for any batch within it) and scores each chunk:
+
+* ``triton`` (:mod:`.triton_shard_index`): one kernel writes the chunk's ``[N, width]`` packed
+  keys (scores and global positions, :mod:`cpattn.selection`), the indexer heads as the dot's M
+  dimension (decode rows are few), each key read once per row;
+* ``gemm``: gathers each row's chunk of keys (packed rows ``cu_local_kv_lens[seq] + j`` or
+  through the page table) and scores them with two matmuls (bf16 / fp16 queries on CUDA: a
+  tensor-core ``bmm`` with float32 output; else float32, float64 for float64 inputs).
+
+``gemm`` then packs (score, global position) into int64 keys (:mod:`cpattn.selection`); both keep
+a running ``torch.topk`` of ``topk`` packed keys per row. Device-only: no host sync, no host-to-device copy.
+
+``backend_options``: ``max_score_elems`` (score values per chunk, default 2**24 = 64 MiB of
+float32); triton: ``keys_per_program`` (default 1024, fewer for few rows), ``block_n`` (64),
+``num_warps`` (4), ``num_stages`` (2).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+from torch import Tensor
+
+from . import IndexTopkSpec, triton_available, triton_device_reason
+from ..kv_sharding import local_key_counts
+from ..metadata import CPMetadata
+from ..selection import NO_KEY, pack_keys, top_keys
+
+__all__ = ["GemmShardIndexBackend", "TritonShardIndexBackend", "max_local_keys"]
+
+#: Score values per key chunk (default 2^24: 64 MiB of float32 scores; the gemm family's
+#: [N, H_i, width] block and gathered keys stay in that order).
+_DEFAULT_SCORE_ELEMS = 1 << 24
+_KERNEL_MODULE = "cpattn.kernels.triton_shard_index"
+
+
+def max_local_keys(meta: CPMetadata) -> int:
+    """The most keys one sequence can have on one rank for ``meta``: the longest local sequence,
+    or for a static plan the bound over its capacity (rank 0 holds the most)."""
+    sh = meta.kv
+    if meta.capacity is None:
+        return int(meta.max_local_kv_len)
+    total = torch.tensor([meta.capacity.max_kv_tokens])
+    return int(local_key_counts(total, 0, sh.cp_size, sh.interleave)[0])
+
+
+_BMM_OUT_DTYPE: dict = {}
+
+
+def _bmm_out_dtype_ok(device: torch.device) -> bool:
+    """Whether ``torch.bmm(bf16, bf16, out_dtype=torch.float32)`` runs on ``device`` (CUDA; tried
+    once per device at plan time)."""
+    if device.type != "cuda":
+        return False
+    key = str(device)
+    if key not in _BMM_OUT_DTYPE:
+        try:
+            a = torch.ones(1, 16, 16, dtype=torch.bfloat16, device=device)
+            ok = torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, TypeError, NotImplementedError):
+            ok = False
+        _BMM_OUT_DTYPE[key] = ok
+    return _BMM_OUT_DTYPE[key]
+
+
+def _row_positions(meta: CPMetadata) -> tuple[Tensor, Tensor]:
+    """Sequence and global position of every query row (pad rows: sequence 0, position -1),
+    from the plan's device fields (fixed addresses in a static plan: graph-safe)."""
+    t = meta.shard_index
+    b = meta.num_seq_rows
+    if b == 0:  # no sequence: every row is a pad row
+        return torch.zeros_like(t), torch.full_like(t, -1)
+    seq = (torch.searchsorted(meta.cu_extend_lens, t, right=True) - 1).clamp_(0, b - 1)
+    cu_kv, cu_ext = meta.cu_kv_lens, meta.cu_extend_lens  # capacity-sized ([B + 1] or [max_seqs + 1])
+    pos = cu_kv[seq + 1] - cu_kv[seq] - cu_ext[seq + 1] + t  # prefix + offset in the extend
+    pos = torch.where(meta.row_valid, pos, torch.full((), -1, dtype=pos.dtype, device=pos.device))
+    return seq, pos
+
+
+class _ShardIndexRun:
+    """A planned index top-k over one key shard (see the module docstring); called per layer.
+    ``family``: "triton" (:mod:`.triton_shard_index` scores) or "gemm" (torch matmuls)."""
+
+    def __init__(self, spec: IndexTopkSpec, meta: CPMetadata, options: Mapping, family: str) -> None:
+        known = {"max_score_elems"} | ({"keys_per_program", "block_n", "num_warps", "num_stages"}
+                                       if family == "triton" else set())
+        unknown = set(options) - known
+        if unknown:
+            raise ValueError(f"unknown {family} backend_options {sorted(unknown)} (known: {sorted(known)})")
+        budget = int(options.get("max_score_elems") or _DEFAULT_SCORE_ELEMS)
+        if budget < 1:
+            raise ValueError(f"backend_options max_score_elems must be >= 1, got {budget}")
+        sh = meta.kv
+        self.spec, self.meta = spec, meta
+        self.cp_size, self.interleave, self.rank = sh.cp_size, sh.interleave, meta.rank
+        n = meta.num_physical_tokens
+        self.num_keys = max_local_keys(meta)
+        # the block per chunk: [N, width] int64 packed keys (triton) or [N, H_i, width] float32 (gemm)
+        per_key = max(1, n) * (1 if family == "triton" else max(spec.num_heads, spec.head_dim))
+        self.width = max(16, min(budget // per_key, max(self.num_keys, 1)))
+        self.half_gemm = False
+        if family == "triton":
+            from . import triton_index, triton_shard_index as kern
+
+            interp = kern.INTERPRETED
+            block_n = int(options.get("block_n") or (16 if interp else 64))
+            # keys per program: up to 1024, fewer when the rows are few, so that a chunk still
+            # spreads over >= 1024 programs (a B = 1 step would otherwise occupy ~1 program per SM)
+            spread = max(block_n, 1 << max(0, (max(1, n) * self.width // 1024).bit_length() - 1))
+            kpp = int(options.get("keys_per_program") or (64 if interp else min(1024, spread)))
+            warps = int(options.get("num_warps") or 4)
+            stages = int(options.get("num_stages") or 2)
+            for name, value in (("keys_per_program", kpp), ("block_n", block_n)):
+                if value < 16 or value & (value - 1):
+                    raise ValueError(f"backend_options {name} must be a power of two >= 16, got {value}")
+            if kpp % block_n:
+                raise ValueError(f"backend_options keys_per_program={kpp} must be a multiple of block_n={block_n}")
+            block_h, block_d = kern.block_sizes(spec.num_heads, spec.head_dim)
+            self.plan_args = dict(NUM_HEADS=spec.num_heads, HEAD_DIM=spec.head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
+                                  BLOCK_N=block_n, KEYS_PER_PROGRAM=kpp, num_warps=warps, num_stages=stages,
+                                  PAGE_SIZE=spec.page_size or 1,
+                                  **triton_index.dot_settings(spec.q_dtype, spec.k_dtype))
+            self._launch = kern.launch
+            self.family = "triton"
+        else:
+            #: bf16 / fp16 index queries on CUDA: scores by a tensor-core bmm with float32 output
+            #: (fp8 keys are converted to the queries' dtype exactly, their scales applied after the
+            #: dot); else float32 matmuls (float64 for float64 inputs)
+            self.half_gemm = spec.q_dtype in (torch.bfloat16, torch.float16) and _bmm_out_dtype_ok(meta.device)
+            self.family = "gemm-half" if self.half_gemm else "gemm-fp32"
+
+    def __call__(self, q_idx: Tensor, k_idx: Tensor, weights: Tensor, k_scale: Optional[Tensor],
+                 page_table: Optional[Tensor], softmax_scale: float, out: Tensor) -> None:
+        """Write this rank's candidates: ``out`` int64 [N, topk] packed keys (NO_KEY padding)."""
+        spec, meta = self.spec, self.meta
+        dev = q_idx.device
+        work = torch.float64 if torch.float64 in (q_idx.dtype, k_idx.dtype) else torch.float32
+        c, il, r = self.cp_size, self.interleave, self.rank
+        seq, pos = _row_positions(meta)
+        visible = local_key_counts(pos + 1, r, c, il)  # [N] local keys at global positions <= pos
+        best = torch.full(out.shape, NO_KEY, dtype=torch.int64, device=dev)
+        num_keys = self.num_keys if k_idx.shape[0] else 0  # an empty shard holds no candidate
+        start = torch.zeros_like(seq) if spec.paged else meta.cu_local_kv_lens[seq]
+        if self.family == "triton":
+            self._triton(q_idx, k_idx, weights, k_scale, page_table, softmax_scale, seq, visible, start, num_keys,
+                         best)
+            out.copy_(best)
+            return
+        ww = weights.to(work)
+        q_half = q_idx if self.half_gemm else None
+        qw = None if self.half_gemm else q_idx.to(work)
+        if spec.paged:
+            ps = spec.page_size
+            table = page_table.long()[seq]  # [N, max_pages]
+        for j0 in range(0, num_keys, self.width):
+            j = torch.arange(j0, j0 + self.width, device=dev)
+            valid = j[None, :] < visible[:, None]  # [N, W]
+            gpos = (j // il) * (c * il) + r * il + j % il
+            if spec.paged:
+                page = table.gather(1, (j // ps).clamp(max=table.shape[1] - 1)[None, :].expand(table.shape[0], -1))
+                page = torch.where(valid, page, 0)
+                slot = torch.where(valid, j % ps, 0)
+                keys = k_idx[page, slot]  # [N, W, D]
+                scale = k_scale[page, slot] if k_scale is not None else None
+            else:
+                rows = torch.where(valid, start[:, None] + j[None, :], 0)
+                keys = k_idx[rows]
+                scale = k_scale[rows] if k_scale is not None else None
+            if self.half_gemm:  # tensor-core GEMM, float32 out: keys stay in their 2-byte dtype
+                dots = torch.bmm(q_half, keys.to(q_half.dtype).transpose(1, 2), out_dtype=torch.float32)
+                if scale is not None:
+                    dots = dots * scale.float()[:, None, :]
+            else:
+                keys = keys.to(work)
+                if scale is not None:
+                    keys = keys * scale.to(work)[..., None]
+                dots = torch.einsum("nhd,nwd->nhw", qw, keys)
+            s = torch.einsum("nh,nhw->nw", ww, torch.relu(dots * softmax_scale))
+            best = top_keys(torch.cat([best, pack_keys(s, gpos[None, :], valid)], dim=1), out.shape[1])
+        out.copy_(best)
+
+    def _triton(self, q_idx, k_idx, weights, k_scale, page_table, softmax_scale, seq, visible, start, num_keys,
+                best) -> None:
+        """The running top-k over key chunks scored by the Triton kernel (in place on ``best``)."""
+        c, il, r = self.cp_size, self.interleave, self.rank
+        dev = q_idx.device
+        q = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
+        k = k_idx if k_idx.stride(-1) == 1 else k_idx.contiguous()
+        topk = best.shape[1]
+        packed = torch.empty(best.shape[0], self.width, dtype=torch.int64, device=dev)
+        for j0 in range(0, num_keys, self.width):
+            self._launch(q, k, weights, k_scale, packed, page_table, seq, visible, start, j0, softmax_scale, (c, il, r),
+                         plan_args=self.plan_args)
+            best.copy_(top_keys(torch.cat([best, packed], dim=1), topk))
+
+
+class GemmShardIndexBackend:
+    name = "gemm"
+
+    def available(self) -> Optional[str]:
+        return None
+
+    def unsupported_reason(self, spec: IndexTopkSpec, meta: CPMetadata) -> Optional[str]:
+        return None
+
+    def plan(self, spec: IndexTopkSpec, meta: CPMetadata, options: Mapping) -> _ShardIndexRun:
+        return _ShardIndexRun(spec, meta, options, "gemm")
+
+
+class TritonShardIndexBackend:
+    name = "triton"
+
+    def available(self) -> Optional[str]:
+        return triton_available()
+
+    def unsupported_reason(self, spec: IndexTopkSpec, meta: CPMetadata) -> Optional[str]:
+        reason = triton_device_reason(meta.device, _KERNEL_MODULE)
+        if reason is not None:
+            return reason
+        from .dsa_backend import index_spec_reason  # the prefill index kernel's dtype / head-dim rule
+
+        reason = index_spec_reason(spec, meta.device.type == "cuda")
+        if reason is not None:
+            return reason
+        if spec.num_heads > 128:
+            return f"{spec.num_heads} index heads not supported (<= 128)"
+        return None
+
+    def plan(self, spec: IndexTopkSpec, meta: CPMetadata, options: Mapping) -> _ShardIndexRun:
+        return _ShardIndexRun(spec, meta, options, "triton")
