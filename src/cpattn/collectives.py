@@ -245,12 +245,17 @@ def all_gather_rows(
     offsets, widths, row_bytes = _part_layout(parts)
     phys = meta.num_physical_tokens
     device = parts[0].device
+    if meta.cp_size == 1 or meta.replicated:  # every rank has every row: no collective, no byte packing
+        layout = tuple((p.dtype, tuple(p.shape[1:]), o, w) for p, o, w in zip(parts, offsets, widths))
+        rows = [p.index_select(0, meta.gather_index) for p in parts]
+        pending = PendingGather(None, parts[0], meta, layout, rows)
+        return pending if async_op else rows
     packed = torch.empty((phys, row_bytes), dtype=torch.uint8, device=device)
     for part, off, width in zip(parts, offsets, widths):
         packed[:, off : off + width] = part.reshape(phys, _row_numel(part)).contiguous().view(torch.uint8)
     work = None
-    if meta.cp_size == 1 or meta.replicated or phys == 0:  # replicated: every rank has every row
-        gathered = packed if (meta.cp_size == 1 or meta.replicated) else packed.new_empty((0, row_bytes))
+    if phys == 0:
+        gathered = packed.new_empty((0, row_bytes))
     else:
         gathered = torch.empty((meta.cp_size * phys, row_bytes), dtype=torch.uint8, device=device)
         work = all_gather_into(gathered, packed, group, async_op)

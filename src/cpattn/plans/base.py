@@ -412,6 +412,8 @@ class AttentionPlan:
         if self.spec.paged:
             write_kv_cache(k_ext, v_ext, k_cache, v_cache, writes)
             return k_cache, v_cache
+        if meta.num_kv_tokens == meta.num_tokens:  # no cached prefix: the logical rows are the packed layout
+            return k_ext, v_ext
         return pack_kv(k_ext, v_ext, meta, k_pre, v_pre)
 
     @staticmethod
