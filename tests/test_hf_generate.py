@@ -121,11 +121,6 @@ def _refusal_worker(rank: int, world: int) -> dict:
     """Every refusal on every rank, with zero collectives; the cache stays usable afterwards."""
     errors = {}
     with CountCollectives() as counter:
-        dsa = hf_cp_prefill.build_model("deepseek_v32", seed=0)
-        try:
-            cphf.ShardedKVCache(dsa.config)
-        except ValueError as exc:
-            errors["dsa"] = str(exc)
         model = cphf.enable(hf_cp_prefill.build_model("llama", seed=0))
         cache = cphf.ShardedKVCache(model.config, page_size=PAGE)
         for key, call in (
@@ -164,7 +159,6 @@ def _refusal_worker(rank: int, world: int) -> dict:
 
 def test_refusals_before_any_collective():
     for errors in run_distributed(_refusal_worker, 2):
-        assert "does not cover DSA yet" in errors["dsa"]
         assert "batch must have 1 row" in errors["batch"]
         assert "attention_mask" in errors["mask"] and "zero" in errors["mask"]
         assert "use_cache=True" in errors["use_cache"]

@@ -362,8 +362,10 @@ def _begin_sharded_forward(module: torch.nn.Module, bound, argument, cache_name:
         sharded = shard_inputs(step.strategy, step.meta, **{key: x}, position_ids=pos.reshape(1, n))
         call.update(input_ids=sharded.get("input_ids"), inputs_embeds=sharded.get("inputs_embeds"),
                     position_ids=sharded["position_ids"])
+    if step.dsa_mask is not None:  # DSA: the indexer's mask (hf_dsa_cache), passed as the mask mapping
+        call["attention_mask"] = {hf_dsa.DSA_LAYER_TYPE: step.dsa_mask}
     ctx = CPContext(step.strategy, step.meta, cache.group, cache.backend)
-    ctx._forward.update(active=True, cache=cache, sharded=step, module=module)
+    ctx._forward.update(active=True, cache=cache, sharded=step, module=module, dsa_mask=step.dsa_mask)
     ctx._forward["token"] = _CONTEXT.set(ctx)
     return (), call
 
@@ -558,16 +560,18 @@ def cpattn_attention_forward(
             "the model's decoder has no cpattn input hook: prepare the model with "
             "cpattn.integrations.hf.enable(model) (not only attn_implementation='cpattn')"
         )
-    if kwargs.get("indices") is not None:  # a DSA layer: sparse attention over the model's top-k (hf_dsa)
-        return hf_dsa.sparse_attention_forward(ctx, module, query, key, value, attention_mask, kwargs["indices"],
-                                               scaling, dropout)
-    sharded = ctx._forward.get("sharded")
+    indices, sharded = kwargs.get("indices"), ctx._forward.get("sharded")
     if sharded is not None and sharded.decode:  # a later forward over a ShardedKVCache (hf_cache)
-        _check_attention_args(attention_mask, dropout, softcap)
+        dsa_mask = ctx._forward.get("dsa_mask")
+        _check_attention_args(None if dsa_mask is not None and attention_mask is dsa_mask else attention_mask,
+                              dropout, softcap)
         out = ctx._forward["cache"].decode_attention(_layer_index(module), query, key, value, scaling=scaling,
                                                      sliding_window=sliding_window, sinks=s_aux,
-                                                     module=module)
+                                                     module=module, indices=indices)
         return out, None
+    if indices is not None:  # a DSA layer: sparse attention over the model's top-k (hf_dsa)
+        return hf_dsa.sparse_attention_forward(ctx, module, query, key, value, attention_mask, indices,
+                                               scaling, dropout)
     meta = ctx.meta
     rows = meta.num_physical_tokens
     for name, t in (("query", query), ("key", key), ("value", value)):

@@ -28,14 +28,23 @@ upload and one cache-write plan per layer kind (full / each window), and the exa
 check on the first layer of each kind. The prompt's forward holds one layer's whole K/V at a time
 (the gathered ``[L, Hkv, D]`` rows it attends and stores from), never more than one layer.
 
-Not covered (ValueError before any collective): DSA models (``"indexed_attention"`` layers;
-sharded-cache generation does not cover DSA yet), token mixers other than attention, batches of
+DSA models (transformers' ``deepseek_v32``, ``glm_moe_dsa``: ``"indexed_attention"`` layers) store
+each rank's share of the MLA latent + rope key and of the indexer keys (same pages, same
+positions). The prompt's forward gathers the latent and the index keys (ONE collective each, as
+:mod:`cpattn.integrations.hf_dsa`) and stores the rows this rank owns; a later forward scores the
+new tokens' index queries against this rank's index keys, agrees on the exact global top-k (ONE
+all-gather, :mod:`cpattn.integrations.hf_dsa_cache`), and attends the selected keys this rank owns
+with the sparse shard-merge plan (``AttentionSpec(topk=)``, ONE collective); a GLM "shared" layer
+reuses the previous layer's selection (no agreement).
+
+Not covered (ValueError before any collective): token mixers other than attention, batches of
 more than one sequence (beam search, ``num_return_sequences > 1``), padding masks, and rewinding
 the cache (``crop``: assisted decoding; ``reorder_cache``).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -48,7 +57,7 @@ from ..kv_sharding import KVSharding
 from ..plans import plan_attention
 from ..spec import MAX_PAGE_SIZE, AttentionSpec
 from ..strategies import CPStrategy, get_strategy
-from . import hf_dsa
+from . import hf_dsa, hf_dsa_cache
 
 try:
     from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
@@ -62,7 +71,7 @@ __all__ = ["DEFAULT_PAGE_SIZE", "ShardedKVCache", "ShardedKVLayer", "ShardedStep
 #: at most one partial page per layer.
 DEFAULT_PAGE_SIZE = 64
 
-_SUPPORTED = ("full_attention", "sliding_attention")
+_SUPPORTED = ("full_attention", "sliding_attention", hf_dsa.DSA_LAYER_TYPE)
 
 
 def _text_config(config):
@@ -129,6 +138,7 @@ class ShardedKVLayer(CacheLayerMixin):
         self.layer_type, self.window = layer_type, window
         self.is_sliding = window is not None
         self.latent_dim: Optional[int] = None  # an MLA latent layer: values = keys[..., :latent_dim]
+        self.index_keys: Optional[Tensor] = None  # a DSA layer's indexer keys [pages, page_size, D_i]
 
     def __repr__(self) -> str:
         return f"ShardedKVLayer({self.layer_type}, window={self.window}, pages={self.num_pages})"
@@ -171,11 +181,27 @@ class ShardedKVLayer(CacheLayerMixin):
             else:
                 self.values = torch.cat([self.values, self.values.new_zeros((grow, *self.values.shape[1:]))])
 
+    def reserve_index(self, pages: int, k_idx: Tensor) -> None:
+        """Grow the indexer-key storage to ``pages`` pages for rows like ``k_idx`` [n, D_i]."""
+        if self.index_keys is None:
+            self.index_keys = k_idx.new_zeros((1, self._cache.page_size, k_idx.shape[-1]))
+        if (self.index_keys.shape[-1], self.index_keys.dtype, self.index_keys.device) != \
+                (k_idx.shape[-1], k_idx.dtype, k_idx.device):
+            raise ValueError(f"indexer keys changed shape, dtype or device between forwards: cache "
+                             f"{self.index_keys.shape[-1]} {self.index_keys.dtype} on {self.index_keys.device}, new "
+                             f"rows {tuple(k_idx.shape)} {k_idx.dtype} on {k_idx.device}")
+        grow = pages - self.index_keys.shape[0]
+        if grow > 0:
+            self.index_keys = torch.cat([self.index_keys, self.index_keys.new_zeros((grow, *self.index_keys.shape[1:]))])
+
     def storage_bytes(self) -> int:
-        """Bytes of this layer's storage on this rank (keys, and values unless a view of them)."""
+        """Bytes of this layer's storage on this rank (keys, values unless a view of them, and a
+        DSA layer's indexer keys)."""
         if self.keys is None:
             return 0
         own = self.keys.numel() * self.keys.element_size()
+        if self.index_keys is not None:
+            own += self.index_keys.numel() * self.index_keys.element_size()
         return own if self.latent_dim is not None else own + self.values.numel() * self.values.element_size()
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
@@ -195,7 +221,7 @@ class ShardedKVLayer(CacheLayerMixin):
         return min(n, self.window - 1) + query_length, max(n - self.window + 1, 0)
 
     def reset(self) -> None:
-        self.keys = self.values = None
+        self.keys = self.values = self.index_keys = None
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx) -> None:
@@ -221,6 +247,14 @@ class ShardedStep:
     plans: dict = field(default_factory=dict)  # spec -> AttentionPlan (decode)
     pages: dict = field(default_factory=dict)  # window -> pages of each layer's storage after the step
     latents: dict = field(default_factory=dict)  # layer -> the MLA latent rows the model cached
+    # DSA: the "indexed_attention" mask (prompt: hf_dsa.cp_mask [1, 1, P, T]; later: the local keys
+    # each new token sees [1, 1, n, m]), the top-k per token, the new index keys this rank stores
+    # (rows of the step, local slots), the local keys' global positions [m], and the selections made
+    dsa_mask: Optional[Tensor] = None
+    topk: int = 0
+    index_rows: Optional[tuple] = None
+    index_positions: Optional[Tensor] = None
+    selections: list = field(default_factory=list)
 
 
 class ShardedKVCache(Cache):
@@ -251,11 +285,6 @@ class ShardedKVCache(Cache):
     def __init__(self, config, group=None, *, page_size: int = DEFAULT_PAGE_SIZE, interleave: int = 1,
                  prefill_strategy: "str | CPStrategy" = "zigzag", backend: str = "auto") -> None:
         text = _text_config(config)
-        if hf_dsa.is_dsa_config(text) or hf_dsa.is_dsa_config(config):
-            raise ValueError(
-                "sharded-cache generation does not cover DSA yet (config.layer_types holds "
-                f"{hf_dsa.DSA_LAYER_TYPE!r} layers); generate with a DynamicCache after a CP prefill instead"
-            )
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
         bad = sorted({t for t in layer_types if t not in _SUPPORTED})
         if bad:
@@ -300,6 +329,16 @@ class ShardedKVCache(Cache):
         # [1, 1, n, r], k_rope [1, 1, n, d_rope])): their layers store the latent, not per-head K/V.
         rank_r, rope = getattr(text, "kv_lora_rank", None), getattr(text, "qk_rope_head_dim", None)
         self._mla = (rank_r, rope) if isinstance(rank_r, int) and isinstance(rope, int) else None
+        self.index_topk: Optional[int] = None  # DSA: keys each token attends (config.index_topk)
+        if hf_dsa.DSA_LAYER_TYPE in layer_types:
+            topk = getattr(text, "index_topk", None)
+            if self._mla is None or set(layer_types) != {hf_dsa.DSA_LAYER_TYPE}:
+                raise ValueError(f"config: ShardedKVCache runs {hf_dsa.DSA_LAYER_TYPE!r} layers of MLA models "
+                                 "(kv_lora_rank, qk_rope_head_dim) whose every layer is one, got layer types "
+                                 f"{sorted(set(layer_types))}")
+            if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+                raise ValueError(f"config: index_topk must be a positive int for DSA layers, got {topk!r}")
+            self.index_topk = topk
         super().__init__(layers=layers)
 
     def __repr__(self) -> str:
@@ -333,10 +372,65 @@ class ShardedKVCache(Cache):
                 "ShardedKVCache is filled by cpattn's attention function: switch the model to it with "
                 "cpattn.integrations.hf.enable(model) and pass the cache as cache= (generate or forward)"
             )
-        if self._mla is not None and tuple(key_states.shape[1::2]) == (1, self._mla[0]) \
-                and tuple(value_states.shape[1::2]) == (1, self._mla[1]):
+        latent = self._mla is not None and tuple(key_states.shape[1::2]) == (1, self._mla[0]) \
+            and tuple(value_states.shape[1::2]) == (1, self._mla[1])
+        if latent and self.index_topk is not None and not self.step.decode:
+            return self._store_dsa_prefill(layer_idx, key_states, value_states)
+        if latent:
             self.step.latents[layer_idx] = (key_states, value_states)  # [1, 1, n, r] / [1, 1, n, d_rope]
         return key_states, value_states
+
+    def _store_dsa_prefill(self, layer_idx: int, kv_latent: Tensor, k_rope: Tensor) -> tuple[Tensor, Tensor]:
+        """The prompt's forward of a DSA layer: gather the latent + rope key of every rank (ONE
+        collective), store the rows this rank owns, return the logical [1, 1, L, r] / [1, 1, L, d_rope]
+        (the model up-projects K/V and runs the indexer over the whole prompt)."""
+        step, layer = self.step, self._layer(layer_idx, None)
+        k_all = step.strategy.gather(_latent_rows((kv_latent, k_rope)), step.meta, self.group)  # [L, 1, r + d]
+        r = kv_latent.shape[-1]
+        layer.reserve(self._pools[None].size, k_all, r)
+        rows, slots = step.stores[None]
+        if rows.numel():
+            write_kv_cache(k_all[rows], k_all[rows][..., :r], layer.keys, layer.values, slots)
+        logical = k_all.transpose(0, 1).unsqueeze(0)  # [1, 1, L, r + d]
+        return logical[..., :r], logical[..., r:]
+
+    def update_indexer(self, indexer_key_states: Tensor, layer_idx: int) -> Tensor:
+        """Called by a DSA layer's indexer with its new index keys [1, n, D_i]. The prompt's forward:
+        gathers them (ONE collective), stores the rows this rank owns and returns the logical
+        [1, L, D_i]. A later forward: stores the new keys this rank owns and returns this rank's
+        index keys [1, m, D_i] as :class:`hf_dsa_cache.SelectingKeys`, whose ``topk`` is the exact
+        global top-k (ONE collective)."""
+        step = self.step
+        if step is None or self.index_topk is None:
+            raise RuntimeError("update_indexer runs inside a forward of a DSA model over the cache")
+        layer = self._layer(layer_idx, None)
+        k = indexer_key_states
+        if k.dim() != 3 or k.shape[0] != 1:
+            raise ValueError(f"indexer keys must be [1, n, D_i], got shape {tuple(k.shape)}")
+        layer.reserve_index(self._pools[None].size, k[0])
+        flat = layer.index_keys.view(-1, k.shape[-1])  # local key j at row j (see _plan_dsa)
+        if not step.decode:
+            k_all = step.strategy.gather(k[0], step.meta, self.group)  # [L, D_i]
+            rows, slots = step.stores[None]
+            flat[slots] = k_all[rows]
+            return k_all.unsqueeze(0)
+        rows, slots = step.index_rows
+        flat[slots] = k[0][rows]
+        m = step.dsa_mask.shape[-1]
+        return hf_dsa_cache.selecting_keys(flat[:m].unsqueeze(0), functools.partial(self._select, m))
+
+    def _select(self, m: int, scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """The indexer's ``topk(k)`` over its scores [1, n, m] of this rank's keys -> the global
+        top-k (values [1, n, K] float32, indices [1, n, K] int32 global positions; ONE collective)."""
+        step = self.step
+        if k != min(self.index_topk, m) or tuple(scores.shape) != (1, step.num_new, m):
+            raise ValueError(f"the DSA indexer took top-{k} of scores {tuple(scores.shape)}; the cache expects "
+                             f"top-min(index_topk={self.index_topk}, {m}) of [1, {step.num_new}, {m}]")
+        values, indices = hf_dsa_cache.agree_topk(scores[0], step.dsa_mask[0, 0], step.index_positions, step.topk,
+                                                  self.cp_size, self.group)
+        indices = indices.unsqueeze(0)
+        step.selections.append(indices)
+        return values.unsqueeze(0), indices
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError("ShardedKVCache cannot be cropped (assisted / speculative decoding through generate is "
@@ -397,8 +491,26 @@ class ShardedKVCache(Cache):
                 j = sh.local_index(pos)
                 slots = torch.tensor(pool.table, dtype=torch.int64)[j // ps] * ps + j % ps if pos.numel() else j
                 step.stores[window] = (pos.to(device), slots.to(device))
+        if self.index_topk is not None:
+            self._plan_dsa(step, device)
         self.step = step
         return step
+
+    def _plan_dsa(self, step: ShardedStep, device: torch.device) -> None:
+        """A DSA step's mask, top-k and index-key rows (host; no collective). DSA layers are full
+        attention: local key ``j`` lives at slot ``j`` of their storage (their pages are never freed,
+        so page ``i`` of the table is pool page ``i``)."""
+        sh, rank, start, n = self.sharding, self.rank, step.start, step.num_new
+        if not step.decode:
+            step.dsa_mask = hf_dsa.cp_mask(step.meta)
+            return
+        step.dsa_mask = hf_dsa_cache.decode_mask(sh, rank, start, n, device)
+        step.topk = min(self.index_topk, start + n)
+        m = step.dsa_mask.shape[-1]
+        step.index_positions = sh.global_position(torch.arange(m), rank).to(device)
+        pos = torch.arange(start, start + n)
+        pos = pos[sh.owner(pos) == rank]
+        step.index_rows = ((pos - start).to(device), sh.local_index(pos).to(device))
 
     def finish_step(self, ok: bool) -> None:
         """End the forward: count its tokens (``ok``) or mark the cache unusable."""
@@ -439,10 +551,14 @@ class ShardedKVCache(Cache):
 
     def decode_attention(self, layer_idx: int, query: Tensor, key: Tensor, value: Tensor, *,
                          scaling: Optional[float] = None, sliding_window=None,
-                         sinks: Optional[Tensor] = None, module: Optional[torch.nn.Module] = None) -> Tensor:
+                         sinks: Optional[Tensor] = None, module: Optional[torch.nn.Module] = None,
+                         indices: Optional[Tensor] = None) -> Tensor:
         """A later forward's attention for one layer: query [1, Hq, n, D], key [1, Hkv, n, D],
         value [1, Hkv, n, Dv] (the new tokens, the same on every rank) -> [1, n, Hq, Dv]. Writes
-        the new keys on their owner, attends this rank's keys, merges exactly (ONE collective)."""
+        the new keys on their owner, attends this rank's keys, merges exactly (ONE collective).
+        A DSA layer: ``indices`` [1, n, K] is the step's agreed selection (global positions, from
+        :meth:`update_indexer`'s top-k, or the previous layer's on a GLM "shared" layer); the
+        layer attends the selected keys this rank owns."""
         step = self.step
         if step is None or not step.decode:
             raise RuntimeError("decode_attention runs inside a later forward over the cache")
@@ -464,19 +580,36 @@ class ShardedKVCache(Cache):
             k = key[0].transpose(0, 1).contiguous()  # [n, Hkv, D]
             v = value[0].transpose(0, 1).contiguous()  # [n, Hkv, Dv]
         window = (-1, -1) if layer.window is None else (layer.window - 1, 0)
-        spec_key = (q.shape[1:], k.shape[1:], v.shape[-1], q.dtype, window, sinks is not None)
+        topk, idx = self._selection(layer_idx, layer, indices, latent is not None)
+        spec_key = (q.shape[1:], k.shape[1:], v.shape[-1], q.dtype, window, sinks is not None, topk)
         plan = step.plans.get(spec_key)
         if plan is None:
             spec = AttentionSpec(num_q_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[2],
                                  head_dim_v=v.shape[2], dtype=q.dtype, window_size=window,
-                                 page_size=self.page_size, has_sinks=sinks is not None)
+                                 page_size=self.page_size, has_sinks=sinks is not None, topk=topk)
             plan = step.plans[spec_key] = plan_attention(step.meta, spec, backend=self.backend)
         layer.reserve(self._pools[layer.window].size, k, v if latent is None else v.shape[-1])
+        sparse = {} if idx is None else {"idx": idx}
         out = plan.run(q, k, v, (layer.keys, layer.values), writes=step.writes[layer.window], group=self.group,
-                       page_table=step.tables[layer.window], sinks=sinks, softmax_scale=scaling)
+                       page_table=step.tables[layer.window], sinks=sinks, softmax_scale=scaling, **sparse)
         if latent is not None:
             out = torch.einsum("nhr,hvr->nhv", out, w_uv)  # latent -> per-head values [n, H, Dv]
         return out.unsqueeze(0)  # [1, n, Hq, Dv]
+
+
+    def _selection(self, layer_idx: int, layer: ShardedKVLayer, indices: Optional[Tensor],
+                   latent: bool) -> tuple[Optional[int], Optional[Tensor]]:
+        """(topk, idx [n, topk]) of a DSA layer (the step's agreed selection), (None, None) else."""
+        if layer.layer_type != hf_dsa.DSA_LAYER_TYPE:
+            if indices is not None:
+                raise ValueError(f"layer {layer_idx} ({layer.layer_type}) got DSA indices")
+            return None, None
+        if not latent:
+            raise ValueError(f"DSA layer {layer_idx} did not cache its MLA latent through cache.update")
+        if indices is None or not any(indices is s for s in self.step.selections):
+            raise ValueError(f"DSA layer {layer_idx}: its top-k indices are not a selection the cache agreed on "
+                             "(the indexer must take scores.topk of the keys cache.update_indexer returned)")
+        return self.step.topk, indices[0]
 
 
 def _latent_rows(latent: tuple[Tensor, Tensor]) -> Tensor:

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from .. import dsa
 
-__all__ = ["DSA_LAYER_TYPE", "is_dsa_config", "prepare_forward", "finish_forward", "sparse_attention_forward"]
+__all__ = ["DSA_LAYER_TYPE", "cp_mask", "is_dsa_config", "prepare_forward", "finish_forward", "sparse_attention_forward"]
 
 #: The ``layer_types`` entry (and mask-mapping key) of transformers' DSA layers.
 DSA_LAYER_TYPE = "indexed_attention"
@@ -86,7 +86,7 @@ class _GatheringCache:
         return 0 if self._inner is None else self._inner.get_seq_length(layer_idx)
 
 
-def _dsa_mask(meta) -> Tensor:
+def cp_mask(meta) -> Tensor:
     """bool [1, 1, P, T]: key j visible to row i iff ks[i] <= j < ke[i] (prefix 0: packed K/V rows
     are the logical token indices)."""
     ks, ke = dsa.key_ranges(meta)
@@ -106,7 +106,7 @@ def prepare_forward(module, ctx, bound, kwargs: dict, cache_name: str, cache: Op
         if not isinstance(inner, transformers.DynamicCache) or inner.get_seq_length() != 0:
             raise ValueError(f"the cache must be an empty transformers.DynamicCache, got {type(inner).__name__} "
                              f"holding {inner.get_seq_length() if hasattr(inner, 'get_seq_length') else '?'} tokens")
-    mask = _dsa_mask(ctx.meta)
+    mask = cp_mask(ctx.meta)
     new_args, new_kwargs = (), {}
     for name, value in bound.arguments.items():  # every argument by name (positional ones too)
         kind = bound.signature.parameters[name].kind
