@@ -11,6 +11,7 @@ tokens/s, cache bytes and whether the greedy tokens agree (bf16: they may part a
 
     python benchmarks/run.py hfgen --model llama --layers 4 --prompt 4096 --new-tokens 128
     python benchmarks/run.py hfgen --model gpt_oss mimo_v2_flash deepseek_v3 --layers 2
+    python benchmarks/run.py hfgen --model deepseek_v32 glm_moe_dsa --layers 2 --prompt 8192
 
 On the CPU it is a smoke run (the tiny test configs, fp32, a short prompt).
 """
@@ -26,7 +27,7 @@ import torch
 
 from .common import default_out, header, progress, smoke_notice, write_json
 
-MODELS = ("llama", "qwen3", "deepseek_v3", "gpt_oss", "mimo_v2_flash")
+MODELS = ("llama", "qwen3", "deepseek_v3", "gpt_oss", "mimo_v2_flash", "deepseek_v32", "glm_moe_dsa")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def real_config(name: str, layers: int):
     """(config, model class) of a real-size model of the family with ``layers`` layers: Llama-3-8B,
     Qwen3-8B, DeepSeek-V3 (MLA; dense MLPs so it fits one GPU), gpt-oss-20b, MiMo-V2-Flash (dense
-    MLPs). Attention is transformers' SDPA, eager for the models with sinks."""
+    MLPs), DeepSeek-V3.2 and GLM-5 (DSA: MLA + indexer, top-k 2048; dense MLPs; GLM's default
+    full / shared indexer schedule). Attention is transformers' SDPA, eager for the models with sinks."""
     import transformers as tf
 
     if name == "llama":
@@ -76,6 +78,16 @@ def real_config(name: str, layers: int):
                                    mlp_layer_types=["dense"] * layers, sliding_window=128,
                                    max_position_embeddings=131072, attn_implementation="eager")
         return cfg, tf.MiMoV2FlashForCausalLM
+    if name == "deepseek_v32":
+        cfg = tf.DeepseekV32Config(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                                   num_hidden_layers=layers, first_k_dense_replace=layers, num_attention_heads=128,
+                                   num_key_value_heads=128, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+                                   qk_nope_head_dim=128, v_head_dim=128, index_topk=2048, index_head_dim=128,
+                                   index_n_heads=64, max_position_embeddings=163840, attn_implementation="sdpa")
+        return cfg, tf.DeepseekV32ForCausalLM
+    if name == "glm_moe_dsa":
+        cfg = tf.GlmMoeDsaConfig(num_hidden_layers=layers, first_k_dense_replace=layers, attn_implementation="sdpa")
+        return cfg, tf.GlmMoeDsaForCausalLM
     raise ValueError(f"model must be one of {MODELS}, got {name!r}")
 
 
@@ -132,8 +144,8 @@ def _cache_bytes(cache) -> int:
     local = getattr(cache, "local_bytes", None)
     if callable(local):
         return local()
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
-               if isinstance(t, torch.Tensor))
+    return sum(t.numel() * t.element_size() for layer in cache.layers
+               for t in (layer.keys, layer.values, getattr(layer, "indexer_keys", None)) if isinstance(t, torch.Tensor))
 
 
 def main(args: argparse.Namespace) -> int:

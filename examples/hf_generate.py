@@ -10,6 +10,7 @@ cache on one process). Prints tokens/s and each rank's cache bytes (and the plai
 
     python examples/hf_generate.py --model llama --cp 2                  # spawns 2 gloo ranks (CPU)
     python examples/hf_generate.py --model qwen3 gpt_oss mimo_v2_flash deepseek_v3 --cp 3 --prompt 200
+    python examples/hf_generate.py --model deepseek_v32 glm_moe_dsa --cp 2   # DSA: sharded index keys too
     torchrun --nproc_per_node 2 examples/hf_generate.py --model llama   # NCCL on GPUs, gloo on CPU
 """
 
@@ -26,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _launch import launch, under_torchrun  # noqa: E402
 from hf_cp_prefill import build_model  # noqa: E402
 
-MODELS = ("llama", "qwen3", "deepseek_v3", "gpt_oss", "mimo_v2_flash")
+MODELS = ("llama", "qwen3", "deepseek_v3", "gpt_oss", "mimo_v2_flash", "deepseek_v32", "glm_moe_dsa")
 
 
 def _timed_generate(model, ids, device, cache, **kwargs) -> tuple[list[int], float]:
@@ -57,8 +58,8 @@ def run_rank(rank: int, world_size: int, device, models, prompt_len: int, new_to
         model = build_model(name, seed).to(device)
         plain_cache = DynamicCache(config=model.config)
         plain, plain_s = _timed_generate(model, ids, device, max_new_tokens=new_tokens, cache=plain_cache)
-        plain_bytes = sum(x.keys.numel() * x.keys.element_size() + x.values.numel() * x.values.element_size()
-                          for x in plain_cache.layers if x.keys is not None)
+        plain_bytes = sum(t.numel() * t.element_size() for x in plain_cache.layers
+                          for t in (x.keys, x.values, getattr(x, "indexer_keys", None)) if t is not None)
         cphf.enable(model)  # attn_implementation = "cpattn"
         # The cache: this rank's 1/C of every layer's keys, in pages (group None: the default group).
         cache = cphf.ShardedKVCache(model.config, page_size=page_size)

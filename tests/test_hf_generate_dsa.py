@@ -172,3 +172,23 @@ def test_dsa_config_refusals():
     mixed.layer_types = ["indexed_attention", "full_attention", "indexed_attention"]
     with pytest.raises(ValueError, match="indexed_attention"):
         cphf.ShardedKVCache(mixed)
+    model = cphf.enable(hf_cp_prefill.build_model("glm_moe_dsa", seed=0))
+    cache = cphf.ShardedKVCache(model.config, page_size=PAGE)
+    model.model.layers[0].self_attn.indexer.index_topk = TOPK + 1  # the agreement's K comes from the config
+    with CountCollectives() as counter, pytest.raises(ValueError, match="index_topk"):
+        _generate(model, _prompt(), cache)
+    assert counter.calls == [] and cache.num_tokens == 0 and cache.step is None
+    model.model.layers[0].self_attn.indexer.index_topk = TOPK  # the cache is still usable
+    assert _generate(model, _prompt(), cache) == _generate(hf_cp_prefill.build_model("glm_moe_dsa", seed=0), _prompt())
+
+
+def test_example_script_dsa_cp2():
+    import subprocess
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "hf_generate.py")
+    proc = subprocess.run([sys.executable, script, "--model", *DSA_MODELS, "--cp", "2", "--cpu", "--prompt", "20",
+                           "--new-tokens", "6", "--page-size", "4"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in DSA_MODELS:
+        line = next(line for line in proc.stdout.splitlines() if line.split()[0] == name)
+        assert "tokens/s" in line and line.endswith("OK"), line

@@ -350,6 +350,7 @@ def _begin_sharded_forward(module: torch.nn.Module, bound, argument, cache_name:
     if cache.get_seq_length() == 0 and argument("output_hidden_states"):
         raise ValueError("output_hidden_states=True: the prompt's forward over a ShardedKVCache gathers only "
                          "last_hidden_state (the other layers' rows stay sharded)")
+    cache.check_decoder(module)
     step = cache.begin_step(n, x.device)  # the plan agreement: the first collective of the forward
     call = {k: v for k, v in bound.arguments.items() if k != "kwargs"}
     call.update(bound.arguments.get("kwargs", {}))

@@ -339,6 +339,7 @@ class ShardedKVCache(Cache):
             if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
                 raise ValueError(f"config: index_topk must be a positive int for DSA layers, got {topk!r}")
             self.index_topk = topk
+        self._checked: set[int] = set()  # ids of decoders whose indexers check_decoder accepted
         super().__init__(layers=layers)
 
     def __repr__(self) -> str:
@@ -453,6 +454,18 @@ class ShardedKVCache(Cache):
         self.num_tokens, self.broken, self.step = 0, None, None
 
     # ------------------------------------------------------------------ one forward
+    def check_decoder(self, decoder: torch.nn.Module) -> None:
+        """DSA: ValueError (before any collective) when an indexer module of ``decoder`` selects a
+        top-k other than the config's ``index_topk`` (the agreement's K is planned from the config)."""
+        if self.index_topk is None or id(decoder) in self._checked:
+            return
+        for path, module in decoder.named_modules():
+            k = getattr(module, "index_topk", None)
+            if isinstance(k, int) and k != self.index_topk:
+                raise ValueError(f"{path} ({type(module).__name__}) selects index_topk={k} but the cache's config "
+                                 f"gives {self.index_topk}: build the cache from the model's config")
+        self._checked.add(id(decoder))
+
     def begin_step(self, num_new: int, device: torch.device) -> ShardedStep:
         """Plan the forward of ``num_new`` tokens (host; the plan agreement is its one collective):
         the prompt's CP prefill when the cache is empty, a replicated-query step otherwise."""
