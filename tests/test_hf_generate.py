@@ -33,8 +33,10 @@ def _prompt(length: int = PROMPT, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _generate(model, ids, cache=None, *, sample_seed=None):
-    kw = dict(max_new_tokens=NEW_TOKENS, pad_token_id=0)
+def generate_tokens(model, ids, cache=None, *, sample_seed=None, new_tokens=NEW_TOKENS):
+    """The new tokens of greedy (or, with ``sample_seed``, seeded sampling) ``generate``, over
+    ``cache`` when given."""
+    kw = dict(max_new_tokens=new_tokens, pad_token_id=0)
     if sample_seed is None:
         kw.update(do_sample=False)
     else:
@@ -53,11 +55,11 @@ def _family_worker(rank: int, world: int, models, sample_models) -> dict:
     ids = _prompt()
     for name in models:
         model = hf_cp_prefill.build_model(name, seed=0)
-        plain = _generate(model, ids)
-        plain_sample = _generate(model, ids, sample_seed=7) if name in sample_models else None
+        plain = generate_tokens(model, ids)
+        plain_sample = generate_tokens(model, ids, sample_seed=7) if name in sample_models else None
         cphf.enable(model)
         cache = cphf.ShardedKVCache(model.config, page_size=PAGE)
-        tokens = _generate(model, ids, cache)
+        tokens = generate_tokens(model, ids, cache)
         row = dict(plain=plain, tokens=tokens, cached=cache.num_tokens, pages=[x.num_pages for x in cache.layers],
                    local=[cache.local_tokens(i) for i in range(len(cache.layers))],
                    windows=[x.window for x in cache.layers], nbytes=cache.local_bytes(),
@@ -65,15 +67,15 @@ def _family_worker(rank: int, world: int, models, sample_models) -> dict:
                    row_bytes=[x.keys.shape[-1] * x.keys.shape[-2] * x.keys.element_size() for x in cache.layers])
         if name in sample_models:
             cache.reset()
-            row.update(plain_sample=plain_sample, sample=_generate(model, ids, cache, sample_seed=7))
+            row.update(plain_sample=plain_sample, sample=generate_tokens(model, ids, cache, sample_seed=7))
         out[name] = row
     for length in (1, 4):  # prompts shorter than 2C: some ranks own none of the prompt's keys
         for name in ("llama", "gpt_oss"):
             model = hf_cp_prefill.build_model(name, seed=0)
             short = _prompt(length, seed=2)
-            plain = _generate(model, short)
+            plain = generate_tokens(model, short)
             cphf.enable(model)
-            out[f"{name}/{length}"] = dict(plain=plain, tokens=_generate(model, short,
+            out[f"{name}/{length}"] = dict(plain=plain, tokens=generate_tokens(model, short,
                                                                        cphf.ShardedKVCache(model.config, page_size=2)))
     return out
 
@@ -149,11 +151,11 @@ def _refusal_worker(rank: int, world: int) -> dict:
             errors["not_enabled"] = str(exc)
     errors["collectives"] = len(counter.calls)
     with CountCollectives() as counter:  # a whole generate: collectives per forward
-        _generate(model, _prompt(), cphf.ShardedKVCache(model.config, page_size=PAGE))
+        generate_tokens(model, _prompt(), cphf.ShardedKVCache(model.config, page_size=PAGE))
     errors["generate_calls"] = counter.calls
     errors["untouched"] = cache.num_tokens
-    errors["after"] = _generate(model, _prompt(), cache) == _generate(hf_cp_prefill.build_model("llama", seed=0),
-                                                                      _prompt())
+    plain = generate_tokens(hf_cp_prefill.build_model("llama", seed=0), _prompt())
+    errors["after"] = generate_tokens(model, _prompt(), cache) == plain
     return errors
 
 

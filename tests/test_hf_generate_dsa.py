@@ -25,6 +25,7 @@ from dist_utils import CountCollectives, run_distributed  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import hf_cp_prefill  # noqa: E402
+from test_hf_generate import generate_tokens  # noqa: E402
 
 DSA_MODELS = ("deepseek_v32", "glm_moe_dsa")
 NEW_TOKENS = 16
@@ -39,31 +40,18 @@ def _prompt(length: int = PROMPT, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _generate(model, ids, cache=None, *, sample_seed=None, new_tokens=NEW_TOKENS):
-    kw = dict(max_new_tokens=new_tokens, pad_token_id=0)
-    if sample_seed is None:
-        kw.update(do_sample=False)
-    else:
-        torch.manual_seed(sample_seed)
-        kw.update(do_sample=True, top_k=0, top_p=1.0, temperature=1.0)
-    if cache is not None:
-        kw[cphf.cache_keyword(model)] = cache
-    with torch.no_grad():
-        return model.generate(ids, **kw)[0, ids.shape[1]:].tolist()
-
-
 def _dsa_worker(rank: int, world: int, sample: bool) -> dict:
     out = {}
     ids = _prompt()
     for name in DSA_MODELS:
         model = hf_cp_prefill.build_model(name, seed=0, index_topk=TOPK)
-        plain = _generate(model, ids)
-        dense = _generate(hf_cp_prefill.build_model(name, seed=0, index_topk=64), ids)  # every key selected
-        plain_sample = _generate(model, ids, sample_seed=7) if sample else None
+        plain = generate_tokens(model, ids)
+        dense = generate_tokens(hf_cp_prefill.build_model(name, seed=0, index_topk=64), ids)  # every key selected
+        plain_sample = generate_tokens(model, ids, sample_seed=7) if sample else None
         cphf.enable(model)
         cache = cphf.ShardedKVCache(model.config, page_size=PAGE)
         with CountCollectives() as counter:
-            tokens = _generate(model, ids, cache)
+            tokens = generate_tokens(model, ids, cache)
         layers = cache.layers
         row = dict(plain=plain, dense=dense, tokens=tokens, cached=cache.num_tokens, calls=counter.calls,
                    local=[cache.local_tokens(i) for i in range(len(layers))],
@@ -73,15 +61,15 @@ def _dsa_worker(rank: int, world: int, sample: bool) -> dict:
                    nbytes=cache.local_bytes())
         if sample:
             cache.reset()
-            row.update(plain_sample=plain_sample, sample=_generate(model, ids, cache, sample_seed=7))
+            row.update(plain_sample=plain_sample, sample=generate_tokens(model, ids, cache, sample_seed=7))
         out[name] = row
     # a one-token prompt: at C > 1 some ranks hold no key of the prompt (and no index key) at first
     model = hf_cp_prefill.build_model("glm_moe_dsa", seed=0, index_topk=TOPK)
     short = _prompt(1, seed=2)
-    plain = _generate(model, short, new_tokens=10)
+    plain = generate_tokens(model, short, new_tokens=10)
     cphf.enable(model)
-    out["short"] = dict(plain=plain, tokens=_generate(model, short, cphf.ShardedKVCache(model.config, page_size=2),
-                                                      new_tokens=10))
+    short_cache = cphf.ShardedKVCache(model.config, page_size=2)
+    out["short"] = dict(plain=plain, tokens=generate_tokens(model, short, short_cache, new_tokens=10))
     return out
 
 
@@ -176,10 +164,11 @@ def test_dsa_config_refusals():
     cache = cphf.ShardedKVCache(model.config, page_size=PAGE)
     model.model.layers[0].self_attn.indexer.index_topk = TOPK + 1  # the agreement's K comes from the config
     with CountCollectives() as counter, pytest.raises(ValueError, match="index_topk"):
-        _generate(model, _prompt(), cache)
+        generate_tokens(model, _prompt(), cache)
     assert counter.calls == [] and cache.num_tokens == 0 and cache.step is None
     model.model.layers[0].self_attn.indexer.index_topk = TOPK  # the cache is still usable
-    assert _generate(model, _prompt(), cache) == _generate(hf_cp_prefill.build_model("glm_moe_dsa", seed=0), _prompt())
+    plain = generate_tokens(hf_cp_prefill.build_model("glm_moe_dsa", seed=0), _prompt())
+    assert generate_tokens(model, _prompt(), cache) == plain
 
 
 def test_example_script_dsa_cp2():

@@ -192,7 +192,8 @@ class ShardedKVLayer(CacheLayerMixin):
                              f"rows {tuple(k_idx.shape)} {k_idx.dtype} on {k_idx.device}")
         grow = pages - self.index_keys.shape[0]
         if grow > 0:
-            self.index_keys = torch.cat([self.index_keys, self.index_keys.new_zeros((grow, *self.index_keys.shape[1:]))])
+            pad = self.index_keys.new_zeros((grow, *self.index_keys.shape[1:]))
+            self.index_keys = torch.cat([self.index_keys, pad])
 
     def storage_bytes(self) -> int:
         """Bytes of this layer's storage on this rank (keys, values unless a view of them, and a

@@ -37,7 +37,8 @@ from torch import Tensor
 
 from .. import dsa
 
-__all__ = ["DSA_LAYER_TYPE", "cp_mask", "is_dsa_config", "prepare_forward", "finish_forward", "sparse_attention_forward"]
+__all__ = ["DSA_LAYER_TYPE", "cp_mask", "is_dsa_config", "prepare_forward", "finish_forward",
+           "sparse_attention_forward"]
 
 #: The ``layer_types`` entry (and mask-mapping key) of transformers' DSA layers.
 DSA_LAYER_TYPE = "indexed_attention"
