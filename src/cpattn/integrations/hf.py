@@ -34,7 +34,8 @@ Generation with a sharded KV cache: pass a :class:`cpattn.integrations.hf_cache.
 (``cphf.ShardedKVCache(model.config, group)``) as the cache of ``model.generate`` on every rank of
 the group: the decoder hook runs the prompt's forward under CP (each rank stores the keys it owns)
 and every later forward with replicated queries over the sharded cache (exact merge), no
-``cp_context`` needed (see :mod:`cpattn.integrations.hf_cache`).
+``cp_context`` needed (see :mod:`cpattn.integrations.hf_cache`; DSA models also shard their index
+keys and agree on the exact global top-k per step: :mod:`cpattn.integrations.hf_dsa_cache`).
 
 DSA models (transformers' ``deepseek_v32``, ``glm_moe_dsa``: ``"indexed_attention"`` layers) run
 through :mod:`cpattn.integrations.hf_dsa`: their latent and index keys are gathered in the cache

@@ -126,7 +126,9 @@ class ShardedKVLayer(CacheLayerMixin):
     ``j`` at page ``table[j // page_size]`` of its layer kind, slot ``j % page_size``).
 
     Attributes: ``window`` (transformers' ``sliding_window`` W, None for full attention),
-    ``layer_type`` (``"full_attention"`` / ``"sliding_attention"``)."""
+    ``layer_type`` (``"full_attention"`` / ``"sliding_attention"`` / ``"indexed_attention"``),
+    ``index_keys`` (a DSA layer with an indexer: [pages, page_size, D_i], local key ``j`` at
+    row ``j`` of its flat view; else None)."""
 
     is_compileable = False
     is_croppable = False
@@ -609,7 +611,6 @@ class ShardedKVCache(Cache):
         if latent is not None:
             out = torch.einsum("nhr,hvr->nhv", out, w_uv)  # latent -> per-head values [n, H, Dv]
         return out.unsqueeze(0)  # [1, n, Hq, Dv]
-
 
     def _selection(self, layer_idx: int, layer: ShardedKVLayer, indices: Optional[Tensor],
                    latent: bool) -> tuple[Optional[int], Optional[Tensor]]:
