@@ -1,6 +1,7 @@
 """``cphf.ShardedKVCache`` on one GPU at C = 1 (no process group): greedy ``generate`` of the tiny
 fp32 configs through the GPU kernels (the split-KV shard kernel, paged; window + sinks; absorbed
-MLA over the latent) equals the plain model's tokens, and bf16 runs."""
+MLA over the latent; DSA: the top-k over the sharded index keys and sparse attention, top-k 8 of
+up to 315 keys) equals the plain model's tokens, and bf16 runs (the Triton sparse kernel)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import hf_cp_prefill  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-MODELS = ("llama", "qwen3", "deepseek_v3", "gpt_oss", "mimo_v2_flash")
+MODELS = ("llama", "qwen3", "deepseek_v3", "gpt_oss", "mimo_v2_flash", "deepseek_v32", "glm_moe_dsa")
 
 
 def _generate(model, ids, cache=None):
