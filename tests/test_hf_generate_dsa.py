@@ -59,6 +59,13 @@ def _dsa_worker(rank: int, world: int, sample: bool) -> dict:
                                for x in layers],
                    latent=[x.latent_dim for x in layers], key_dim=[x.keys.shape[-1] for x in layers],
                    nbytes=cache.local_bytes())
+        # a continuation of 3 tokens in one forward (rows see different local key counts) == the plain model
+        cont = _prompt(3, seed=3)
+        full = torch.cat([ids, torch.tensor([tokens[:-1]]), cont], 1)
+        with torch.no_grad():
+            logits = model(input_ids=cont, **{cphf.cache_keyword(model): cache}).logits
+            ref = hf_cp_prefill.build_model(name, seed=0, index_topk=TOPK)(input_ids=full).logits[:, -3:]
+        row["continuation"] = float((logits - ref).abs().max())
         if sample:
             cache.reset()
             row.update(plain_sample=plain_sample, sample=generate_tokens(model, ids, cache, sample_seed=7))
@@ -80,6 +87,7 @@ def _check(results, world: int, sample: bool) -> None:
         assert rows[0]["plain"] != rows[0]["dense"], name  # top-k 8 changes the tokens: the selection is tested
         for row in rows:
             assert row["tokens"] == row["plain"] and row["cached"] == cached, (name, row)
+            assert row["continuation"] <= 1e-4, (name, row["continuation"])
             for local, index_rows in zip(row["local"], row["index_rows"]):
                 assert local <= math.ceil(cached / world) + PAGE, (name, row["local"])
             assert row["latent"] == [32] * 3 and row["key_dim"] == [LATENT] * 3, row
