@@ -21,19 +21,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-import torch
 from torch import Tensor
 
 from ..cache import CacheWritePlan
 from .base import AttentionPlan, KernelCall
-from .sparse import check_index
+from .sparse import check_plan_index
 
 if TYPE_CHECKING:  # annotations only (typing.Unpack: Python >= 3.11)
     from typing_extensions import Unpack
 
 __all__ = ["ReplicatedKVPlan"]
 
-_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 class ReplicatedKVPlan(AttentionPlan):
@@ -128,11 +126,4 @@ class ReplicatedKVPlan(AttentionPlan):
             if idx is not None:
                 raise ValueError("idx is for a sparse spec (AttentionSpec(topk=)); this plan is dense")
             return
-        if type(idx) is not Tensor or idx.shape != self._idx_shape or idx.dtype not in _INDEX_DTYPES \
-                or idx.device != self._device:
-            check_index(idx, self.meta.num_physical_tokens)
-            if idx.shape != self._idx_shape:
-                raise ValueError(f"idx must be [P, topk] = {list(self._idx_shape)} (the plan's topk), got "
-                                 f"{list(idx.shape)}")
-            if idx.device != self._device:
-                raise ValueError(f"idx is on {idx.device} but the plan is on {self._device} (use meta.to(device))")
+        check_plan_index(idx, self._idx_shape, self._device)

@@ -32,14 +32,13 @@ from ..collectives import check_group
 from ..merge import merge_partials
 from ..metadata import CPMetadata
 from .base import KERNEL_CALL, AttentionPlan, KernelCall
-from .sparse import check_index
+from .sparse import check_plan_index
 
 if TYPE_CHECKING:  # annotations only (typing.Unpack: Python >= 3.11)
     from typing_extensions import Unpack
 
 __all__ = ["ShardMergePlan", "SparseShardMergePlan", "local_key_view"]
 
-_INDEX_DTYPES = (torch.int32, torch.int64)
 
 _ATTEND = KERNEL_CALL - {"return_lse"}  # the partials come back with their lse
 _RUN = KERNEL_CALL - {"out", "lse"}  # merge_partials allocates the merged result
@@ -206,14 +205,6 @@ class SparseShardMergePlan(ShardMergePlan):
                               return_lse=return_lse)
 
     def _check_idx(self, idx) -> None:
-        if type(idx) is Tensor and idx.shape == self._idx_shape and idx.dtype in _INDEX_DTYPES \
-                and idx.device == self._device:
-            return
         if idx is None:
             raise ValueError("idx is required: the plan is sparse (AttentionSpec(topk=)); pass the agreed selection")
-        check_index(idx, self.meta.num_physical_tokens)
-        if idx.shape != self._idx_shape:
-            raise ValueError(f"idx must be [Nq, topk] = {list(self._idx_shape)} (the plan's topk), got "
-                             f"{list(idx.shape)}")
-        if idx.device != self._device:
-            raise ValueError(f"idx is on {idx.device} but the plan is on {self._device} (use meta.to(device))")
+        check_plan_index(idx, self._idx_shape, self._device, "Nq")

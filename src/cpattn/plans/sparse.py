@@ -29,7 +29,7 @@ from ..metadata import CPMetadata
 from ..selection import key_positions, top_keys
 from .base import AttentionPlan, check_group_rank
 
-__all__ = ["IndexTopkPlan", "check_index", "make_index_spec", "plan_index_topk", "select_candidates"]
+__all__ = ["IndexTopkPlan", "check_index", "check_plan_index", "make_index_spec", "plan_index_topk", "select_candidates"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 #: Positions travel in the low 32 bits of a packed candidate (:mod:`cpattn.selection`).
@@ -73,6 +73,18 @@ def check_index(idx, rows: int) -> int:
     if idx.shape[1] < 1:
         raise ValueError(f"topk (idx.shape[1]) must be >= 1, got {idx.shape[1]}")
     return idx.shape[1]
+
+
+def check_plan_index(idx, shape: tuple[int, int], device: torch.device, rows_name: str = "P") -> None:
+    """A sparse plan's per-call ``idx`` check: the planned ``[rows, topk]`` int32/int64 tensor on
+    the plan's device passes at once; anything else gets the full checks and their messages."""
+    if type(idx) is Tensor and idx.shape == shape and idx.dtype in _INDEX_DTYPES and idx.device == device:
+        return
+    check_index(idx, shape[0])
+    if idx.shape != shape:
+        raise ValueError(f"idx must be [{rows_name}, topk] = {list(shape)} (the plan's topk), got {list(idx.shape)}")
+    if idx.device != device:
+        raise ValueError(f"idx is on {idx.device} but the plan is on {device} (use meta.to(device))")
 
 
 def _check_device(t: Tensor, name: str, device: torch.device) -> None:
