@@ -60,7 +60,9 @@ def _autotune_enabled() -> bool:
 def _prune_configs(configs, named_args, **kwargs):
     """Keep configs whose K block, q stages and score accumulators fit (shared memory and
     <= 128 fp32 accumulator registers per thread for the two [BLOCK_M, BLOCK_N] tiles; the packed
-    int64 keys are staged at 8 bytes per score). Without
+    int64 keys are stored in two halves of BLOCK_N / 2 columns, so their staging takes what a
+    float32 block would: ptxas reports 98832 bytes for the default config either way, no spills,
+    tools/dsa_offline_check.py). Without
     autotuning (``CPATTN_TRITON_AUTOTUNE=0``) the first one kept: (128, 4 warps, 3 stages), one
     warpgroup per 64-row tile, no spills on sm_90; measured on H200 (DeepSeek-V3.2 indexer, rank
     0 of interleave C = 8) 1.22x / 1.25x faster than (128, 8 warps, 2 stages) at 32k / 128k."""
@@ -71,7 +73,7 @@ def _prune_configs(configs, named_args, **kwargs):
         bn, stages, warps = c.kwargs["BLOCK_N"], c.num_stages, c.num_warps
         if kpp % bn:
             continue
-        smem = bn * bd * 2 + stages * bm * bd * 2 + bm * bn * 8  # K block, q stages, packed-key staging
+        smem = bn * bd * 2 + stages * bm * bd * 2 + bm * bn * 4  # K block, q stages, half-block int64 staging
         if smem > SM90_SMEM_PER_BLOCK or 2 * bm * bn // (32 * warps) > 128:
             continue
         kept.append(c)
@@ -126,8 +128,9 @@ def _index_scores_fwd(
     # the chunk's score rows of this tile as a [tile end, width] matrix: stores clip at the tile's
     # last row (the next tile's rows follow) and at the chunk's width
     out_row0 = (row0 - chunk_row0).to(tl.int32)
+    HALF_N: tl.constexpr = BLOCK_N // 2  # keys are stored in two halves: half the int64 staging in shared memory
     out_desc = tl.make_tensor_descriptor(Scores, shape=[out_row0 + n, width], strides=[stride_om, 1],
-                                         block_shape=[BLOCK_M, BLOCK_N])
+                                         block_shape=[BLOCK_M, HALF_N])
     pt_row = PageTable + seq.to(tl.int64) * stride_pt
     # q of one head: a [BLOCK_M, D] box of the [P, H, D] tensor (TMA on sm_90; no pointer tensor
     # kept live across the loops). Rows past P read 0; rows past the tile are computed, not stored.
@@ -184,11 +187,13 @@ def _index_scores_fwd(
         ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
         key = (ordered << 32) | (4294967295 - kpos.to(tl.int64))[None, :]
         key = tl.where(kpos[None, :] <= pos[:, None], key, -9223372036854775807 - 1)
-        out_desc.store([out_row0, (kb - p_lo).to(tl.int32)], key)
+        lo, hi = tl.split(tl.permute(tl.reshape(key, [BLOCK_M, 2, HALF_N]), (0, 2, 1)))  # columns [0, N/2), [N/2, N)
+        out_desc.store([out_row0, (kb - p_lo).to(tl.int32)], lo)
+        out_desc.store([out_row0, (kb - p_lo + HALF_N).to(tl.int32)], hi)
 
     fill = k_start + tl.cdiv(tl.maximum(c_stop - k_start, 0), BLOCK_N) * BLOCK_N
-    no_key = tl.full([BLOCK_M, BLOCK_N], -9223372036854775807 - 1, dtype=tl.int64)
-    for kb in range(fill, k_stop, BLOCK_N):
+    no_key = tl.full([BLOCK_M, HALF_N], -9223372036854775807 - 1, dtype=tl.int64)
+    for kb in range(fill, k_stop, HALF_N):
         out_desc.store([out_row0, (kb - p_lo).to(tl.int32)], no_key)
 
 
