@@ -505,6 +505,31 @@ def test_gloo_agreed_topk_needs_no_shape_check():
         assert "topk=8" in error and "index_topk=16" in error and bad_calls == 0
 
 
+def test_index_topk_joins_the_plan_fingerprint():
+    """``index_topk`` changes only its own fingerprint entry (dynamic and static plans), is kept
+    on the plan, is checked like every argument, and binds the index plans built on it."""
+    s, sh = cpattn.get_strategy("replicated", 2), cpattn.KVSharding(2)
+    planner = cpattn.StaticPlanner(s, max_tokens=4, max_seqs=2, max_kv_tokens=64, max_q_len=2, kv=sh, device="cpu")
+    for build in (lambda **kw: s.build_metadata([1, 2], [39, 7], rank=1, kv=sh, **kw),
+                  lambda **kw: planner.plan([1, 2], [39, 7], rank=1, **kw)):
+        plain, agreed = build(), build(index_topk=16)
+        assert (plain.index_topk, agreed.index_topk) == (0, 16)
+        diff = [i for i, (a, b) in enumerate(zip(plain.fingerprint, agreed.fingerprint)) if a != b]
+        assert diff == [len(plain.fingerprint) - 2] and agreed.fingerprint[-2:] == (16, 1)
+        for bad, err in ((0, ValueError), (True, TypeError), ("16", TypeError)):
+            with pytest.raises(err, match="index_topk"):
+                build(index_topk=bad)
+        kw = dict(num_heads=H_I, head_dim=D_I, q_dtype=torch.float32, k_dtype=torch.float32)
+        assert cpattn.plan_index_topk(agreed, topk=16, **kw).candidates_agreed
+        assert not cpattn.plan_index_topk(plain, topk=16, **kw).candidates_agreed
+        with pytest.raises(ValueError, match=r"topk=8 .*index_topk=16"):
+            cpattn.plan_index_topk(agreed, topk=8, **kw)
+    local = cpattn.InterleaveStrategy(2).build_metadata([9], [3], rank=0, index_topk=16)  # a replicated cache
+    plan = cpattn.plan_index_topk(local, num_heads=H_I, head_dim=D_I, q_dtype=torch.float32,
+                                  k_dtype=torch.float32, topk=4, backend="torch")
+    assert plan.algorithm == "local" and not plan.candidates_agreed
+
+
 def _agreed_topk_mismatch_case(rank, world):
     """Ranks that declare different index top-k fail the plan agreement together."""
     try:
