@@ -119,9 +119,10 @@ class ShardedDSAEngine:
     def decode(self, tokens: list[int]) -> list[int]:
         m, s = self.model, self.decode_strategy
         b = len(tokens)
-        # [cpattn] The step's plan: replicated queries (one per request) over the sharded cache.
+        # [cpattn] The step's plan: replicated queries (one per request) over the sharded cache;
+        # the ranks agree on the index top-k with it (no shape check before each top-k exchange).
         meta = s.build_metadata([1] * b, self.lengths, rank=self.rank, group=self.group,
-                                kv=self.sharding).to(self.device)
+                                kv=self.sharding, index_topk=self.cfg.index_topk).to(self.device)
         positions = torch.tensor(self.lengths, device=self.device)
         h = m.embed[torch.tensor(tokens, device=self.device)]
         idx = None

@@ -294,6 +294,86 @@ def test_index_topk_writes_a_strided_out_buffer(dsa_interp):
     assert bool((want == -1).any())  # rows with fewer than 40 visible keys: -1 slots written too
 
 
+def topk_set_oracle(q, k, w, extend, prefix, scale, topk):
+    """Per logical token the positions of its ``topk`` best visible keys by fp64 score, ties to
+    the LOWER position (explicit causal mask), sorted and padded with -1 to ``topk`` entries."""
+    out = []
+    for scores in index_scores_oracle(q, k, w, extend, prefix, scale):
+        order = sorted(range(scores.numel()), key=lambda j: (-float(scores[j]), j))[:topk]
+        out.append(sorted(order) + [-1] * (topk - len(order)))
+    return out
+
+
+def _tied_inputs(extend, prefix, h, d, seed, kind):
+    """Index inputs whose float32 scores are exact and tie often: integer queries in [-2, 2],
+    weights in [-2, 2] (negative weights give -0.0 scores, equal to +0.0), and keys either
+    quantized to {-1, 0, 1} ("quantized") or copied from a pool of 3 rows ("duplicated");
+    "flat": every key equal (every visible score ties)."""
+    g = torch.Generator().manual_seed(seed)
+    t, n_kv = sum(extend), sum(e + p for e, p in zip(extend, prefix))
+    q = torch.randint(-2, 3, (t, h, d), generator=g).float()
+    w = torch.randint(-2, 3, (t, h), generator=g).float()
+    if kind == "quantized":
+        k = torch.randint(-1, 2, (n_kv, d), generator=g).float()
+    elif kind == "duplicated":
+        k = torch.randint(-2, 3, (3, d), generator=g).float()[torch.randint(0, 3, (n_kv,), generator=g)]
+    else:
+        k = torch.ones(n_kv, d)
+    return q, k, w, g
+
+
+@settings(max_examples=10, deadline=None)
+@given(batches(max_seqs=3, max_len=40, max_prefix=30), st.sampled_from(NAMES),
+       st.sampled_from(["quantized", "duplicated", "flat"]), st.integers(1, 12), st.booleans(),
+       st.sampled_from([16 * 16, 1 << 16]), st.integers(0, 99))
+def test_index_topk_ties_go_to_the_lower_position(dsa_interp, batch, name, kind, topk, paged, budget, seed):
+    """Scores with many exact ties: the Triton path (interpreter; a tiny score budget cuts rows
+    into chunks and keys into windows merged by the running top-k) and the torch reference
+    select exactly the fp64 oracle's set per row (ties to the lower position), with the same -1
+    padding; pad rows all -1."""
+    cp, extend, prefix, pad = batch
+    s = cpattn.get_strategy(name, cp, pad_multiple=pad)
+    h, d, scale = 2, 16, 0.25
+    q, k, w, g = _tied_inputs(extend, prefix, h, d, seed, kind)
+    want = topk_set_oracle(q, k, w, extend, prefix, scale, topk)
+    kw, k_in = {}, k
+    if paged:
+        (k_in,), kw["page_table"] = _paged([k], extend, prefix, 4, g)
+    for rank in range(cp):
+        meta = s.build_metadata(extend, prefix, rank=rank)
+        ql, wl = s.shard(q, meta), s.shard(w, meta)
+        got = {}
+        for backend, options in (("torch", None), ("triton", {"max_score_elems": budget, "config": (16, 4, 1)})):
+            plan = cpattn.plans.plan_index_topk(meta, num_heads=h, head_dim=d, q_dtype=q.dtype, k_dtype=k.dtype,
+                                                topk=topk, page_size=4 if paged else None, backend=backend,
+                                                backend_options=options)
+            got[backend] = plan.run(ql, k_in, wl, softmax_scale=scale, **kw)
+        rows = meta.local_token_indices.tolist()
+        for backend, idx in got.items():
+            sets = [sorted(r) for r in idx.tolist()]
+            assert [sorted(x for x in r if x >= 0) + [-1] * r.count(-1) for r in sets[: len(rows)]] == \
+                [want[t] for t in rows], backend
+            assert bool((idx[len(rows):] == -1).all()), backend
+        assert torch.equal(got["triton"].sort(1).values, got["torch"].sort(1).values)
+
+
+def test_index_topk_flat_scores_select_the_first_positions(dsa_interp):
+    """Every visible key scores the same: each row selects positions 0 .. topk - 1 (or all it
+    sees), on both backends, whichever rank and key window holds them."""
+    extend, prefix, topk = [70, 9], [30, 0], 7
+    s = cpattn.ZigzagStrategy(2)
+    q, k, w, _ = _tied_inputs(extend, prefix, 2, 16, 0, "flat")
+    w = w.abs() + 1  # positive scores (w > 0 with q . k of either sign)
+    for rank in range(2):
+        meta = s.build_metadata(extend, prefix, rank=rank)
+        for backend, options in (("torch", None), ("triton", {"max_score_elems": 16 * 16})):
+            idx = dsa.index_topk(s.shard(q, meta), k, s.shard(w, meta), meta, topk, backend=backend,
+                                 backend_options=options)
+            for r, p in enumerate(meta.local_positions.tolist()):
+                assert sorted(idx[r].tolist()) == [-1] * max(0, topk - p - 1) + list(range(min(topk, p + 1))), \
+                    (backend, r, p)
+
+
 @settings(max_examples=40, deadline=None)
 @given(batches(max_seqs=4, max_len=700, max_prefix=300), st.sampled_from(NAMES),
        st.sampled_from([16 * 16, 16 * 48, 1 << 12, 1 << 16]), st.integers(0, 7))

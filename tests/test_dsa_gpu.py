@@ -253,6 +253,41 @@ def test_index_topk_real_size(keys):
     assert same > 0.9, f"only {same:.1%} of rows select exactly what the torch reference selects"
 
 
+@pytest.mark.parametrize("keys", ["bf16", "fp8", "bf16-paged64"])
+def test_index_topk_ties_real_size(keys):
+    """Indexer 64 x 128, top-k 2048, rank 0 of interleave C = 8 at 16k tokens, with scores that
+    tie everywhere and are exact in float32 whatever the summation order (integer queries and
+    weights in [-2, 2], keys in {-1, 0, 1}, scale 1/4): the Triton path selects exactly the torch
+    reference's set in every row (ties to the lower position, the same -1 padding), and sampled
+    rows equal an fp64 (score, position) oracle."""
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    ext, pre = [12288, 3000], [0, 1000]
+    s, meta = _meta("interleave", 8, 0, ext, pre)
+    p, n, n_kv = meta.num_physical_tokens, meta.num_local_tokens, meta.num_kv_tokens
+    q = torch.randint(-2, 3, (p, 64, 128), device=DEV, generator=gen).to(torch.bfloat16)
+    k = torch.randint(-1, 2, (n_kv, 128), device=DEV, generator=gen).to(torch.bfloat16)
+    w = torch.randint(-2, 3, (p, 64), device=DEV, generator=gen).float()
+    k_scale, k_in, table = None, k, None
+    if keys == "fp8":
+        k_scale = torch.full((n_kv,), 0.5, device=DEV)
+        k_in = (k.float() * 2).to(torch.float8_e4m3fn)
+    elif keys == "bf16-paged64":
+        k_in, table = _paged(k, meta, 64, gen)
+    kw = dict(softmax_scale=0.25, k_scale=k_scale, page_table=table)
+    idx = dsa.index_topk(q, k_in, w, meta, 2048, backend="triton", **kw)
+    ref = dsa.index_topk(q, k_in, w, meta, 2048, backend="torch", **kw)
+    assert torch.equal(idx.sort(1).values, ref.sort(1).values)
+    assert (idx[n:] == -1).all()
+    ks, ke = dsa.key_ranges(meta)
+    for r in torch.linspace(0, n - 1, 24, device=DEV).long().unique().tolist():
+        scores = index_scores(q[r : r + 1].double(), k[int(ks[r]) : int(ke[r])].double(), w[r : r + 1].double(),
+                              0.25)[0]
+        vals = scores.tolist()
+        order = sorted(range(len(vals)), key=lambda j: (-vals[j], j))[:2048]
+        want = [-1] * (2048 - len(order)) + sorted(order)
+        assert idx[r].sort().values.tolist() == want, r
+
+
 def test_sparse_static_plan_graph_replay():
     """A CUDA graph captured over a static plan's sparse attention replays for other batches."""
     s = cpattn.InterleaveStrategy(2, pad_multiple=64)

@@ -463,6 +463,89 @@ def test_gloo_ranks_with_different_topk_all_raise():
     assert errors[0] is not None and errors[0] == errors[1] and "topk=8" in errors[0] and "topk=16" in errors[0]
 
 
+def _agreed_topk_case(rank, world):
+    """Decode steps whose plans agree on the index top-k (``build_metadata(index_topk=)``): each
+    step's index plan runs the candidate all-gather alone, from its first run; a step planned
+    without it checks the shape once per plan; a plan whose topk differs from the agreed one
+    raises before any collective."""
+    topk, s, sh = 16, cpattn.get_strategy("replicated", world), cpattn.KVSharding(world, 1)
+    calls, sels = [], []
+    for step, (lens, qs) in enumerate([([40, 9], [1, 2]), ([41, 11], [1, 2]), ([300], [3])]):
+        keys, q, w = _int_inputs(lens, qs, torch.Generator().manual_seed(step))
+        pre = [length - n for length, n in zip(lens, qs)]
+        declared = step < 2
+        meta = s.build_metadata(qs, pre, rank=rank, kv=sh, index_topk=topk if declared else None)
+        assert meta.index_topk == (topk if declared else 0)
+        plan = cpattn.plan_index_topk(meta, num_heads=H_I, head_dim=D_I, q_dtype=q.dtype, k_dtype=q.dtype, topk=topk)
+        assert plan.candidates_agreed == declared
+        with CountCollectives() as cc:
+            for _ in range(2):  # two layers of the step
+                sels.append(plan.run(q, _shard_packed(keys, world, 1, rank), w, softmax_scale=0.25))
+        calls.append(len(cc.calls))
+        assert plan.candidates_agreed
+        agreed_meta = meta if declared else agreed_meta
+    with CountCollectives() as cc:
+        try:
+            cpattn.plan_index_topk(agreed_meta, num_heads=H_I, head_dim=D_I, q_dtype=q.dtype, k_dtype=q.dtype, topk=8)
+            error = None
+        except ValueError as exc:
+            error = str(exc)
+    return calls, sels, error, len(cc.calls)
+
+
+def test_gloo_agreed_topk_needs_no_shape_check():
+    results = run_distributed(_agreed_topk_case, 2)
+    for step, (lens, qs) in enumerate([([40, 9], [1, 2]), ([41, 11], [1, 2]), ([300], [3])]):
+        keys, q, w = _int_inputs(lens, qs, torch.Generator().manual_seed(step))
+        want = topk_oracle(keys, q, w, lens, qs, 16, 0.25)
+        for _, sels, _, _ in results:
+            assert _sorted_sel(sels[2 * step]) == want and torch.equal(sels[2 * step + 1], sels[2 * step])
+    for calls, _, error, bad_calls in results:
+        assert calls == [2, 2, 3]  # two layers: the data all-gather each; undeclared: + one shape check
+        assert "topk=8" in error and "index_topk=16" in error and bad_calls == 0
+
+
+def test_index_topk_joins_the_plan_fingerprint():
+    """``index_topk`` changes only its own fingerprint entry (dynamic and static plans), is kept
+    on the plan, is checked like every argument, and binds the index plans built on it."""
+    s, sh = cpattn.get_strategy("replicated", 2), cpattn.KVSharding(2)
+    planner = cpattn.StaticPlanner(s, max_tokens=4, max_seqs=2, max_kv_tokens=64, max_q_len=2, kv=sh, device="cpu")
+    for build in (lambda **kw: s.build_metadata([1, 2], [39, 7], rank=1, kv=sh, **kw),
+                  lambda **kw: planner.plan([1, 2], [39, 7], rank=1, **kw)):
+        plain, agreed = build(), build(index_topk=16)
+        assert (plain.index_topk, agreed.index_topk) == (0, 16)
+        diff = [i for i, (a, b) in enumerate(zip(plain.fingerprint, agreed.fingerprint)) if a != b]
+        assert diff == [len(plain.fingerprint) - 2] and agreed.fingerprint[-2:] == (16, 1)
+        for bad, err in ((0, ValueError), (True, TypeError), ("16", TypeError)):
+            with pytest.raises(err, match="index_topk"):
+                build(index_topk=bad)
+        kw = dict(num_heads=H_I, head_dim=D_I, q_dtype=torch.float32, k_dtype=torch.float32)
+        assert cpattn.plan_index_topk(agreed, topk=16, **kw).candidates_agreed
+        assert not cpattn.plan_index_topk(plain, topk=16, **kw).candidates_agreed
+        with pytest.raises(ValueError, match=r"topk=8 .*index_topk=16"):
+            cpattn.plan_index_topk(agreed, topk=8, **kw)
+    local = cpattn.InterleaveStrategy(2).build_metadata([9], [3], rank=0, index_topk=16)  # a replicated cache
+    plan = cpattn.plan_index_topk(local, num_heads=H_I, head_dim=D_I, q_dtype=torch.float32,
+                                  k_dtype=torch.float32, topk=4, backend="torch")
+    assert plan.algorithm == "local" and not plan.candidates_agreed
+
+
+def _agreed_topk_mismatch_case(rank, world):
+    """Ranks that declare different index top-k fail the plan agreement together."""
+    try:
+        cpattn.get_strategy("replicated", world).build_metadata([1, 2], [39, 7], rank=rank,
+                                                                kv=cpattn.KVSharding(world),
+                                                                index_topk=8 if rank == 0 else 16)
+    except cpattn.PlanDisagreement as exc:
+        return str(exc)
+    return None
+
+
+def test_gloo_ranks_agreeing_different_topk_all_raise_at_planning():
+    errors = run_distributed(_agreed_topk_mismatch_case, 2)
+    assert errors[0] is not None and errors[0] == errors[1] and "index top-k" in errors[0] and "[8, 16]" in errors[0]
+
+
 # ----------------------------------------------------------------------------- triton scores (interpreter)
 @settings(max_examples=6, deadline=None)
 @given(decode_batches(max_len=300), st.booleans(), st.integers(0, 99))

@@ -66,7 +66,7 @@ def compile_index(h, d, block_m, block_n, warps, stages, k_fp8=False, q_fp8=Fals
     consts = dict(NUM_HEADS=h, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=block_m, KEYS_PER_PROGRAM=1024, PAGED=paged is not None,
                   PAGE_SIZE=paged or 1, HAS_KSCALE=k_fp8, K_DESC_OK=k_desc, DOT_PRECISION="tf32", DOT_UPCAST=False,
                   K_TO_Q=k_fp8 and not q_fp8, BLOCK_N=block_n, HEAD_STAGES=head_stages)
-    ptrs = dict(Q=q_t, K=k_t, W="*fp32", KScale="*fp32", Scores="*fp32", PageTable="*i32", tile_row0="*i32",
+    ptrs = dict(Q=q_t, K=k_t, W="*fp32", KScale="*fp32", Scores="*i64", PageTable="*i32", tile_row0="*i32",
                 tile_len="*i32", tile_pos0="*i32", tile_stride="*i32", tile_seq="*i32", tile_kv_start="*i64",
                 entry_tile="*i32", entry_piece="*i32", piece_row0="*i32", piece_plo="*i32", piece_width="*i32",
                 piece_base="*i64")
@@ -77,7 +77,7 @@ def compile_index(h, d, block_m, block_n, warps, stages, k_fp8=False, q_fp8=Fals
 
 def compile_write_selection(block=512):
     fn = ti._write_selection
-    sig = _signature(fn, dict(Vals="*fp32", Idx="*i64", Out="*i32"), (), dict(BLOCK=block))
+    sig = _signature(fn, dict(Keys="*i64", Out="*i32"), (), dict(BLOCK=block))
     return triton.compile(ASTSource(fn, sig, dict(BLOCK=block)), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4, num_stages=1))
 

@@ -100,7 +100,7 @@ def group_device(group) -> torch.device:
 #: Fingerprint entries: names used in the error message (the last one is the claimed rank).
 _FINGERPRINT_FIELDS = (
     "strategy", "cp_size", "pad_multiple", "num_seqs", "num_tokens", "num_kv_tokens", "lengths",
-    "lengths", "capacity", "capacity", "capacity", "capacity", "capacity", "capacity", "rank",
+    "lengths", "capacity", "capacity", "capacity", "capacity", "capacity", "capacity", "index_topk", "rank",
 )
 
 
@@ -147,7 +147,8 @@ def agree_on_plan(fingerprint: Optional[tuple[int, ...]], group, cp_size: int) -
         values = [f[name_i] for f in fields]
         if len(set(values)) > 1:
             what = {"lengths": "extend_lens / prefix_lens", "capacity": "static planner capacity",
-                    "strategy": "strategy or KV sharding"}.get(name, name)
+                    "strategy": "strategy or KV sharding",
+                    "index_topk": "the DSA index top-k (build_metadata(index_topk=))"}.get(name, name)
             raise PlanDisagreement(f"CP plan: the ranks planned different batches: {what} differ "
                                    f"(per group rank: {values})")
     if sorted(claimed) != list(range(size)):

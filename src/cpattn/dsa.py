@@ -116,8 +116,8 @@ def index_topk(
 
     Returns:
         int32 [P, topk]: per real row the positions (index in its sequence, prefix counted) of
-        its ``topk`` best scores among keys at positions ``<=`` its own (ties: the lower position
-        with the torch backend and over a sharded cache), in unspecified order,
+        its ``topk`` best scores among keys at positions ``<=`` its own (ties: the lower position,
+        every backend and over a sharded cache), in unspecified order,
         ``-1`` where fewer than ``topk`` keys are visible; pad rows all ``-1``. Memory stays
         bounded (scores are computed in chunks over rows and keys, never [P, max_kv_len]).
         Per layer: device work plus a host loop over the plan's chunks, no host sync. The plan

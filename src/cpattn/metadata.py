@@ -113,7 +113,10 @@ class CPMetadata:
         num_segments: S (host int).
         counts: [4] int32 on the device: T, n, num_kv_tokens, S (what static-plan kernels read).
         fingerprint: host ints identifying the plan (strategy, C, alignment, lengths, rank,
-            capacity); equal on every rank of a consistent CP group except for the rank entry.
+            capacity, index top-k); equal on every rank of a consistent CP group except for the
+            rank entry.
+        index_topk: the DSA index top-k the ranks agreed on with the plan
+            (``build_metadata(index_topk=)``), 0 when none was given.
         group: the process group the plan was checked against (``build_metadata(group=)``).
         capacity: None, or the :class:`Capacity` of a static plan.
         host: the CPU copy this one was moved from (itself when on the CPU); planners read it.
@@ -182,6 +185,7 @@ class CPMetadata:
     max_local_kv_len: int = 0
     num_local_prefix_tokens_per_rank: tuple[int, ...] = ()
     group: Any = None
+    index_topk: int = 0
     capacity: Optional[Capacity] = None
     host: Optional["CPMetadata"] = field(default=None, repr=False)
     arena: Any = field(default=None, repr=False)  # StaticPlanner buffers (static plans only)
@@ -307,13 +311,15 @@ _NO_CAPACITY = (0,) * len(dataclasses.fields(Capacity))
 
 def plan_fingerprint(
     strategy: str, cp_size: int, rank: int, pad_multiple: int, ext: Tensor, pre: Tensor,
-    capacity: Optional[Capacity] = None, kv=None,
+    capacity: Optional[Capacity] = None, kv=None, index_topk: int = 0,
 ) -> tuple[int, ...]:
     """Host ints that identify a plan: equal on all ranks of one batch except ``rank``.
 
-    (strategy code, cp_size, pad_multiple, B, T, num_kv_tokens, two length hashes, rank,
-    capacity...). Strategies and :class:`cpattn.StaticPlanner` exchange it over the group. A
-    KV sharding joins the strategy code (ranks must shard the cache the same way).
+    (strategy code, cp_size, pad_multiple, B, T, num_kv_tokens, two length hashes,
+    capacity..., index_topk, rank). Strategies and :class:`cpattn.StaticPlanner` exchange it
+    over the group. A KV sharding joins the strategy code (ranks must shard the cache the same
+    way); ``index_topk`` (0: none) is the DSA index top-k the ranks will select (the width of the
+    candidates they exchange over a sharded cache).
     """
     cap = dataclasses.astuple(capacity) if capacity is not None else _NO_CAPACITY
     code = strategy if kv is None else f"{strategy}/kv{kv.cp_size}x{kv.interleave}"
@@ -321,7 +327,7 @@ def plan_fingerprint(
     num_tokens = int(e.sum())
     return (
         _code_hash(code), cp_size, pad_multiple, e.size, num_tokens, num_tokens + int(p.sum()),
-        *_lengths_hashes(ext, pre), *cap, rank,
+        *_lengths_hashes(ext, pre), *cap, index_topk, rank,
     )
 
 
@@ -344,6 +350,7 @@ def build_metadata(
     physical_rows: Optional[int] = None,
     kv=None,
     replicated: bool = False,
+    index_topk: int = 0,
 ) -> CPMetadata:
     """Plan one batch for one rank on the host (O(T + B), vectorized). Strategies call this.
 
@@ -353,7 +360,8 @@ def build_metadata(
     ``kv``: a :class:`cpattn.KVSharding` with ``cp_size`` ranks: also plan which extend
     rows this rank stores in its sharded cache (O(T)) and its local key counts (O(B C)).
     ``replicated``: every rank owns every token (``owner_fn`` is not called): local row t is
-    logical row t on every rank (:func:`_build_replicated`).
+    logical row t on every rank (:func:`_build_replicated`). ``index_topk``: the DSA index top-k
+    the ranks agree on with the plan (0: none; see ``CPStrategy.build_metadata``).
     """
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise TypeError(f"rank must be an int, got {type(rank).__name__}")
@@ -366,7 +374,7 @@ def build_metadata(
             f"extend_lens and prefix_lens must have the same size, got {ext.numel()} and {pre.numel()}"
         )
     if replicated:
-        return _build_replicated(strategy, cp_size, rank, pad_multiple, ext, pre, physical_rows, kv)
+        return _build_replicated(strategy, cp_size, rank, pad_multiple, ext, pre, physical_rows, kv, index_topk)
     kv_lens = pre + ext
     cu_ext = _exclusive_cumsum(ext)
     cu_kv = _exclusive_cumsum(kv_lens)
@@ -416,7 +424,8 @@ def build_metadata(
     row_valid = torch.zeros(physical, dtype=torch.bool)
     row_valid[:n] = True
     return CPMetadata(
-        **_batch_fields(strategy, cp_size, rank, pad_multiple, kv, ext, pre, kv_lens, cu_ext, cu_kv, n, num_segments),
+        **_batch_fields(strategy, cp_size, rank, pad_multiple, kv, ext, pre, kv_lens, cu_ext, cu_kv, n, num_segments,
+                        index_topk),
         **_segment_fields((seg_seq, seg_row0, seg_len, seg_pos0, seg_stride), n, physical), **sharded,
         num_local_tokens_per_rank=counts_per_rank, num_physical_tokens=physical,
         max_seg_len=int(seg_len.max()) if num_segments else 0, max_seg_keys=int(seg_keys.max()) if num_segments else 0,
@@ -428,7 +437,8 @@ def build_metadata(
 
 
 def _batch_fields(strategy: str, cp_size: int, rank: int, pad_multiple: int, kv, ext: Tensor, pre: Tensor,
-                  kv_lens: Tensor, cu_ext: Tensor, cu_kv: Tensor, n: int, num_segments: int) -> dict:
+                  kv_lens: Tensor, cu_ext: Tensor, cu_kv: Tensor, n: int, num_segments: int,
+                  index_topk: int = 0) -> dict:
     """The fields every placement derives alike from the batch's int64 CPU lengths ([B] ``ext``,
     ``pre``, ``kv_lens``; [B + 1] offsets), its ``n`` local rows and ``num_segments`` segments."""
     num_seqs, num_tokens, num_kv_tokens = ext.numel(), int(cu_ext[-1]), int(cu_kv[-1])
@@ -438,7 +448,8 @@ def _batch_fields(strategy: str, cp_size: int, rank: int, pad_multiple: int, kv,
         max_kv_len=int(kv_lens.max()) if num_seqs else 0, max_q_len=int(ext.max()) if num_seqs else 0,
         extend_lens=ext, prefix_lens=pre, kv_lens=kv_lens, cu_extend_lens=cu_ext, cu_kv_lens=cu_kv,
         counts=torch.from_numpy(np.array([num_tokens, n, num_kv_tokens, num_segments], dtype=np.int32)),
-        fingerprint=plan_fingerprint(strategy, cp_size, rank, pad_multiple, ext, pre, kv=kv),
+        fingerprint=plan_fingerprint(strategy, cp_size, rank, pad_multiple, ext, pre, kv=kv, index_topk=index_topk),
+        index_topk=index_topk,
     )
 
 
@@ -477,7 +488,7 @@ def token_owners(owner_fn: OwnerFn, ext: Tensor, pre: Tensor, cu_ext: Optional[T
 
 
 def _build_replicated(strategy: str, cp_size: int, rank: int, pad_multiple: int, ext: Tensor, pre: Tensor,
-                      physical_rows: Optional[int], kv) -> CPMetadata:
+                      physical_rows: Optional[int], kv, index_topk: int = 0) -> CPMetadata:
     """The plan of the "replicated" placement (every rank owns every token, one stride-1 segment
     per non-empty sequence), in numpy: a decode step of B sequences costs O(B) host ints."""
     e, p = ext.numpy(), pre.numpy()
@@ -510,7 +521,7 @@ def _build_replicated(strategy: str, cp_size: int, rank: int, pad_multiple: int,
     as_t = torch.from_numpy
     return CPMetadata(
         **_batch_fields(strategy, cp_size, rank, pad_multiple, kv, ext, pre, as_t(kv_np), as_t(cu_ext), as_t(cu_kv),
-                        t, s),
+                        t, s, index_topk),
         **_segment_fields((live, cu_ext[live], e[live], p[live], 1), t, physical),
         **_sharded_cache_fields(kv, cp_size, rank, positions, p, kv_np, replicated=True),
         num_local_tokens_per_rank=(t,) * cp_size, num_physical_tokens=physical,

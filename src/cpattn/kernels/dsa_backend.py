@@ -1,6 +1,6 @@
 """``backend="triton"`` for the DSA plan kinds: sparse attention (:mod:`.triton_sparse`, and the
 sparse mode of the Hopper absorbed-MLA kernel :mod:`.triton_mla`) and the index top-k
-(:mod:`.triton_index` scores + ``torch.topk``).
+(:mod:`.triton_index` packed score keys + ``torch.topk``).
 
 Sparse attention plans a grid of P rows x head blocks over the per-row table
 (:mod:`._dsa_rows`); the per-layer call checks strides, detects ``v = k[..., :Dv]`` and launches
@@ -13,13 +13,15 @@ shape, any CUDA GPU and the interpreter). ``auto`` takes ``mla`` where it applie
 
 The index top-k plans, once per forward, query tiles of one segment each (``BLOCK_M`` rows, in row
 order) and groups consecutive tiles into **chunks** whose score block ``[rows, width]`` (width =
-the chunk's largest key count) stays under ``max_score_elems`` float32 values and within
+the chunk's largest key count) stays under ``max_score_elems`` scores and within
 :data:`CHUNK_SLACK` of its rows' own key counts; a chunk wider than the budget is cut into key
 windows merged by a running top-k. Chunks (their windows: **pieces**) are packed into launch
-groups of at most ``max_score_elems`` values. Per layer and group: one score launch (entries =
-(tile, piece) x key splits) writing every piece's block of the group buffer; per chunk one
-``torch.topk(sorted=False)`` per window and one launch writing the positions (int32, -1 where
-no key). The host loop runs over groups and chunks (8-16 at 32k or 128k tokens), never over
+groups of at most ``max_score_elems`` scores. Per layer and group: one score launch (entries =
+(tile, piece) x key splits) writing every piece's block of the group buffer as packed
+(score, position) int64 keys (:mod:`cpattn.selection`: 8 bytes per score); per chunk one
+``torch.topk(sorted=False)`` per window over those keys (ties go to the lower position, as in
+the torch reference and over a sharded cache) and one launch writing the positions (int32, -1
+where no key). The host loop runs over groups and chunks (8-16 at 32k or 128k tokens), never over
 sequences, and never syncs; the chunk geometry comes from the batch, so a graph captured over
 ``index_topk`` replays only that batch.
 
@@ -42,6 +44,7 @@ from torch import Tensor
 from . import IndexTopkSpec, AttentionSpec, triton_available, triton_device_reason
 from .. import _buffers
 from ..metadata import CPMetadata
+from ..selection import top_keys
 from ._dsa_rows import device_rows
 
 #: Sparse-attention kernel families ("auto": mla where it applies, else portable).
@@ -341,32 +344,25 @@ class _TritonIndexRun:
             q_idx = q_idx.contiguous()
         if page_table is not None:
             page_table = _contiguous_last(page_table)
-        buf = torch.empty(self.buffer_elems, dtype=torch.float32, device=q_idx.device)
+        buf = torch.empty(self.buffer_elems, dtype=torch.int64, device=q_idx.device)
         _launch_on(q_idx.device, lambda: self._run(q_idx, k_idx, weights, k_scale, page_table, softmax_scale, out, buf))
 
     def _run(self, q_idx, k_idx, weights, k_scale, page_table, softmax_scale, out, buf) -> None:
         topk = self.topk
-        best_v = best_p = None  # the running selection of the chunk whose windows are in flight
+        best = None  # the running selection (packed keys) of the chunk whose windows are in flight
         for e0, entries, widest, _, pieces in self.groups:
             self._launch(q_idx, k_idx, weights, k_scale, buf, page_table, grid=(entries, -(-widest // self.kpp)),
                          plan_args=self.plan_args, entry_base=e0, softmax_scale=softmax_scale, config=self.config)
-            for rows, r0, base, p_lo, width, last in pieces:
-                scores = buf[base : base + rows * width].view(rows, width)
-                vals, at = torch.topk(scores, min(topk, width), dim=1, sorted=False)
-                if last and best_v is None:  # a one-window chunk: positions written in one launch
-                    self._write(vals, at, out[r0 : r0 + rows], p_lo)
-                    continue
-                at = at + p_lo
-                if best_v is None:
-                    best_v, best_p = vals, at
+            for rows, r0, base, _, width, last in pieces:
+                keys = buf[base : base + rows * width].view(rows, width)
+                top = torch.topk(keys, min(topk, width), dim=1, sorted=False).values
+                if best is not None:  # a later window of a cut chunk: merge (keys carry their positions)
+                    top = top_keys(torch.cat([best, top], 1), topk)
+                if last:  # positions written in one launch
+                    self._write(top, out[r0 : r0 + rows])
+                    best = None
                 else:
-                    cand_v, cand_p = torch.cat([best_v, vals], 1), torch.cat([best_p, at], 1)
-                    best_v, sel = torch.topk(cand_v, min(topk, cand_v.shape[1]), dim=1, sorted=False)
-                    best_p = cand_p.gather(1, sel)
-                if last:
-                    best_p = best_p.masked_fill(torch.isneginf(best_v), -1)
-                    out[r0 : r0 + rows, : best_p.shape[1]] = best_p.to(torch.int32)
-                    best_v = best_p = None
+                    best = top
 
 
 def index_spec_reason(spec: IndexTopkSpec, gpu: bool) -> Optional[str]:

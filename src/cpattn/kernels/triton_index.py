@@ -1,17 +1,21 @@
-"""Triton DSA index scores: the lightning indexer's logits for a chunk of local rows.
+"""Triton DSA index scores: the lightning indexer's logits for a chunk of local rows, written as
+packed top-k keys.
 
-For query row ``t`` (position ``p``) and key position ``s`` of its sequence the kernel writes
-``sum_h w[t, h] * relu(scale * k_scale[s] * q[t, h] . k[s])`` (relu keeps NaN) into its piece's
-float32 score block ``[rows, width]`` of a launch group's buffer, whose column ``j`` is key
-position ``p_lo + j`` (``-inf`` where ``s > p``: the causal rule); then the backend
-(:mod:`.dsa_backend`) takes ``torch.topk`` of each row. A launch covers one group's entries (a
+For query row ``t`` (position ``p``) and key position ``s`` of its sequence the kernel computes
+``sum_h w[t, h] * relu(scale * k_scale[s] * q[t, h] . k[s])`` (relu keeps NaN) and writes it,
+packed with ``s`` as :mod:`cpattn.selection` packs them (one int64:
+``(ordered(score) << 32) | (2^32 - 1 - s)``), into its piece's int64 block ``[rows, width]`` of a
+launch group's buffer, whose column ``j`` is key position ``p_lo + j`` ("no key", int64 min,
+where ``s > p``: the causal rule); then the backend (:mod:`.dsa_backend`) takes ``torch.topk`` of
+each row: one top-k over packed keys selects the best scores with ties to the LOWER position, the
+same set as the torch reference. A launch covers one group's entries (a
 query tile in one piece: a chunk's rows over one key window). A program handles one entry
 (``BLOCK_M`` consecutive rows of one segment, so they share a sequence and one key block serves
 them all) and ``KEYS_PER_PROGRAM`` key positions: per key block it loads
 K once, then for each indexer head a ``[BLOCK_M, D] x [D, BLOCK_N]`` dot whose relu, weighted by
 the head's per-row weights, accumulates into the block's scores (no cross-warp reduction: heads
 are a loop, rows are M). Key blocks past the tile's last position are not computed, only filled
-with ``-inf``. Index keys are packed (``cu_kv_lens[seq] + s``) or paged; bf16 / fp16 (fp32 in
+with "no key". Index keys are packed (``cu_kv_lens[seq] + s``) or paged; bf16 / fp16 (fp32 in
 the interpreter), and fp8 e4m3 keys (dequantized by ``k_scale``) with fp8 (fp8 dot) or
 bf16 / fp16 queries (keys converted in registers).
 """
@@ -55,7 +59,10 @@ def _autotune_enabled() -> bool:
 
 def _prune_configs(configs, named_args, **kwargs):
     """Keep configs whose K block, q stages and score accumulators fit (shared memory and
-    <= 128 fp32 accumulator registers per thread for the two [BLOCK_M, BLOCK_N] tiles). Without
+    <= 128 fp32 accumulator registers per thread for the two [BLOCK_M, BLOCK_N] tiles; the packed
+    int64 keys are stored in two halves of BLOCK_N / 2 columns, so their staging takes what a
+    float32 block would: ptxas reports 98832 bytes for the default config either way, no spills,
+    tools/dsa_offline_check.py). Without
     autotuning (``CPATTN_TRITON_AUTOTUNE=0``) the first one kept: (128, 4 warps, 3 stages), one
     warpgroup per 64-row tile, no spills on sm_90; measured on H200 (DeepSeek-V3.2 indexer, rank
     0 of interleave C = 8) 1.22x / 1.25x faster than (128, 8 warps, 2 stages) at 32k / 128k."""
@@ -66,7 +73,7 @@ def _prune_configs(configs, named_args, **kwargs):
         bn, stages, warps = c.kwargs["BLOCK_N"], c.num_stages, c.num_warps
         if kpp % bn:
             continue
-        smem = bn * bd * 2 + stages * bm * bd * 2 + bm * bn * 4  # K block, q stages, score staging
+        smem = bn * bd * 2 + stages * bm * bd * 2 + bm * bn * 4  # K block, q stages, half-block int64 staging
         if smem > SM90_SMEM_PER_BLOCK or 2 * bm * bn // (32 * warps) > 128:
             continue
         kept.append(c)
@@ -97,7 +104,7 @@ def _index_scores_fwd(
     if split * KEYS_PER_PROGRAM >= width:  # the group's widest piece sets the grid
         return
     chunk_row0 = tl.load(piece_row0 + piece)
-    Scores += tl.load(piece_base + piece)  # the piece's [rows, width] block of the group buffer
+    Scores += tl.load(piece_base + piece)  # the piece's [rows, width] int64 block of the group buffer
     stride_om = width
     row0 = tl.load(tile_row0 + t)
     n = tl.load(tile_len + t)
@@ -117,12 +124,13 @@ def _index_scores_fwd(
 
     k_start = p_lo + split * KEYS_PER_PROGRAM
     k_stop = tl.minimum(p_lo + width, k_start + KEYS_PER_PROGRAM)
-    c_stop = tl.minimum(k_stop, max_pos + 1)  # keys past the tile's last position: -inf only
+    c_stop = tl.minimum(k_stop, max_pos + 1)  # keys past the tile's last position: "no key" only
     # the chunk's score rows of this tile as a [tile end, width] matrix: stores clip at the tile's
     # last row (the next tile's rows follow) and at the chunk's width
     out_row0 = (row0 - chunk_row0).to(tl.int32)
+    HALF_N: tl.constexpr = BLOCK_N // 2  # keys are stored in two halves: half the int64 staging in shared memory
     out_desc = tl.make_tensor_descriptor(Scores, shape=[out_row0 + n, width], strides=[stride_om, 1],
-                                         block_shape=[BLOCK_M, BLOCK_N])
+                                         block_shape=[BLOCK_M, HALF_N])
     pt_row = PageTable + seq.to(tl.int64) * stride_pt
     # q of one head: a [BLOCK_M, D] box of the [P, H, D] tensor (TMA on sm_90; no pointer tensor
     # kept live across the loops). Rows past P read 0; rows past the tile are computed, not stored.
@@ -172,13 +180,21 @@ def _index_scores_fwd(
             w = tl.load(w_rows + h * stride_wh, mask=m_ok, other=0.0).to(tl.float32)
             s = tl.dot(q, kt, input_precision=DOT_PRECISION) * col_scale[None, :]
             acc += tl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[:, None]  # relu keeps NaN
-        acc = tl.where(kpos[None, :] <= pos[:, None], acc, float("-inf"))
-        out_desc.store([out_row0, (kb - p_lo).to(tl.int32)], acc)
+        # the packed (score, position) key of cpattn.selection: -0.0 as +0.0, one NaN
+        acc = tl.where(acc == 0.0, 0.0, acc)
+        acc = tl.where(acc != acc, float("nan"), acc)
+        bits = acc.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+        key = (ordered << 32) | (4294967295 - kpos.to(tl.int64))[None, :]
+        key = tl.where(kpos[None, :] <= pos[:, None], key, -9223372036854775807 - 1)
+        lo, hi = tl.split(tl.permute(tl.reshape(key, [BLOCK_M, 2, HALF_N]), (0, 2, 1)))  # columns [0, N/2), [N/2, N)
+        out_desc.store([out_row0, (kb - p_lo).to(tl.int32)], lo)
+        out_desc.store([out_row0, (kb - p_lo + HALF_N).to(tl.int32)], hi)
 
     fill = k_start + tl.cdiv(tl.maximum(c_stop - k_start, 0), BLOCK_N) * BLOCK_N
-    neg = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
-    for kb in range(fill, k_stop, BLOCK_N):
-        out_desc.store([out_row0, (kb - p_lo).to(tl.int32)], neg)
+    no_key = tl.full([BLOCK_M, HALF_N], -9223372036854775807 - 1, dtype=tl.int64)
+    for kb in range(fill, k_stop, HALF_N):
+        out_desc.store([out_row0, (kb - p_lo).to(tl.int32)], no_key)
 
 
 _index_scores_fwd_tuned = triton.autotune(
@@ -199,8 +215,8 @@ def launch(
 ) -> None:
     """Scores of one launch group: entries ``[entry_base, entry_base + grid[0])`` of the plan's
     entry table (a query tile in one piece: a chunk's rows over one key window), each written
-    into its piece's ``[rows, width]`` block of ``scores`` (float32, flat; block at element
-    ``piece_base``, column j = key position ``p_lo + j``). ``grid[1]``: key splits of the widest
+    into its piece's ``[rows, width]`` block of ``scores`` (int64 packed keys, flat; block at
+    element ``piece_base``, column j = key position ``p_lo + j``). ``grid[1]``: key splits of the widest
     piece. ``config`` = (BLOCK_N, num_warps, num_stages) bypasses the autotuner."""
     paged = page_table is not None
     if paged:
@@ -228,27 +244,27 @@ def launch(
 
 
 @triton.jit
-def _write_selection(Vals, Idx, Out, cols, p_lo, stride_v, stride_i, stride_om, stride_on, BLOCK: tl.constexpr):
-    """``Out[r, j] = p_lo + Idx[r, j]`` (int32), or -1 where ``Vals[r, j]`` is -inf (no key)."""
+def _write_selection(Keys, Out, cols, stride_k, stride_om, stride_on, BLOCK: tl.constexpr):
+    """``Out[r, j]`` = the position of packed key ``Keys[r, j]`` (int32), or -1 for "no key"."""
     r = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < cols
-    v = tl.load(Vals + r * stride_v + offs, mask=ok, other=0.0)
-    i = tl.load(Idx + r * stride_i + offs, mask=ok, other=0)
+    key = tl.load(Keys + r * stride_k + offs, mask=ok, other=0)
+    pos = 4294967295 - (key & 4294967295)
     tl.store(Out + r * stride_om + offs.to(tl.int64) * stride_on,
-             tl.where(v == float("-inf"), -1, i + p_lo).to(tl.int32), mask=ok)
+             tl.where(key == -9223372036854775807 - 1, -1, pos).to(tl.int32), mask=ok)
 
 
-def write_selection(vals: Tensor, idx: Tensor, out: Tensor, p_lo: int) -> None:
-    """One launch for what ``torch.topk``'s results need before they are positions: the first
-    k columns of ``out`` [rows, >= k] int32 (any strides) = ``idx + p_lo``, -1 where ``vals`` is
-    -inf. ``vals`` float32 / ``idx`` int64 [rows, k] with contiguous rows (torch.topk's)."""
-    rows, cols = idx.shape
+def write_selection(keys: Tensor, out: Tensor) -> None:
+    """One launch turning ``torch.topk``'s packed keys into positions: the first k columns of
+    ``out`` [rows, >= k] int32 (any strides) = the positions of ``keys`` int64 [rows, k]
+    (contiguous rows), -1 for "no key" (:func:`cpattn.selection.key_positions` in one launch)."""
+    rows, cols = keys.shape
     if rows == 0 or cols == 0:
         return
     block = 512 if not INTERPRETED else 64
-    _write_selection[(rows, triton.cdiv(cols, block))](vals, idx, out, cols, p_lo, vals.stride(0), idx.stride(0),
-                                                      out.stride(0), out.stride(1), BLOCK=block, num_warps=4)
+    _write_selection[(rows, triton.cdiv(cols, block))](keys, out, cols, keys.stride(0), out.stride(0), out.stride(1),
+                                                      BLOCK=block, num_warps=4)
 
 
 def k_layout_ok(k: Tensor) -> bool:

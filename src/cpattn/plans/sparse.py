@@ -17,7 +17,6 @@ without a causal mask (e.g. every key of a sequence shorter than top-k) stays ca
 
 from __future__ import annotations
 
-import weakref
 from typing import Mapping, Optional
 
 import torch
@@ -116,6 +115,11 @@ class IndexTopkPlan(AttentionPlan):
     "shard_merge" (replicated queries over a sharded cache: each rank scores its own keys,
     :meth:`candidates`, and ONE all-gather of the candidates gives every rank the exact global
     top-k, :func:`select_candidates`).
+
+    ``candidates_agreed`` ("shard_merge"): whether every rank is known to exchange candidates of
+    this plan's shape [N, topk]: True from planning when the ranks agreed on ``topk`` with the
+    placement plan (``build_metadata(index_topk=)``: ``meta.index_topk``), else after this plan's
+    first :meth:`run` over a group (one tiny shape check).
     """
 
     def __init__(self, meta: CPMetadata, spec: IndexTopkSpec, backend: str, run_impl, algorithm: str) -> None:
@@ -127,6 +131,12 @@ class IndexTopkPlan(AttentionPlan):
         self._out_shape = (p, spec.topk)
         self._scale = spec.head_dim**-0.5
         self._sharded = algorithm == "shard_merge"
+        self._candidates_agreed = self._sharded and meta.index_topk == spec.topk
+
+    @property
+    def candidates_agreed(self) -> bool:
+        """See the class docstring ("shard_merge" only; False for "local")."""
+        return self._candidates_agreed
 
     def __repr__(self) -> str:
         return (f"IndexTopkPlan(algorithm={self.algorithm!r}, backend={self.backend!r}, {self.spec}, "
@@ -247,9 +257,11 @@ class IndexTopkPlan(AttentionPlan):
         :meth:`candidates`); ONE all-gather over ``group`` of every rank's candidates (8 bytes
         each: :func:`cpattn.dsa.topk_agreement_bytes`), then every rank returns the same exact
         global top-k (global positions; ties: the lower position; -1 padding). Every check runs
-        before the collective; the first call per process group and shape runs a tiny [2] int64
-        all-gather first, so ranks planned with different ``topk`` all raise the same
-        ValueError instead of hanging.
+        before the collective. Ranks planned with different ``topk`` all raise the same error
+        instead of hanging: PlanDisagreement at planning when ``topk`` was agreed with the
+        placement plan (``build_metadata(index_topk=)``: then no collective here but the one
+        all-gather), else a ValueError from a tiny [2] int64 all-gather that this plan's first
+        run over a group runs first (:attr:`candidates_agreed`; its later runs skip it).
         """
         if not self._sharded and group is not None:
             raise ValueError("group= is for a plan over a sharded cache (algorithm 'shard_merge')")
@@ -268,7 +280,8 @@ class IndexTopkPlan(AttentionPlan):
         self._impl(q_idx, k_idx, weights, k_scale, page_table, scale, cand)
         c = self.meta.cp_size
         if c > 1:
-            _check_same_candidates((cand.shape[0], cand.shape[1]), group, c)
+            if not self._candidates_agreed:
+                self._candidates_agreed = _check_same_candidates((cand.shape[0], cand.shape[1]), group, c)
             gathered = torch.empty((c * cand.shape[0], cand.shape[1]), dtype=torch.int64, device=self._device)
             all_gather_into(gathered, cand, group, False)  # the one collective
         else:
@@ -292,24 +305,15 @@ def _check_group_size(meta: CPMetadata, group) -> None:
                          f"{meta.rank} of cp_size {meta.cp_size}")
 
 
-#: Candidate shapes (rows, topk) already agreed per process group (None: the default group).
-_AGREED: "weakref.WeakKeyDictionary[object, set]" = weakref.WeakKeyDictionary()
-_AGREED_DEFAULT: set = set()
-
-
-def _check_same_candidates(shape: tuple[int, int], group, size: int) -> None:
+def _check_same_candidates(shape: tuple[int, int], group, size: int) -> bool:
     """Every rank passes candidates [N, topk] of one shape (else the same ValueError on every
     rank, instead of an all-gather of mismatched sizes, which aborts or hangs): a tiny [2] int64
-    all-gather, once per process group and shape (a decode loop's later steps run the data
-    collective alone); skipped while a CUDA graph is being captured."""
+    all-gather. Skipped while a CUDA graph is being captured (the check reads its result on the
+    host). Returns whether it checked."""
     from ..collectives import all_gather_into, group_device
 
-    try:
-        agreed = _AGREED_DEFAULT if group is None else _AGREED.setdefault(group, set())
-    except TypeError:  # a group object without weak references: check every call
-        agreed = set()
-    if shape in agreed or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-        return
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False
     device = group_device(group)
     table = torch.empty(size * 2, dtype=torch.int64, device=device)
     all_gather_into(table, torch.tensor(shape, dtype=torch.int64).to(device), group, False)
@@ -318,7 +322,7 @@ def _check_same_candidates(shape: tuple[int, int], group, size: int) -> None:
         per_rank = "; ".join(f"rank {r}: [N={n}, topk={k}]" for r, (n, k) in enumerate(rows))
         raise ValueError(f"index top-k over a sharded cache: the ranks planned different candidates (rows or topk "
                          f"differ; nothing was selected): {per_rank}")
-    agreed.add(shape)
+    return True
 
 
 def select_candidates(candidates: Tensor, topk: int) -> Tensor:
@@ -370,6 +374,9 @@ def plan_index_topk(
         raise NotImplementedError("the index top-k over a sharded cache runs replicated queries (a decode step: the "
                                   "'replicated' strategy with kv=KVSharding); an extend over a sharded cache is not "
                                   "supported")
+    if meta.index_topk and meta.index_topk != spec.topk:
+        raise ValueError(f"topk={spec.topk} differs from the index top-k the ranks agreed on with the placement plan "
+                         f"(build_metadata(index_topk={meta.index_topk}))")
     if page_size is not None:
         meta.kv.check_page_size(page_size)
     if max(meta.max_kv_len, meta.capacity.max_kv_tokens if meta.capacity else 0) >= _MAX_POSITIONS:

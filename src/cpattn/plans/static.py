@@ -90,15 +90,16 @@ class StaticPlanner:
         return f"StaticPlanner({self.strategy!r}, {self.capacity}, kv={self.kv}, device={self.device})"
 
     def plan(self, extend_lens: LengthsLike, prefix_lens: Optional[LengthsLike] = None, *, rank: int,
-             group=None, agree: bool = True) -> CPMetadata:
+             group=None, agree: bool = True, index_topk: Optional[int] = None) -> CPMetadata:
         """Plan a batch into the fixed buffers (host; ValueError before any work when the batch
         exceeds the capacity; with ``group`` the ranks agree on the plan first, as in
-        ``strategy.build_metadata``)."""
-        host = self.strategy.agreed(lambda: self._build(extend_lens, prefix_lens, rank), group, agree)
+        ``strategy.build_metadata``, ``index_topk`` included)."""
+        host = self.strategy.agreed(lambda: self._build(extend_lens, prefix_lens, rank, index_topk), group, agree)
         return place_static(self.arena, "meta", host, self.capacity)
 
-    def _build(self, extend_lens, prefix_lens, rank) -> CPMetadata:
+    def _build(self, extend_lens, prefix_lens, rank, index_topk=None) -> CPMetadata:
         cap, s = self.capacity, self.strategy
+        topk = 0 if index_topk is None else check_int(index_topk, "index_topk", 1)
         ext = as_lengths(extend_lens, "extend_lens")
         pre = torch.zeros_like(ext) if prefix_lens is None else as_lengths(prefix_lens, "prefix_lens")
         if pre.numel() == ext.numel():
@@ -112,12 +113,12 @@ class StaticPlanner:
             if over:
                 raise ValueError("batch over the StaticPlanner capacity: " +
                                  "; ".join(f"{what} {got} > {limit}" for what, got, limit in over))
-        host = s.plan_host(ext, pre, rank, physical_rows=cap.max_local_tokens, kv=self.kv)
+        host = s.plan_host(ext, pre, rank, physical_rows=cap.max_local_tokens, kv=self.kv, index_topk=topk)
         if host.num_segments > cap.max_segments:
             raise ValueError(f"batch over the StaticPlanner capacity: {host.num_segments} query segments > "
                              f"{cap.max_segments}")
         fingerprint = plan_fingerprint(s.name, s.cp_size, rank, s.pad_multiple, host.extend_lens, host.prefix_lens,
-                                       cap, kv=self.kv)
+                                       cap, kv=self.kv, index_topk=topk)
         return dataclasses.replace(host, fingerprint=fingerprint)
 
 

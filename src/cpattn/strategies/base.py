@@ -148,6 +148,7 @@ class CPStrategy(ABC):
         group=None,
         agree: bool = True,
         kv=None,
+        index_topk: Optional[int] = None,
     ) -> CPMetadata:
         """Plan a batch for ``rank`` (host, O(T + B); call once per forward, then ``.to(device)``).
 
@@ -176,14 +177,20 @@ class CPStrategy(ABC):
                 says which extend rows this rank stores and their local cache indices
                 (``meta.store_rows`` / ``meta.store_index``, for :func:`cpattn.plan_cache_writes`)
                 and how many keys each rank holds per sequence. Part of the agreed fingerprint.
+            index_topk: the DSA index top-k of the step's layers (int >= 1), or None. Part of the
+                agreed fingerprint (ranks that give different values raise PlanDisagreement
+                here) and kept as ``meta.index_topk``: an index top-k over a sharded cache
+                (:meth:`cpattn.IndexTopkPlan.run`) then exchanges its candidates without a
+                shape check of its own (see docs/dsa.md).
 
         Example::
 
             meta = cpattn.ZigzagStrategy(2).build_metadata([5, 9], [0, 3], rank=1).to("cuda")
         """
-        def build() -> CPMetadata:  # a failure here (kv included) still joins the exchange
+        def build() -> CPMetadata:  # a failure here (kv, index_topk included) still joins the exchange
             self.check_kv(kv)
-            return self.plan_host(extend_lens, prefix_lens, rank, kv=kv)
+            topk = 0 if index_topk is None else check_int(index_topk, "index_topk", 1)
+            return self.plan_host(extend_lens, prefix_lens, rank, kv=kv, index_topk=topk)
 
         return self.agreed(build, group, agree)
 
@@ -198,9 +205,9 @@ class CPStrategy(ABC):
                 raise ValueError(f"kv has cp_size={kv.cp_size} but the strategy has cp_size={self.cp_size}")
 
     def plan_host(self, extend_lens, prefix_lens, rank, physical_rows: Optional[int] = None,
-                  kv=None) -> CPMetadata:
+                  kv=None, index_topk: int = 0) -> CPMetadata:
         """``build_metadata`` without the plan exchange (host only; ``physical_rows``: a static
-        plan's fixed P). Planners call it inside :meth:`agreed`."""
+        plan's fixed P; ``index_topk``: 0 for none). Planners call it inside :meth:`agreed`."""
         return build_metadata(
             self.name,
             self._token_owner,
@@ -213,6 +220,7 @@ class CPStrategy(ABC):
             physical_rows,
             kv,
             self.replicated,
+            index_topk,
         )
 
     def agreed(self, build, group, agree: bool = True) -> CPMetadata:
