@@ -26,6 +26,7 @@ from cpattn.quant import (
     quantize_mla_fp8_tiles,
 )
 from dist_utils import CountCollectives, run_distributed
+from oracle import TOLERANCE, attention_oracle
 
 FP8 = torch.float8_e4m3fn
 
@@ -71,14 +72,6 @@ def test_spec_kv_layout():
     for d, dv in ((576, 500), (512, 512)):
         with pytest.raises(ValueError, match="head_dim > head_dim_v"):
             cpattn.AttentionSpec(**dict(mla, head_dim=d, head_dim_v=dv), kv_dtype=FP8, kv_layout=FP8_TILE)
-
-
-def test_plans_refuse_the_tile_layout_until_a_kernel_reads_it():
-    meta = cpattn.get_strategy("replicated", 1).build_metadata([1], [3], rank=0)
-    spec = cpattn.AttentionSpec(num_q_heads=4, num_kv_heads=1, head_dim=192, head_dim_v=128, dtype=torch.bfloat16,
-                                kv_dtype=FP8, kv_layout=FP8_TILE, page_size=4)
-    with pytest.raises(NotImplementedError, match="kv_layout='fp8_tile'"):
-        cpattn.plan_attention(meta, spec, backend="torch")
 
 
 # ---------------------------------------------------------------------------------------- quantization
@@ -306,3 +299,207 @@ def test_tile_layout_gather_moves_656_byte_rows():
         assert len(res["tile"]) == len(res["bf16"]) == 1  # one collective each
         tile_bytes, bf16_bytes = math.prod(res["tile"][0]), math.prod(res["bf16"][0])
         assert tile_bytes == 656 * res["P"] and bf16_bytes == 1152 * res["P"], (res["tile"], res["bf16"], res["P"])
+
+
+# ---------------------------------------------------------------------------------------- reads (torch reference)
+def _latent(n, r, rope, g, spread=True):
+    """Tile rows [n, row] of a random latent (tile magnitudes spread over 0.1..2 when
+    ``spread``) and their fp64 dequantization [n, 1, r + rope] (the oracle's keys)."""
+    kv_c = torch.randn(n, r, generator=g)
+    if spread:
+        kv_c = kv_c * torch.exp(torch.empty(n, r // 128, 1).uniform_(-2.3, 0.7, generator=g)).repeat_interleave(
+            128, dim=1).view(n, r)
+    rows = quantize_mla_fp8_tiles(kv_c, torch.randn(n, rope, generator=g))
+    return rows, dequantize_mla_fp8_tiles(rows, r, torch.float64)[:, None, :]
+
+
+def _tile_pages(rows_per_seq, ps, g):
+    """Packed per-sequence tile rows -> (uint8 cache [num_pages, ps, 1, row] with unwritten slots
+    all 0xFF (NaN values and scales: never read), page table [B, max_pages] int32)."""
+    counts = [-(-x.shape[0] // ps) for x in rows_per_seq]
+    num_pages = sum(counts) + 2
+    order = torch.randperm(num_pages, generator=g).tolist()
+    row = rows_per_seq[0].shape[-1]
+    cache = torch.full((num_pages, ps, 1, row), 0xFF, dtype=torch.uint8)
+    table = torch.zeros(len(rows_per_seq), max([1, *counts]), dtype=torch.int32)
+    used = 0
+    for b, x in enumerate(rows_per_seq):
+        for j in range(x.shape[0]):
+            if j % ps == 0:
+                table[b, j // ps] = order[used]
+                used += 1
+            cache[table[b, j // ps], j % ps, 0] = x[j]
+    return cache, table
+
+
+def _tile_spec(hq, r, rope, dtype, ps=None, **kw):
+    return cpattn.AttentionSpec(num_q_heads=hq, num_kv_heads=1, head_dim=r + rope, head_dim_v=r, dtype=dtype,
+                                kv_dtype=FP8, kv_layout=FP8_TILE, page_size=ps, **kw)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dims", [(128, 16), (512, 64)])
+def test_dense_attend_over_tile_cache_equals_oracle_on_dequantized_latent(dims, dtype, paged):
+    """Absorbed MLA (k = v = the uint8 tile cache) through a local dense plan, ragged batch with
+    prefixes, an empty sequence and pad rows: the fp64 oracle on the dequantized latent."""
+    r, rope = dims
+    ext, pre = [5, 0, 1, 9], [3, 6, 0, 1]
+    kv_lens = [e + p for e, p in zip(ext, pre)]
+    g = torch.Generator().manual_seed(r + paged)
+    rows, deq = _latent(sum(kv_lens), r, rope, g)
+    q = torch.randn(sum(ext), 8, r + rope, generator=g).to(dtype)
+    meta = cpattn.ZigzagStrategy(1, pad_multiple=4).build_metadata(ext, pre, rank=0)
+    plan = cpattn.plan_attention(meta, _tile_spec(8, r, rope, dtype, 4 if paged else None), backend="auto")
+    assert plan.backend == "torch"  # no kernel reads the layout yet: auto falls back
+    q_local = cpattn.ZigzagStrategy(1, pad_multiple=4).shard(q, meta)
+    if paged:
+        cache, table = _tile_pages(list(rows.split(kv_lens)), 4, g)
+        out, lse = plan.attend(q_local, cache, cache, page_table=table, return_lse=True)
+    else:
+        lat = rows[:, None, :]
+        out, lse = plan.attend(q_local, lat, lat, return_lse=True)
+    ref, ref_lse = attention_oracle(q, deq, deq[..., :r], ext, pre)
+    t = q.shape[0]
+    assert out.shape == (meta.num_physical_tokens, 8, r)
+    assert (out[:t].double() - ref).abs().max().item() < TOLERANCE[dtype]
+    assert (lse[:t].double() - ref_lse).abs().max().item() < TOLERANCE[dtype]
+    assert (out[t:] == 0).all() and torch.isneginf(lse[t:]).all()
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("c", [1, 2])
+def test_split_kv_decode_over_sharded_tile_cache(c, paged):
+    """Replicated decode queries over a tile cache sharded C ways (interleave 2), each rank's
+    share attended by its shard_merge plan and merged: the fp64 oracle on the dequantized latent;
+    over a replicated cache (C = 1) a decode-shaped local plan too."""
+    from test_dsa_sharded import _meta, _shard_packed, _shard_paged
+
+    from cpattn.merge import merge_states
+
+    r, rope, hq, il = 128, 16, 4, 2
+    lens, qs = [40, 1, 13, 22], [1, 1, 2, 1]
+    pre = [n - q for n, q in zip(lens, qs)]
+    g = torch.Generator().manual_seed(c * 10 + paged)
+    rows, deq = _latent(sum(lens), r, rope, g)
+    per_seq = list(rows[:, None, :].split(lens))
+    q = torch.randn(sum(qs), hq, r + rope, generator=g, dtype=torch.bfloat16)
+    ref, _ = attention_oracle(q, deq, deq[..., :r], qs, pre)
+    spec = _tile_spec(hq, r, rope, torch.bfloat16, 4 if paged else None)
+    outs, lses = [], []
+    for rank in range(c):
+        plan = cpattn.plan_attention(_meta(c, il, lens, qs, rank), spec, backend="torch")
+        assert plan.algorithm == "shard_merge"
+        kw = {}
+        if paged:
+            k_loc, kw["page_table"] = _shard_paged(per_seq, c, il, rank, 4, g)
+        else:
+            k_loc = _shard_packed(per_seq, c, il, rank)
+        o, l = plan.attend(q, k_loc, k_loc, **kw)
+        outs.append(o)
+        lses.append(l)
+    out, _ = merge_states(torch.stack(outs), torch.stack(lses))
+    assert (out.double() - ref).abs().max().item() < TOLERANCE[torch.bfloat16]
+    if c == 1:
+        meta = cpattn.get_strategy("replicated", 1).build_metadata(qs, pre, rank=0)
+        plan = cpattn.plan_attention(meta, spec, backend="torch")
+        kw = {}
+        if paged:
+            cache, kw["page_table"] = _tile_pages([x[:, 0] for x in per_seq], 4, g)
+        else:
+            cache = rows[:, None, :]
+        out = plan.attend(q, cache, cache, **kw)
+        assert (out.double() - ref).abs().max().item() < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_sparse_attention_over_tile_cache(paged):
+    """DSA sparse attention (topk) over a tile cache, a local plan (replicated cache) and the
+    sharded-cache plan (C = 3, interleave 2, merged): the fp64 sparse oracles on the
+    dequantized latent."""
+    from test_dsa import _paged as dsa_paged
+    from test_dsa import _selection, sparse_oracle
+    from test_dsa_sharded import _meta, _shard_packed, _shard_paged
+    from test_dsa_sharded import sparse_oracle as sharded_oracle
+
+    from cpattn.merge import merge_states
+
+    r, rope, hq = 128, 16, 4
+    g = torch.Generator().manual_seed(30 + paged)
+    ext, pre = [5, 1, 9], [3, 20, 0]
+    rows, deq = _latent(sum(e + p for e, p in zip(ext, pre)), r, rope, g)
+    q = torch.randn(sum(ext), hq, r + rope, generator=g)
+    idx = _selection(ext, pre, 12, g)
+    ref, ref_lse = sparse_oracle(q, deq, deq[..., :r], idx, ext, pre, 0.2)
+    meta = cpattn.get_strategy("replicated", 1).build_metadata(ext, pre, rank=0)
+    plan = cpattn.plan_attention(meta, _tile_spec(hq, r, rope, torch.float32, 4 if paged else None, topk=12),
+                                 backend="auto")
+    assert plan.backend == "torch"
+    lat, kw = rows[:, None, :], {}
+    if paged:
+        (lat,), kw["page_table"] = dsa_paged([lat], ext, pre, 4, g)
+    out, lse = plan.attend(q, lat, lat, idx, softmax_scale=0.2, return_lse=True, **kw)
+    assert (out.double() - ref).abs().max().item() < TOLERANCE[torch.float32]
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() < TOLERANCE[torch.float32]
+    # sharded cache, decode rows
+    c, il, topk = 3, 2, 8
+    lens, qs = [70, 13, 1, 33], [2, 1, 1, 4]
+    rows, deq = _latent(sum(lens), r, rope, g)
+    per_seq = list(rows[:, None, :].split(lens))
+    q = torch.randn(sum(qs), hq, r + rope, generator=g)
+    sel = torch.tensor([(torch.randperm(p + 1, generator=g)[:topk].tolist() + [-1] * topk)[:topk]
+                        for n, ql in zip(lens, qs) for p in range(n - ql, n)])
+    deq_seq = list(deq.split(lens))
+    want = sharded_oracle(q, deq_seq, [x[..., :r] for x in deq_seq], sel.tolist(), lens, qs, 0.2)
+    outs, lses = [], []
+    for rank in range(c):
+        plan = cpattn.plan_attention(_meta(c, il, lens, qs, rank), _tile_spec(hq, r, rope, torch.float32,
+                                                                              4 if paged else None, topk=topk),
+                                     backend="torch")
+        kw = {}
+        if paged:
+            k_loc, kw["page_table"] = _shard_paged(per_seq, c, il, rank, 4, g)
+        else:
+            k_loc = _shard_packed(per_seq, c, il, rank)
+        o, l = plan.attend(q, k_loc, k_loc, sel, softmax_scale=0.2, **kw)
+        outs.append(o)
+        lses.append(l)
+    out, _ = merge_states(torch.stack(outs), torch.stack(lses))
+    assert (out.double() - want).abs().max().item() < TOLERANCE[torch.float32]
+
+
+def test_tile_plans_check_their_calls():
+    """The cache must be the uint8 rows (k and v alike), no scales are taken, run is refused
+    (write_mla_cache(layout=) then attend), and the Triton backends name the layout."""
+    r, rope = 128, 16
+    ext, pre = [1, 2], [3, 0]
+    g = torch.Generator().manual_seed(2)
+    rows, _ = _latent(6, r, rope, g)
+    lat = rows[:, None, :]
+    q = torch.randn(3, 4, r + rope, generator=g)
+    meta = cpattn.get_strategy("replicated", 1).build_metadata(ext, pre, rank=0)
+    spec = _tile_spec(4, r, rope, torch.float32)
+    plan = cpattn.plan_attention(meta, spec, backend="torch")
+    with pytest.raises(ValueError, match="carry their own tile scales"):
+        plan.attend(q, lat, lat, k_scale=torch.tensor(1.0), v_scale=torch.tensor(1.0))
+    with pytest.raises(TypeError, match="reads the uint8 cache rows"):
+        plan.attend(q, lat.view(FP8), lat.view(FP8))
+    with pytest.raises(ValueError, match=r"k / v must be \[rows, 1, 164\]"):
+        plan.attend(q, lat, lat[..., :144])
+    with pytest.raises(NotImplementedError, match="write it with cpattn.write_mla_cache"):
+        plan.run(q, torch.zeros(3, 1, r + rope), torch.zeros(3, 1, r), lat)
+
+
+def test_triton_backends_name_the_tile_layout(interp, dsa_interp):
+    """Dense, split-KV (sharded cache) and sparse Triton plans of a tile spec: NotImplementedError
+    naming the layout (backend "auto" runs the torch reference)."""
+    ext, pre = [1, 2], [3, 0]
+    spec = _tile_spec(4, 128, 16, torch.float32, 4)
+    dense = cpattn.get_strategy("replicated", 1).build_metadata(ext, pre, rank=0)
+    sharded = cpattn.get_strategy("replicated", 1).build_metadata(ext, pre, rank=0, kv=cpattn.KVSharding(1))
+    for meta, kind_spec in ((dense, spec), (sharded, spec), (dense, spec.replace(topk=4))):
+        with pytest.raises(NotImplementedError, match="kv_layout='fp8_tile'"):
+            cpattn.plan_attention(meta, kind_spec, backend="triton")
+        assert cpattn.plan_attention(meta, kind_spec).backend == "torch"

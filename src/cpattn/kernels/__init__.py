@@ -281,6 +281,8 @@ def triton_unsupported_reason(spec: "AttentionSpec", device, kernel_module: str,
         return reason
     if spec.kv_quantized and not fp8:
         return f"these kernels do not read FP8 K/V caches (kv_dtype={spec.kv_dtype})"
+    if spec.kv_tiled:
+        return f"these kernels do not read kv_layout={spec.kv_layout!r} caches (the torch reference does)"
     from .triton_attn import shape_unsupported_reason
 
     reason = shape_unsupported_reason(spec.head_dim, spec.head_dim_v, spec.dtype)

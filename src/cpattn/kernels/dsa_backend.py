@@ -179,6 +179,8 @@ class TritonSparseBackend:
         reason = _device_reason(meta, _SPARSE_MODULE)
         if reason is not None:
             return reason
+        if spec.kv_tiled:
+            return f"the sparse kernels do not read kv_layout={spec.kv_layout!r} caches (the torch reference does)"
         if spec.dtype not in (*_HALF, torch.float32):
             return f"dtype {spec.dtype} not supported (bf16, fp16; fp32 under the interpreter)"
         if spec.dtype == torch.float32 and meta.device.type == "cuda":

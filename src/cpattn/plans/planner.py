@@ -93,10 +93,6 @@ def plan_attention(
         raise TypeError(f"meta must be a CPMetadata, got {type(meta).__name__}")
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"spec must be a cpattn.AttentionSpec, got {type(spec).__name__}")
-    if spec.kv_tiled:
-        raise NotImplementedError(f"no attention kernel reads kv_layout={spec.kv_layout!r} caches yet: write and "
-                                  "gather them (cpattn.write_mla_cache(..., layout=)), read them with "
-                                  "cpattn.quant.dequantize_mla_fp8_tiles")
     if not isinstance(algorithm, str) or algorithm not in ("auto", *ALGORITHMS):
         raise ValueError(f"algorithm must be 'auto' or one of {list(ALGORITHMS)}, got {algorithm!r}")
     options = dict(backend_options or {})
