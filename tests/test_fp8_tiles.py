@@ -367,18 +367,24 @@ def test_dense_attend_over_tile_cache_equals_oracle_on_dequantized_latent(dims, 
     assert (out[t:] == 0).all() and torch.isneginf(lse[t:]).all()
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("c", [1, 2])
-def test_split_kv_decode_over_sharded_tile_cache(c, paged):
+def test_split_kv_decode_over_sharded_tile_cache(request, c, paged, backend):
     """Replicated decode queries over a tile cache sharded C ways (interleave 2), each rank's
-    share attended by its shard_merge plan and merged: the fp64 oracle on the dequantized latent;
+    share attended by its shard_merge plan (torch reference, or the split-KV kernel with several
+    splits per sequence and the combine) and merged: the fp64 oracle on the dequantized latent;
     over a replicated cache (C = 1) a decode-shaped local plan too."""
     from test_dsa_sharded import _meta, _shard_packed, _shard_paged
 
     from cpattn.merge import merge_states
 
+    options = None
+    if backend == "triton":
+        request.getfixturevalue("interp")
+        options = {"num_sms": 64, "min_split": 16}
     r, rope, hq, il = 128, 16, 4, 2
-    lens, qs = [40, 1, 13, 22], [1, 1, 2, 1]
+    lens, qs = [70, 1, 13, 40], [1, 1, 2, 1]
     pre = [n - q for n, q in zip(lens, qs)]
     g = torch.Generator().manual_seed(c * 10 + paged)
     rows, deq = _latent(sum(lens), r, rope, g)
@@ -388,8 +394,10 @@ def test_split_kv_decode_over_sharded_tile_cache(c, paged):
     spec = _tile_spec(hq, r, rope, torch.bfloat16, 4 if paged else None)
     outs, lses = [], []
     for rank in range(c):
-        plan = cpattn.plan_attention(_meta(c, il, lens, qs, rank), spec, backend="torch")
+        plan = cpattn.plan_attention(_meta(c, il, lens, qs, rank), spec, backend=backend, backend_options=options)
         assert plan.algorithm == "shard_merge"
+        if backend == "triton":
+            assert plan.family == "split-kv" and plan.launch.num_ws > 0  # splits and the combine ran
         kw = {}
         if paged:
             k_loc, kw["page_table"] = _shard_paged(per_seq, c, il, rank, 4, g)
@@ -400,7 +408,7 @@ def test_split_kv_decode_over_sharded_tile_cache(c, paged):
         lses.append(l)
     out, _ = merge_states(torch.stack(outs), torch.stack(lses))
     assert (out.double() - ref).abs().max().item() < TOLERANCE[torch.bfloat16]
-    if c == 1:
+    if c == 1 and backend == "torch":
         meta = cpattn.get_strategy("replicated", 1).build_metadata(qs, pre, rank=0)
         plan = cpattn.plan_attention(meta, spec, backend="torch")
         kw = {}
