@@ -303,11 +303,11 @@ def test_tile_layout_gather_moves_656_byte_rows():
 
 # ---------------------------------------------------------------------------------------- reads (torch reference)
 def _latent(n, r, rope, g, spread=True):
-    """Tile rows [n, row] of a random latent (tile magnitudes spread over 0.1..2 when
+    """Tile rows [n, row] of a random latent (tile standard deviations spread over 0.05..1 when
     ``spread``) and their fp64 dequantization [n, 1, r + rope] (the oracle's keys)."""
     kv_c = torch.randn(n, r, generator=g)
     if spread:
-        kv_c = kv_c * torch.exp(torch.empty(n, r // 128, 1).uniform_(-2.3, 0.7, generator=g)).repeat_interleave(
+        kv_c = kv_c * torch.exp(torch.empty(n, r // 128, 1).uniform_(-3.0, 0.0, generator=g)).repeat_interleave(
             128, dim=1).view(n, r)
     rows = quantize_mla_fp8_tiles(kv_c, torch.randn(n, rope, generator=g))
     return rows, dequantize_mla_fp8_tiles(rows, r, torch.float64)[:, None, :]
@@ -337,12 +337,16 @@ def _tile_spec(hq, r, rope, dtype, ps=None, **kw):
                                 kv_dtype=FP8, kv_layout=FP8_TILE, page_size=ps, **kw)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dims", [(128, 16), (512, 64)])
-def test_dense_attend_over_tile_cache_equals_oracle_on_dequantized_latent(dims, dtype, paged):
-    """Absorbed MLA (k = v = the uint8 tile cache) through a local dense plan, ragged batch with
-    prefixes, an empty sequence and pad rows: the fp64 oracle on the dequantized latent."""
+def test_dense_attend_over_tile_cache_equals_oracle_on_dequantized_latent(request, dims, dtype, paged, backend):
+    """Absorbed MLA (k = v = the uint8 tile cache) through a local dense plan (torch reference or
+    the portable Triton kernel), ragged batch with prefixes, an empty sequence and pad rows: the
+    fp64 oracle on the dequantized latent."""
+    if backend == "triton":
+        request.getfixturevalue("interp")
     r, rope = dims
     ext, pre = [5, 0, 1, 9], [3, 6, 0, 1]
     kv_lens = [e + p for e, p in zip(ext, pre)]
@@ -350,8 +354,8 @@ def test_dense_attend_over_tile_cache_equals_oracle_on_dequantized_latent(dims, 
     rows, deq = _latent(sum(kv_lens), r, rope, g)
     q = torch.randn(sum(ext), 8, r + rope, generator=g).to(dtype)
     meta = cpattn.ZigzagStrategy(1, pad_multiple=4).build_metadata(ext, pre, rank=0)
-    plan = cpattn.plan_attention(meta, _tile_spec(8, r, rope, dtype, 4 if paged else None), backend="auto")
-    assert plan.backend == "torch"  # no kernel reads the layout yet: auto falls back
+    plan = cpattn.plan_attention(meta, _tile_spec(8, r, rope, dtype, 4 if paged else None), backend=backend)
+    assert plan.family == ("portable" if backend == "triton" else "torch")
     q_local = cpattn.ZigzagStrategy(1, pad_multiple=4).shard(q, meta)
     if paged:
         cache, table = _tile_pages(list(rows.split(kv_lens)), 4, g)
@@ -500,14 +504,18 @@ def test_tile_plans_check_their_calls():
         plan.run(q, torch.zeros(3, 1, r + rope), torch.zeros(3, 1, r), lat)
 
 
-def test_triton_backends_name_the_tile_layout(interp, dsa_interp):
-    """Dense, split-KV (sharded cache) and sparse Triton plans of a tile spec: NotImplementedError
-    naming the layout (backend "auto" runs the torch reference)."""
+def test_triton_backends_name_what_they_cannot_read(interp, dsa_interp):
+    """The sparse Triton kernel does not read the layout, and the dense / split-KV ones need a
+    power-of-two latent: NotImplementedError naming the reason (backend "auto": the torch
+    reference)."""
     ext, pre = [1, 2], [3, 0]
-    spec = _tile_spec(4, 128, 16, torch.float32, 4)
     dense = cpattn.get_strategy("replicated", 1).build_metadata(ext, pre, rank=0)
     sharded = cpattn.get_strategy("replicated", 1).build_metadata(ext, pre, rank=0, kv=cpattn.KVSharding(1))
-    for meta, kind_spec in ((dense, spec), (sharded, spec), (dense, spec.replace(topk=4))):
-        with pytest.raises(NotImplementedError, match="kv_layout='fp8_tile'"):
-            cpattn.plan_attention(meta, kind_spec, backend="triton")
-        assert cpattn.plan_attention(meta, kind_spec).backend == "torch"
+    sparse = _tile_spec(4, 128, 16, torch.float32, 4, topk=4)
+    odd = _tile_spec(4, 384, 64, torch.float32, 4)
+    for meta, spec, match in ((dense, sparse, "sparse kernels do not read kv_layout='fp8_tile'"),
+                              (dense, odd, "needs head_dim_v a power of two"),
+                              (sharded, odd, "needs head_dim_v a power of two")):
+        with pytest.raises(NotImplementedError, match=match):
+            cpattn.plan_attention(meta, spec, backend="triton")
+        assert cpattn.plan_attention(meta, spec).backend == "torch"

@@ -27,9 +27,9 @@ e4m3 value is a bf16 / fp16 / fp32 value) and the scales are applied outside the
 of the program's KV head multiplies the softmax scale, the V scale the normalized output (the
 combine is linear in the partials). With ``KV_FP8`` False the branches compile away.
 Tile-scaled FP8 MLA latent rows (``KV_TILE``, uint8 K = V: ``BLOCK_D1`` e4m3 values, one float32
-scale per 128, ``BLOCK_D2`` bf16 rope values per row): each latent value is multiplied by its
-tile's scale in fp32 in registers and converted to the query dtype (as FlashMLA's FP8 kernels do),
-the rope part converted; V is the latent block. With ``KV_TILE`` False that branch compiles away.
+scale per 128, ``BLOCK_D2`` bf16 rope values per row): the e4m3 values convert exactly to the
+query dtype and the tile scales apply in fp32 outside the dots (one batched dot per 128-value
+tile, :mod:`._fp8_tiles`); V is the latent block. With ``KV_TILE`` False that branch compiles away.
 
 A work item whose tile has one split writes the final ``out`` / ``lse`` (sinks included);
 otherwise it writes its normalized partial and LSE (fp32) into a workspace, and the combine
@@ -50,7 +50,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._fp8_tiles import load_tile_rows
+from ._fp8_tiles import load_tile_rows, tile_scores, tile_values
 from ._launch import LRU, LaunchState, PlannedLaunch
 from ._tiles import LOG2E, kv_strides
 
@@ -147,9 +147,9 @@ def _key_range(
             page_next = _page_of(pt_row, start + BLOCK_N, hi, offs_n, PAGE_SIZE, BLOCK_N)
         k_off, v_off, in_range = _kv_offsets(start, kv_row_base, page, key_end, stride_kp, stride_kn,
                                              stride_vp, stride_vn, offs_n, PAGED, PAGE_SIZE, BLOCK_N)
-        if KV_TILE:  # tile-scaled latent rows: dequantized in registers (V is the latent)
-            k1, k2 = load_tile_rows(k_base, k_off, in_range, offs_d1, offs_d2, MASKED, BLOCK_D1, q1.dtype)
-            s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
+        if KV_TILE:  # tile-scaled latent rows: tile scales applied in fp32 outside the dots; V is the latent
+            k1, tsc, k2 = load_tile_rows(k_base, k_off, in_range, offs_d1, offs_d2, MASKED, BLOCK_D1, q1.dtype)
+            s = tile_scores(q1, k1, tsc, q1.shape[0], BLOCK_N, BLOCK_D1, DOT_PRECISION)
             s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
         else:
             k1 = _load_block(k_base, k_off, in_range, offs_d1, MASKED, DOT_UPCAST)
@@ -161,7 +161,7 @@ def _key_range(
                 if KV_FP8:
                     k2 = k2.to(q2.dtype)
                 s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
-        if V_FROM_K:
+        if KV_TILE or V_FROM_K:
             v = k1
         else:
             v = _load_block(v_base, v_off, in_range, offs_dv, MASKED, DOT_UPCAST)
@@ -182,8 +182,11 @@ def _key_range(
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        p = p.to(v.dtype)
-        acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
+        if KV_TILE:
+            acc += tile_values(p, v, tsc, q1.shape[0], BLOCK_N, BLOCK_D1, DOT_PRECISION)
+        else:
+            p = p.to(v.dtype)
+            acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
