@@ -371,10 +371,11 @@ def test_dense_attend_over_tile_cache_equals_oracle_on_dequantized_latent(reques
     assert (out[t:] == 0).all() and torch.isneginf(lse[t:]).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("c", [1, 2])
-def test_split_kv_decode_over_sharded_tile_cache(request, c, paged, backend):
+def test_split_kv_decode_over_sharded_tile_cache(request, c, paged, backend, dtype):
     """Replicated decode queries over a tile cache sharded C ways (interleave 2), each rank's
     share attended by its shard_merge plan (torch reference, or the split-KV kernel with several
     splits per sequence and the combine) and merged: the fp64 oracle on the dequantized latent;
@@ -393,9 +394,9 @@ def test_split_kv_decode_over_sharded_tile_cache(request, c, paged, backend):
     g = torch.Generator().manual_seed(c * 10 + paged)
     rows, deq = _latent(sum(lens), r, rope, g)
     per_seq = list(rows[:, None, :].split(lens))
-    q = torch.randn(sum(qs), hq, r + rope, generator=g, dtype=torch.bfloat16)
+    q = torch.randn(sum(qs), hq, r + rope, generator=g, dtype=dtype)
     ref, _ = attention_oracle(q, deq, deq[..., :r], qs, pre)
-    spec = _tile_spec(hq, r, rope, torch.bfloat16, 4 if paged else None)
+    spec = _tile_spec(hq, r, rope, dtype, 4 if paged else None)
     outs, lses = [], []
     for rank in range(c):
         plan = cpattn.plan_attention(_meta(c, il, lens, qs, rank), spec, backend=backend, backend_options=options)
@@ -411,7 +412,7 @@ def test_split_kv_decode_over_sharded_tile_cache(request, c, paged, backend):
         outs.append(o)
         lses.append(l)
     out, _ = merge_states(torch.stack(outs), torch.stack(lses))
-    assert (out.double() - ref).abs().max().item() < TOLERANCE[torch.bfloat16]
+    assert (out.double() - ref).abs().max().item() < TOLERANCE[dtype]
     if c == 1 and backend == "torch":
         meta = cpattn.get_strategy("replicated", 1).build_metadata(qs, pre, rank=0)
         plan = cpattn.plan_attention(meta, spec, backend="torch")
@@ -421,14 +422,17 @@ def test_split_kv_decode_over_sharded_tile_cache(request, c, paged, backend):
         else:
             cache = rows[:, None, :]
         out = plan.attend(q, cache, cache, **kw)
-        assert (out.double() - ref).abs().max().item() < TOLERANCE[torch.bfloat16]
+        assert (out.double() - ref).abs().max().item() < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("paged", [False, True])
-def test_sparse_attention_over_tile_cache(paged):
-    """DSA sparse attention (topk) over a tile cache, a local plan (replicated cache) and the
-    sharded-cache plan (C = 3, interleave 2, merged): the fp64 sparse oracles on the
-    dequantized latent."""
+def test_sparse_attention_over_tile_cache(request, paged, backend):
+    """DSA sparse attention (topk) over a tile cache (torch reference or the portable sparse
+    Triton kernel), a local plan (replicated cache) and the sharded-cache plan (C = 3,
+    interleave 2, merged): the fp64 sparse oracles on the dequantized latent."""
+    if backend == "triton":
+        request.getfixturevalue("dsa_interp")
     from test_dsa import _paged as dsa_paged
     from test_dsa import _selection, sparse_oracle
     from test_dsa_sharded import _meta, _shard_packed, _shard_paged
@@ -445,8 +449,8 @@ def test_sparse_attention_over_tile_cache(paged):
     ref, ref_lse = sparse_oracle(q, deq, deq[..., :r], idx, ext, pre, 0.2)
     meta = cpattn.get_strategy("replicated", 1).build_metadata(ext, pre, rank=0)
     plan = cpattn.plan_attention(meta, _tile_spec(hq, r, rope, torch.float32, 4 if paged else None, topk=12),
-                                 backend="auto")
-    assert plan.backend == "torch"
+                                 backend=backend)
+    assert plan.family == ("portable" if backend == "triton" else "torch")
     lat, kw = rows[:, None, :], {}
     if paged:
         (lat,), kw["page_table"] = dsa_paged([lat], ext, pre, 4, g)
@@ -469,7 +473,7 @@ def test_sparse_attention_over_tile_cache(paged):
     for rank in range(c):
         plan = cpattn.plan_attention(_meta(c, il, lens, qs, rank), _tile_spec(hq, r, rope, torch.float32,
                                                                               4 if paged else None, topk=topk),
-                                     backend="torch")
+                                     backend=backend)
         kw = {}
         if paged:
             k_loc, kw["page_table"] = _shard_paged(per_seq, c, il, rank, 4, g)
@@ -505,17 +509,14 @@ def test_tile_plans_check_their_calls():
 
 
 def test_triton_backends_name_what_they_cannot_read(interp, dsa_interp):
-    """The sparse Triton kernel does not read the layout, and the dense / split-KV ones need a
-    power-of-two latent: NotImplementedError naming the reason (backend "auto": the torch
-    reference)."""
+    """The Triton kernels read the layout with a power-of-two latent and rope part only:
+    NotImplementedError naming the reason (backend "auto": the torch reference)."""
     ext, pre = [1, 2], [3, 0]
     dense = cpattn.get_strategy("replicated", 1).build_metadata(ext, pre, rank=0)
     sharded = cpattn.get_strategy("replicated", 1).build_metadata(ext, pre, rank=0, kv=cpattn.KVSharding(1))
-    sparse = _tile_spec(4, 128, 16, torch.float32, 4, topk=4)
     odd = _tile_spec(4, 384, 64, torch.float32, 4)
-    for meta, spec, match in ((dense, sparse, "sparse kernels do not read kv_layout='fp8_tile'"),
-                              (dense, odd, "needs head_dim_v a power of two"),
-                              (sharded, odd, "needs head_dim_v a power of two")):
+    for meta, spec in ((dense, odd), (sharded, odd), (dense, odd.replace(topk=4))):
+        match = "needs head_dim_v a power of two"
         with pytest.raises(NotImplementedError, match=match):
             cpattn.plan_attention(meta, spec, backend="triton")
         assert cpattn.plan_attention(meta, spec).backend == "torch"
