@@ -520,3 +520,22 @@ def test_triton_backends_name_what_they_cannot_read(interp, dsa_interp):
         with pytest.raises(NotImplementedError, match=match):
             cpattn.plan_attention(meta, spec, backend="triton")
         assert cpattn.plan_attention(meta, spec).backend == "torch"
+
+
+def test_dense_decode_plan_runs_split_kv_over_tile_cache(interp):
+    """A decode-shaped dense plan of a tile spec runs the split-KV family (several splits):
+    the fp64 oracle on the dequantized latent."""
+    ext, pre = [1, 1, 2], [300, 77, 150]
+    kv_lens = [e + p for e, p in zip(ext, pre)]
+    g = torch.Generator().manual_seed(0)
+    rows, deq = _latent(sum(kv_lens), 128, 16, g)
+    cache, table = _tile_pages(list(rows.split(kv_lens)), 16, g)
+    meta = cpattn.get_strategy("replicated", 1).build_metadata(ext, pre, rank=0)
+    plan = cpattn.plan_attention(meta, _tile_spec(4, 128, 16, torch.float32, 16), backend="triton",
+                                 backend_options={"decode": {"num_sms": 64, "min_split": 16}})
+    assert plan.family == "decode"
+    q = torch.randn(4, 4, 144, generator=g)
+    out, lse = plan.attend(q, cache, cache, page_table=table, return_lse=True)
+    ref, ref_lse = attention_oracle(q, deq, deq[..., :128], ext, pre)
+    assert (out.double() - ref).abs().max().item() < TOLERANCE[torch.float32]
+    assert (lse.double() - ref_lse).abs().max().item() < TOLERANCE[torch.float32]
