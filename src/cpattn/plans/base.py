@@ -266,7 +266,8 @@ class AttentionPlan:
         for name, t in (("k", k), ("v", v)):
             check_tensor(t, name)
             if spec.kv_tiled and t.dtype != torch.uint8:
-                raise TypeError(f"{name} dtype {t.dtype}: a kv_layout={spec.kv_layout!r} plan reads the uint8 cache rows")
+                raise TypeError(f"{name} dtype {t.dtype}: a kv_layout={spec.kv_layout!r} plan reads the uint8 cache "
+                                "rows")
             if t.dtype != kv_storage_dtype(spec):
                 what = "kv_dtype" if spec.kv_quantized else "dtype"
                 raise TypeError(f"{name} dtype {t.dtype} != the plan's {what} {spec.kv_dtype}")
@@ -313,9 +314,9 @@ class AttentionPlan:
                             f"{sorted(call.keys() - allowed)}")
         get = call.get
         if self.spec.kv_tiled and method == "run":
-            raise NotImplementedError(f"{type(self).__name__}.run over a kv_layout={self.spec.kv_layout!r} cache: write "
-                                      "it with cpattn.write_mla_cache(..., layout=) (after gather_mla_latent(..., "
-                                      "layout=) for sharded queries) and call attend")
+            raise NotImplementedError(f"{type(self).__name__}.run over a kv_layout={self.spec.kv_layout!r} cache: "
+                                      "write it with cpattn.write_mla_cache(..., layout=) (after "
+                                      "gather_mla_latent(..., layout=) for sharded queries) and call attend")
         scales = self._check_scales(get("k_scale"), get("v_scale"))
         return (get("page_table"), get("sinks"), get("softmax_scale"), get("out"), get("lse"), get("return_lse", False),
                 scales)
