@@ -533,14 +533,7 @@ def write_mla_cache(kv_c: Tensor, k_pe: Optional[Tensor], cache: Tensor, writes:
     """
     if layout is not None:
         return _write_mla_tiles(kv_c, k_pe, cache, writes, scale, layout)
-    for name, t in (("kv_c", kv_c), ("k_pe", k_pe)):
-        check_tensor(t, name)
-        if t.dim() != 2:
-            raise ValueError(f"{name} must be 2-D [rows, dim], got shape {tuple(t.shape)}")
-    if kv_c.shape[0] != k_pe.shape[0]:
-        raise ValueError(f"kv_c has {kv_c.shape[0]} rows but k_pe has {k_pe.shape[0]}")
-    if kv_c.device != k_pe.device:
-        raise ValueError(f"kv_c is on {kv_c.device} but k_pe on {k_pe.device}")
+    _check_latent_rows(kv_c, k_pe)
     check_tensor(cache, "cache")
     if scale is not None:
         _check_mla_scale(scale, kv_c, k_pe, cache)
@@ -555,6 +548,21 @@ def write_mla_cache(kv_c: Tensor, k_pe: Optional[Tensor], cache: Tensor, writes:
     return cache
 
 
+def _check_latent_rows(kv_c, k_pe, pe_optional: bool = False) -> None:
+    """kv_c and k_pe are 2-D tensors of one row count and device (``pe_optional``: k_pe may be
+    None, tile rows alone)."""
+    for name, t in (("kv_c", kv_c), ("k_pe", k_pe)):
+        if t is None and name == "k_pe" and pe_optional:
+            return
+        check_tensor(t, name)
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D [rows, dim], got shape {tuple(t.shape)}")
+    if kv_c.shape[0] != k_pe.shape[0]:
+        raise ValueError(f"kv_c has {kv_c.shape[0]} rows but k_pe has {k_pe.shape[0]}")
+    if kv_c.device != k_pe.device:
+        raise ValueError(f"kv_c is on {kv_c.device} but k_pe on {k_pe.device}")
+
+
 def _write_mla_tiles(kv_c, k_pe, cache: Tensor, writes, scale, layout) -> Tensor:
     """``write_mla_cache(..., layout=)``: checks everything, then quantizes (when the rows are
     not quantized yet) only the rows written and scatters them."""
@@ -565,21 +573,12 @@ def _write_mla_tiles(kv_c, k_pe, cache: Tensor, writes, scale, layout) -> Tensor
     if scale is not None:
         raise ValueError(f"scale= is the per-tensor scale of a float8 latent cache; layout={FP8_TILE!r} rows carry "
                          "one scale per 128-value tile")
-    check_tensor(kv_c, "kv_c")
-    if kv_c.dim() != 2:
-        raise ValueError(f"kv_c must be 2-D [rows, dim], got shape {tuple(kv_c.shape)}")
+    _check_latent_rows(kv_c, k_pe, pe_optional=True)
     if k_pe is None:
         if kv_c.dtype != torch.uint8:
             raise TypeError(f"with k_pe=None, kv_c must be the quantized uint8 tile rows, got {kv_c.dtype}")
         width = kv_c.shape[1]
     else:
-        check_tensor(k_pe, "k_pe")
-        if k_pe.dim() != 2:
-            raise ValueError(f"k_pe must be 2-D [rows, dim], got shape {tuple(k_pe.shape)}")
-        if kv_c.shape[0] != k_pe.shape[0]:
-            raise ValueError(f"kv_c has {kv_c.shape[0]} rows but k_pe has {k_pe.shape[0]}")
-        if kv_c.device != k_pe.device:
-            raise ValueError(f"kv_c is on {kv_c.device} but k_pe on {k_pe.device}")
         for name, t in (("kv_c", kv_c), ("k_pe", k_pe)):
             if not t.dtype.is_floating_point or t.element_size() == 1:
                 raise TypeError(f"{name} must be a 16/32-bit float tensor (quantized here), got {t.dtype}")
