@@ -240,3 +240,27 @@ def test_gpu_write_mla_cache_tile_layout_equals_cpu():
     gpu = torch.zeros(8, 64, 656, dtype=torch.uint8, device=DEV)
     cpattn.write_mla_cache(kv_c.to(DEV), k_pe.to(DEV), gpu, slots.to(DEV), layout=FP8_TILE)
     assert torch.equal(gpu.cpu(), cpu)
+
+
+def test_gpu_tile_decode_graph_replays_new_cache_rows():
+    """plan.attend over a tile cache in a CUDA graph: rows rewritten between replays (new values
+    and new tile scales, written by write_mla_cache) give exactly the eager result."""
+    gen = torch.Generator().manual_seed(11)
+    kv_lens = [4096, 70, 1200]
+    cache, table, _ = _tile_cache(kv_lens, gen)
+    meta = cpattn.get_strategy("replicated", 1).build_metadata([1] * 3, [n - 1 for n in kv_lens], rank=0,
+                                                               kv=cpattn.KVSharding(1)).to(DEV)
+    plan = cpattn.plan_attention(meta, _tile_spec(), backend="triton")
+    q = (torch.randn(3, MLA_HQ, R + ROPE, generator=gen) * 0.5).bfloat16().to(DEV)
+    out = torch.empty(3, MLA_HQ, R, dtype=torch.bfloat16, device=DEV)
+    lse = torch.empty(3, MLA_HQ, device=DEV)
+    graph = capture_graph(lambda: plan.attend(q, cache, cache, page_table=table, out=out, lse=lse))
+    flat = cache.view(-1, cache.shape[-1])
+    for step in range(3):
+        slots = (table[0, :4].long()[:, None] * PAGE + torch.arange(PAGE, device=DEV)).view(-1)
+        cpattn.write_mla_cache(torch.randn(slots.numel(), R, device=DEV) * (step + 1),
+                               torch.randn(slots.numel(), ROPE, device=DEV), flat, slots, layout=FP8_TILE)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_o, eager_l = plan.attend(q, cache, cache, page_table=table)
+        assert torch.equal(out, eager_o) and torch.equal(lse, eager_l)
