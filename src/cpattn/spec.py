@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from ._validation import check_int
+from .quant import FP8_TILE, MLA_FP8_TILE_SIZE
 
 __all__ = ["AttentionSpec", "window_left"]
 
@@ -26,10 +27,7 @@ FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 
 #: Cache layouts a spec's ``kv_layout`` may name besides None (one value per element): the
 #: tile-scaled FP8 MLA latent (:data:`cpattn.quant.FP8_TILE`).
-KV_LAYOUTS = ("fp8_tile",)
-
-#: Latent values per float32 scale of the "fp8_tile" layout (:data:`cpattn.quant.MLA_FP8_TILE_SIZE`).
-_TILE = 128
+KV_LAYOUTS = (FP8_TILE,)
 
 
 def window_left(window_size) -> int:
@@ -141,9 +139,9 @@ class AttentionSpec:
             raise ValueError(f"kv_layout must be None or one of {list(KV_LAYOUTS)}, got {layout!r}")
         if kv_dtype != torch.float8_e4m3fn:
             raise ValueError(f"kv_layout={layout!r} needs kv_dtype=torch.float8_e4m3fn, got {kv_dtype}")
-        if hkv != 1 or dv % _TILE or d <= dv:
+        if hkv != 1 or dv % MLA_FP8_TILE_SIZE or d <= dv:
             raise ValueError(f"kv_layout={layout!r} is absorbed MLA's latent: num_kv_heads=1, head_dim_v a multiple of "
-                             f"{_TILE} and head_dim > head_dim_v (the rope part), got num_kv_heads={hkv}, "
+                             f"{MLA_FP8_TILE_SIZE} and head_dim > head_dim_v (the rope part), got num_kv_heads={hkv}, "
                              f"head_dim={d}, head_dim_v={dv}")
 
     def replace(self, **changes) -> "AttentionSpec":
@@ -172,7 +170,7 @@ class AttentionSpec:
     def kv_tiled(self) -> bool:
         """The cache is the tile-scaled FP8 MLA layout (``kv_layout="fp8_tile"``): uint8 rows
         carrying their own scales."""
-        return self.kv_layout == "fp8_tile"
+        return self.kv_layout == FP8_TILE
 
     @property
     def group_size(self) -> int:
