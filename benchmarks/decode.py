@@ -36,6 +36,13 @@ over the bf16 row of the same config (``speedup_vs_bf16``).
 
     python benchmarks/run.py decode --shapes gqa --q-lens 1 --keys 32k,128k --batches 8,64 --kv-dtype both
 
+``--kv-dtype fp8_tile`` (``tile_both``: with the bf16 latent side by side) times absorbed MLA
+decode (``--shapes mla``) over the tile-scaled FP8 latent cache (656-byte rows of 512 e4m3 values,
+4 float32 tile scales and the 64 bf16 rope values; ``AttentionSpec(kv_layout="fp8_tile")``);
+bandwidth counts the 656 bytes per key::
+
+    python benchmarks/run.py decode --shapes mla --q-lens 1 --keys 4k,32k --batches 8,64 --kv-dtype tile_both
+
 CPU smoke run (tiny shapes, torch reference or the Triton interpreter; no targets checked;
 bench-out/decode-cpu-smoke.*)::
 
@@ -59,6 +66,8 @@ from cpattn.merge import merge_path
 
 from .common import default_out, header, progress, smoke_notice, time_cuda_back_to_back, time_cuda_graph, write_json
 
+#: ``--kv-dtype fp8_tile``'s cache: the tile-scaled FP8 MLA latent (:data:`cpattn.quant.FP8_TILE`).
+TILE = "fp8_tile"
 #: (num_q_heads, num_kv_heads, head_dim, head_dim_v, v is a view of k)
 SHAPES = {"gqa": (32, 8, 128, 128, False), "mla": (128, 1, 576, 512, True)}
 #: Calls captured back to back in one CUDA graph for the "layers" timing (per call): an engine's
@@ -103,8 +112,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link-gbps", type=float, default=None,
                    help="per-rank link bandwidth (GB/s) charged for the collectives (default: the cost model's)")
     p.add_argument("--distributed", action="store_true", help="under torchrun: real collectives (C = world size)")
-    p.add_argument("--kv-dtype", default="model", choices=("model", "fp8", "both"),
-                   help="cache dtype: the model's (bf16 on the GPU), fp8 (e4m3, per-head scales), or both side by side")
+    p.add_argument("--kv-dtype", default="model", choices=tuple(KV_DTYPE_RUNS),
+                   help="cache dtype: the model's (bf16 on the GPU), fp8 (e4m3, per-head scales), both side by side, "
+                        "fp8_tile (the tile-scaled FP8 MLA latent, 656-byte rows; mla shape only) or tile_both "
+                        "(the model's and fp8_tile side by side)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes for a CPU smoke run")
     p.add_argument("--out", default=None,
                    help="output path without extension (default bench-out/decode, with --tiny bench-out/decode-cpu-smoke)")
@@ -165,6 +176,27 @@ class Pool:
         v = k[..., :dv] if v_from_k else flat[..., hkv * d :].view(num_pages, ps, hkv, dv)
         return k, v
 
+    def tiled(self, num_pages: int, ps: int, r: int, d_rope: int) -> torch.Tensor:
+        """A tile-scaled FP8 latent cache [num_pages, ps, 1, row] (uint8, ``self.dtype``) holding
+        the quantization of N(0, 1) latent and rope samples."""
+        from cpattn.quant import mla_fp8_tile_bytes, quantize_mla_fp8_tiles
+
+        row = mla_fp8_tile_bytes(r, d_rope)
+        need = num_pages * ps * row
+        if self.buf is None or self.buf.numel() < need or self.key != ("tiled", r, d_rope):
+            self.buf = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.buf = torch.empty(need, dtype=torch.uint8, device=self.device)
+            self.key = ("tiled", r, d_rope)
+            g = torch.Generator(device=self.device).manual_seed(0)
+            rows = self.buf.view(-1, row)
+            for chunk in rows.split(1 << 18):
+                n = chunk.shape[0]
+                chunk.copy_(quantize_mla_fp8_tiles(torch.randn(n, r, device=self.device, generator=g),
+                                                   torch.randn(n, d_rope, device=self.device, generator=g)))
+        return self.buf[:need].view(num_pages, ps, 1, row)
+
 
 def random_page_table(local_lens: list[int], ps: int, seed: int, device) -> tuple[int, torch.Tensor]:
     """(pages in all, page table [B, most pages] int32 on ``device``): sequence ``i`` owns
@@ -180,7 +212,12 @@ def random_page_table(local_lens: list[int], ps: int, seed: int, device) -> tupl
     return sum(pages), table.to(device)
 
 
-def kv_row_bytes(hkv: int, d: int, dv: int, v_from_k: bool, item: int) -> int:
+def kv_row_bytes(hkv: int, d: int, dv: int, v_from_k: bool, item: int, tiled: bool = False) -> int:
+    """Cache bytes per token (``tiled``: the tile-scaled FP8 latent row, 656 for 576 / 512)."""
+    if tiled:
+        from cpattn.quant import mla_fp8_tile_bytes
+
+        return mla_fp8_tile_bytes(dv, d - dv)
     return hkv * (d + (0 if v_from_k else dv)) * item
 
 
@@ -198,9 +235,11 @@ def received_parts(out: torch.Tensor, lse: torch.Tensor, c: int) -> tuple[torch.
 
 # ----------------------------------------------------------------------------- decode grid
 def decode_case(pool: Pool, time_fn, *, name: str, shape, c: int, b: int, keys: int, q_len: int, ps: int, backend: str,
-                options: Optional[dict], iters: int, rank: int = 0, dtype: Optional[torch.dtype] = None) -> dict:
+                options: Optional[dict], iters: int, rank: int = 0, dtype: Optional[torch.dtype] = None,
+                tiled: bool = False) -> dict:
     """One config; ``pool.dtype`` is the cache dtype, ``dtype`` the query dtype (default the same;
-    an FP8 pool needs bf16 / fp16 / fp32 queries)."""
+    an FP8 pool needs bf16 / fp16 / fp32 queries). ``tiled``: the tile-scaled FP8 latent cache
+    (absorbed MLA shapes; ``pool.dtype`` uint8)."""
     hq, hkv, d, dv, v_from_k = shape
     dev, kv_dtype = pool.device, pool.dtype
     dtype = dtype or kv_dtype
@@ -209,12 +248,16 @@ def decode_case(pool: Pool, time_fn, *, name: str, shape, c: int, b: int, keys: 
                                                                kv=sh).to(dev)
     local = (dmeta.host or dmeta).local_kv_lens.tolist()
     num_pages, table = random_page_table(local, ps, b * 1000 + c, dev)
-    kc, vc = pool.paged(num_pages, ps, hkv, d, dv, v_from_k)
+    if tiled:  # k and v: the same uint8 rows
+        kc = vc = pool.tiled(num_pages, ps, dv, d - dv)
+    else:
+        kc, vc = pool.paged(num_pages, ps, hkv, d, dv, v_from_k)
     q = torch.randn(b * q_len, hq, d, device=dev, dtype=dtype)
     spec = cpattn.AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=dtype,
-                                page_size=ps, kv_dtype=kv_dtype)
+                                page_size=ps, kv_dtype=torch.float8_e4m3fn if tiled else kv_dtype,
+                                kv_layout=TILE if tiled else None)
     scales = {}
-    if spec.kv_quantized:  # per-KV-head scales, device tensors as an engine holds them
+    if spec.kv_quantized and not tiled:  # per-KV-head scales, device tensors as an engine holds them
         g = torch.Generator().manual_seed(1)
         scales = {name_: (0.5 + torch.rand(hkv, generator=g)).to(dev) for name_ in ("k_scale", "v_scale")}
     plan = cpattn.plan_attention(dmeta, spec, backend=backend, backend_options=options)
@@ -245,13 +288,14 @@ def decode_case(pool: Pool, time_fn, *, name: str, shape, c: int, b: int, keys: 
         except RuntimeError as exc:  # capture not possible here: eager numbers only
             progress(f"graph timing skipped ({exc})")
     item = kv_dtype.itemsize
-    row = kv_row_bytes(hkv, d, dv, v_from_k, item)
+    row = kv_row_bytes(hkv, d, dv, v_from_k, item, tiled)
     read = sum(local) * row
     allocated = num_pages * ps * row
     bound = b * keys * row / c + b * ps * row
     impl = plan.launch
     return dict(
-        shape=name, cp=c, batch=b, keys=keys, q_len=q_len, kv_dtype=str(kv_dtype).replace("torch.", ""),
+        shape=name, cp=c, batch=b, keys=keys, q_len=q_len,
+        kv_dtype=TILE if tiled else str(kv_dtype).replace("torch.", ""),
         backend=plan.backend, attn_ms=round(attn_ms, 5),
         merge_ms=round(merge_ms, 5), rank_ms=round(attn_ms + merge_ms, 5), step_ms=round(step_ms, 5),
         attn_graph_ms=None if attn_graph_ms is None else round(attn_graph_ms, 5),
@@ -284,8 +328,10 @@ def shard_options(args) -> dict | None:
     return options or None
 
 
-#: ``--kv-dtype`` -> the cache dtypes of a run (None: the model dtype).
-KV_DTYPE_RUNS = {"model": (None,), "fp8": (torch.float8_e4m3fn,), "both": (None, torch.float8_e4m3fn)}
+#: ``--kv-dtype`` -> the cache dtypes of a run (None: the model dtype; TILE: the tile-scaled FP8
+#: MLA latent).
+KV_DTYPE_RUNS = {"model": (None,), "fp8": (torch.float8_e4m3fn,), "both": (None, torch.float8_e4m3fn),
+                 "fp8_tile": (TILE,), "tile_both": (None, TILE)}
 
 
 def run_decode_grid(args, device, dtype, shapes) -> tuple[list[dict], list[str]]:
@@ -298,6 +344,8 @@ def run_decode_grid(args, device, dtype, shapes) -> tuple[list[dict], list[str]]
 
 
 def _decode_grid(args, device, dtype, kv_dtype, shapes) -> tuple[list[dict], list[str]]:
+    tiled = kv_dtype == TILE
+    kv_dtype = torch.uint8 if tiled else kv_dtype
     pool = Pool(device, kv_dtype)
     time_fn = timer(device)
     options = shard_options(args)
@@ -306,17 +354,20 @@ def _decode_grid(args, device, dtype, kv_dtype, shapes) -> tuple[list[dict], lis
     for name in args.shapes.split(","):
         shape = shapes[name]
         hq, hkv, d, dv, v_from_k = shape
+        if tiled and not (v_from_k and hkv == 1 and dv % 128 == 0):
+            skipped.append(f"{name}: the fp8_tile cache is absorbed MLA's latent (one KV head, Dv a multiple of 128)")
+            continue
         for keys in _ints(args.keys):
             for b in _ints(args.batches):
                 for c in _ints(args.cps):
-                    shard_gb = b * keys / c * kv_row_bytes(hkv, d, dv, v_from_k, item) / 1e9
+                    shard_gb = b * keys / c * kv_row_bytes(hkv, d, dv, v_from_k, item, tiled) / 1e9
                     if shard_gb > args.budget_gb:
                         skipped.append(f"{name} C={c} B={b} L={keys}: {shard_gb:.0f} GB shard > budget")
                         continue
                     for q_len in _ints(args.q_lens):
                         r = decode_case(pool, time_fn, name=name, shape=shape, c=c, b=b, keys=keys, q_len=q_len,
                                         ps=args.page_size, backend=args.backend, options=options, iters=args.iters,
-                                        dtype=dtype)
+                                        dtype=dtype, tiled=tiled)
                         rows.append(r)
                         progress(f"decode {name} {r['kv_dtype']} C={c} B={b} L={_k(keys)} q={q_len}: attn "
                                  f"{r['attn_ms']:.4f} ms "
@@ -477,10 +528,11 @@ def add_bandwidth_ratios(rows: list[dict], copy: Optional[float]) -> None:
         gbps = r.get("hbm_gbps_graph") or r["hbm_gbps"]
         r["copy_fraction"] = None if copy is None else round(gbps / copy, 3)
     key = ("shape", "cp", "batch", "keys", "q_len")
+    quantized = ("float8_e4m3fn", TILE)
     for r in rows:
-        if r.get("kv_dtype") != "float8_e4m3fn":
+        if r.get("kv_dtype") not in quantized:
             continue
-        twin = next((x for x in rows if x.get("kv_dtype") != r["kv_dtype"] and all(x[k] == r[k] for k in key)), None)
+        twin = next((x for x in rows if x.get("kv_dtype") not in quantized and all(x[k] == r[k] for k in key)), None)
         if twin is not None:
             t, t0 = r.get("attn_graph_ms") or r["attn_ms"], twin.get("attn_graph_ms") or twin["attn_ms"]
             r["speedup_vs_bf16"] = round(t0 / t, 3)

@@ -57,3 +57,30 @@ def test_decode_bench_fp8_side_by_side(tmp_path):
         twin = next(x for x in model if all(x[k] == r[k] for k in ("cp", "batch", "keys", "q_len")))
         assert r["kv_bytes_rank"] * 4 == twin["kv_bytes_rank"]
         assert r["speedup_vs_bf16"] > 0
+
+
+def test_decode_bench_tile_layout_case():
+    """``--kv-dtype fp8_tile``'s case over a small absorbed-MLA shape (D = 144, Dv = 128): a tile
+    cache of 164-byte rows, counted as such; a CPU tiny run skips shapes the layout cannot hold
+    (Dv not a multiple of 128) and says so."""
+    import torch
+
+    from benchmarks.decode import KV_DTYPE_RUNS, TILE, Pool, decode_case, kv_row_bytes, timer
+
+    pool = Pool(torch.device("cpu"), torch.uint8)
+    r = decode_case(pool, timer(torch.device("cpu")), name="mla", shape=(4, 1, 144, 128, True), c=2, b=2, keys=40,
+                    q_len=1, ps=16, backend="torch", options=None, iters=1, dtype=torch.float32, tiled=True)
+    assert r["kv_dtype"] == TILE and r["family"] == "torch"
+    assert kv_row_bytes(1, 576, 512, True, 1, tiled=True) == 656
+    # C = 2: 20 of each sequence's 40 keys on rank 0, in 2 pages of 16 slots of 164 bytes
+    assert r["attn_ms"] > 0 and r["kv_bytes_rank"] == 2 * 2 * 16 * 164
+    assert KV_DTYPE_RUNS["tile_both"] == (None, TILE)
+
+
+def test_decode_bench_tile_layout_skips_other_shapes(tmp_path):
+    out = os.path.join(tmp_path, "decode")
+    assert main(["decode", "--tiny", "--shapes", "gqa,mla", "--q-lens", "1", "--kv-dtype", "fp8_tile",
+                 "--no-crossover", "--out", out]) == 0
+    payload = json.load(open(out + ".json"))
+    assert payload["rows"] == []
+    assert any("fp8_tile" in line for line in json.dumps(payload).split("\n"))

@@ -24,6 +24,7 @@ the argument and leaves every cache bit-identical.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -503,8 +504,8 @@ def _mla_row(cache: Tensor, r: int, d_rope: int, kv_c_dtype: torch.dtype, k_pe_d
                     "(or be uint8 for a raw-byte cache)")
 
 
-def write_mla_cache(kv_c: Tensor, k_pe: Tensor, cache: Tensor, writes: Union[CacheWritePlan, Tensor], *,
-                    scale: Optional[Tensor] = None) -> Tensor:
+def write_mla_cache(kv_c: Tensor, k_pe: Optional[Tensor], cache: Tensor, writes: Union[CacheWritePlan, Tensor], *,
+                    scale: Optional[Tensor] = None, layout: Optional[str] = None) -> Tensor:
     """Write this forward's new MLA latent rows into an MLA cache (in place, all or nothing).
 
     Args:
@@ -519,18 +520,20 @@ def write_mla_cache(kv_c: Tensor, k_pe: Tensor, cache: Tensor, writes: Union[Cac
             per-tensor scale ``[]`` of the whole row (absorbed MLA reads it as ``k_scale`` and
             ``v_scale``); kv_c and k_pe (one 16/32-bit float dtype) are quantized as they are
             written (:func:`cpattn.quant.quantize_fp8`).
+        layout: ``"fp8_tile"`` (:data:`cpattn.quant.FP8_TILE`): ``cache`` is a uint8 tile-scaled
+            FP8 latent cache, rows of :func:`cpattn.quant.mla_fp8_tile_bytes` (656 for 512 +
+            64). Either kv_c / k_pe are the unquantized rows (16/32-bit floats), quantized here
+            (only the rows this rank writes, :func:`cpattn.quant.quantize_mla_fp8_tiles`), or
+            kv_c is the already-quantized uint8 [rows, row_bytes] of ``gather_mla_latent(...,
+            layout="fp8_tile")`` and k_pe None (written bit for bit). No ``scale`` (each tile
+            carries its own).
 
     Returns:
         ``cache``. Device-only with a plan; on a ValueError / TypeError nothing is written.
     """
-    for name, t in (("kv_c", kv_c), ("k_pe", k_pe)):
-        check_tensor(t, name)
-        if t.dim() != 2:
-            raise ValueError(f"{name} must be 2-D [rows, dim], got shape {tuple(t.shape)}")
-    if kv_c.shape[0] != k_pe.shape[0]:
-        raise ValueError(f"kv_c has {kv_c.shape[0]} rows but k_pe has {k_pe.shape[0]}")
-    if kv_c.device != k_pe.device:
-        raise ValueError(f"kv_c is on {kv_c.device} but k_pe on {k_pe.device}")
+    if layout is not None:
+        return _write_mla_tiles(kv_c, k_pe, cache, writes, scale, layout)
+    _check_latent_rows(kv_c, k_pe)
     check_tensor(cache, "cache")
     if scale is not None:
         _check_mla_scale(scale, kv_c, k_pe, cache)
@@ -542,6 +545,53 @@ def write_mla_cache(kv_c: Tensor, k_pe: Tensor, cache: Tensor, writes: Union[Cac
     if plan.slots.numel():
         rows = torch.cat([_as_bytes(kv_c), _as_bytes(k_pe)], dim=1) if raw else torch.cat([kv_c, k_pe], dim=1)
         _scatter(cache, ps, plan, rows, scale)
+    return cache
+
+
+def _check_latent_rows(kv_c, k_pe, pe_optional: bool = False) -> None:
+    """kv_c and k_pe are 2-D tensors of one row count and device (``pe_optional``: k_pe may be
+    None, tile rows alone)."""
+    for name, t in (("kv_c", kv_c), ("k_pe", k_pe)):
+        if t is None and name == "k_pe" and pe_optional:
+            return
+        check_tensor(t, name)
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D [rows, dim], got shape {tuple(t.shape)}")
+    if kv_c.shape[0] != k_pe.shape[0]:
+        raise ValueError(f"kv_c has {kv_c.shape[0]} rows but k_pe has {k_pe.shape[0]}")
+    if kv_c.device != k_pe.device:
+        raise ValueError(f"kv_c is on {kv_c.device} but k_pe on {k_pe.device}")
+
+
+def _write_mla_tiles(kv_c, k_pe, cache: Tensor, writes, scale, layout) -> Tensor:
+    """``write_mla_cache(..., layout=)``: checks everything, then quantizes (when the rows are
+    not quantized yet) only the rows written and scatters them."""
+    from .quant import FP8_TILE, mla_fp8_tile_bytes, quantize_mla_fp8_tiles
+
+    if layout != FP8_TILE:
+        raise ValueError(f"layout must be None or {FP8_TILE!r}, got {layout!r}")
+    if scale is not None:
+        raise ValueError(f"scale= is the per-tensor scale of a float8 latent cache; layout={FP8_TILE!r} rows carry "
+                         "one scale per 128-value tile")
+    _check_latent_rows(kv_c, k_pe, pe_optional=True)
+    if k_pe is None:
+        if kv_c.dtype != torch.uint8:
+            raise TypeError(f"with k_pe=None, kv_c must be the quantized uint8 tile rows, got {kv_c.dtype}")
+        width = kv_c.shape[1]
+    else:
+        for name, t in (("kv_c", kv_c), ("k_pe", k_pe)):
+            if not t.dtype.is_floating_point or t.element_size() == 1:
+                raise TypeError(f"{name} must be a 16/32-bit float tensor (quantized here), got {t.dtype}")
+        width = mla_fp8_tile_bytes(kv_c.shape[1], k_pe.shape[1])
+    check_tensor(cache, "cache")
+    if cache.dtype != torch.uint8:
+        raise TypeError(f"cache dtype {cache.dtype}: a layout={FP8_TILE!r} cache holds uint8 rows")
+    ps, num_slots = _cache_layout(cache, "cache", (width,), torch.uint8, kv_c.device)
+    plan = _resolve(writes, "slots", kv_c.shape[0], "kv_c", num_slots, "cache", kv_c.device)
+    if plan.slots.numel():
+        take = (lambda t: t) if plan.rows is None else (lambda t: t.index_select(0, plan.rows))
+        rows = take(kv_c) if k_pe is None else quantize_mla_fp8_tiles(take(kv_c), take(k_pe))
+        _scatter(cache, ps, dataclasses.replace(plan, rows=None), rows)
     return cache
 
 

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from ._validation import check_int
+from .quant import FP8_TILE, MLA_FP8_TILE_SIZE
 
 __all__ = ["AttentionSpec", "window_left"]
 
@@ -23,6 +24,10 @@ MAX_PAGE_SIZE = 256
 
 #: Quantized K/V cache dtypes a spec's ``kv_dtype`` may name (besides the query dtype itself).
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)
+
+#: Cache layouts a spec's ``kv_layout`` may name besides None (one value per element): the
+#: tile-scaled FP8 MLA latent (:data:`cpattn.quant.FP8_TILE`).
+KV_LAYOUTS = (FP8_TILE,)
 
 
 def window_left(window_size) -> int:
@@ -63,6 +68,13 @@ class AttentionSpec:
             nearest and saturated to +-448, read with float32 scales (per tensor ``[]`` or per KV
             head ``[Hkv]``, one for K and one for V) passed per call as device tensors
             (``plan.run(..., k_scale=, v_scale=)``, :mod:`cpattn.quant`).
+        kv_layout: None (the default: one value per cache element, as ``kv_dtype`` says) or
+            ``"fp8_tile"`` (:data:`cpattn.quant.FP8_TILE`): absorbed MLA over FlashMLA's
+            tile-scaled FP8 latent cache, uint8 rows of ``Dv`` e4m3 latent values, ``Dv / 128``
+            float32 tile scales and ``D - Dv`` bfloat16 rope values (656 bytes for DeepSeek-V3's
+            512 + 64; :func:`cpattn.quant.quantize_mla_fp8_tiles`). Needs ``kv_dtype=
+            torch.float8_e4m3fn``, one KV head, ``head_dim_v`` a multiple of 128 and
+            ``head_dim > head_dim_v``. The scales live in the rows: calls pass no ``k_scale``.
 
     Example::
 
@@ -80,6 +92,7 @@ class AttentionSpec:
     has_sinks: bool = False
     topk: Optional[int] = None
     kv_dtype: Optional[torch.dtype] = None
+    kv_layout: Optional[str] = None
 
     def __post_init__(self) -> None:
         hq = check_int(self.num_q_heads, "num_q_heads", 1)
@@ -110,9 +123,26 @@ class AttentionSpec:
                              f"{kv_dtype}")
         if kv_dtype in FP8_KV_DTYPES and self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"an FP8 kv_dtype needs dtype bfloat16, float16 or float32, got {self.dtype}")
+        self._check_layout(kv_dtype, hkv, d, dv)
         object.__setattr__(self, "kv_dtype", kv_dtype)
         object.__setattr__(self, "head_dim_v", dv)
         object.__setattr__(self, "window_size", (left, 0))
+
+    def _check_layout(self, kv_dtype: torch.dtype, hkv: int, d: int, dv: int) -> None:
+        """ValueError / TypeError naming ``kv_layout`` for a layout the other fields do not fit."""
+        layout = self.kv_layout
+        if layout is None:
+            return
+        if not isinstance(layout, str):
+            raise TypeError(f"kv_layout must be None or a str, got {type(layout).__name__}")
+        if layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be None or one of {list(KV_LAYOUTS)}, got {layout!r}")
+        if kv_dtype != torch.float8_e4m3fn:
+            raise ValueError(f"kv_layout={layout!r} needs kv_dtype=torch.float8_e4m3fn, got {kv_dtype}")
+        if hkv != 1 or dv % MLA_FP8_TILE_SIZE or d <= dv:
+            raise ValueError(f"kv_layout={layout!r} is absorbed MLA's latent: num_kv_heads=1, head_dim_v a multiple of "
+                             f"{MLA_FP8_TILE_SIZE} and head_dim > head_dim_v (the rope part), got num_kv_heads={hkv}, "
+                             f"head_dim={d}, head_dim_v={dv}")
 
     def replace(self, **changes) -> "AttentionSpec":
         """A copy with some fields changed (validated again)."""
@@ -135,6 +165,12 @@ class AttentionSpec:
     def kv_quantized(self) -> bool:
         """The K/V caches hold FP8 values read with scales (``kv_dtype`` is an FP8 dtype)."""
         return self.kv_dtype in FP8_KV_DTYPES
+
+    @property
+    def kv_tiled(self) -> bool:
+        """The cache is the tile-scaled FP8 MLA layout (``kv_layout="fp8_tile"``): uint8 rows
+        carrying their own scales."""
+        return self.kv_layout == FP8_TILE
 
     @property
     def group_size(self) -> int:

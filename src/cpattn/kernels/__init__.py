@@ -271,17 +271,24 @@ def triton_device_reason(device, kernel_module: str) -> Optional[str]:
     return None
 
 
-def triton_unsupported_reason(spec: "AttentionSpec", device, kernel_module: str, fp8: bool = False) -> Optional[str]:
+def triton_unsupported_reason(spec: "AttentionSpec", device, kernel_module: str, fp8: bool = False,
+                              tiled: bool = False) -> Optional[str]:
     """Why the Triton kernels of ``kernel_module`` (dense or shard plans) cannot take ``spec`` on
     ``device`` (None if they can): the process's interpreter / GPU mode, the head dims and dtypes
     the kernels accept, fp32 only under the interpreter, FP8 caches only where ``fp8`` (kernels
-    that dequantize them)."""
+    that dequantize them), tile-scaled FP8 latent caches only where ``tiled``."""
     reason = triton_device_reason(device, kernel_module)
     if reason is not None:
         return reason
     if spec.kv_quantized and not fp8:
         return f"these kernels do not read FP8 K/V caches (kv_dtype={spec.kv_dtype})"
-    from .triton_attn import shape_unsupported_reason
+    if spec.kv_tiled and not tiled:
+        return f"these kernels do not read kv_layout={spec.kv_layout!r} caches (the torch reference does)"
+    from .triton_attn import shape_unsupported_reason, split_head_dim
+
+    if spec.kv_tiled and split_head_dim(spec.head_dim) != (spec.head_dim_v, spec.head_dim - spec.head_dim_v):
+        return (f"kv_layout={spec.kv_layout!r} needs head_dim_v a power of two and a smaller power-of-two rope "
+                f"part >= 16, got D={spec.head_dim}, Dv={spec.head_dim_v}")
 
     reason = shape_unsupported_reason(spec.head_dim, spec.head_dim_v, spec.dtype)
     if reason is None and spec.dtype == torch.float32 and device.type == "cuda":

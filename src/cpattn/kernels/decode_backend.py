@@ -267,7 +267,9 @@ class _TritonShardRun:
         )
         # always given (a planned launch records only kernels whose every argument it knows);
         # False compiles the FP8 branches away: the kernel of a bf16 plan is unchanged
-        self.plan_args["KV_FP8"] = spec.kv_quantized
+        self.plan_args["KV_FP8"] = spec.kv_quantized and not spec.kv_tiled
+        self.plan_args["KV_TILE"] = spec.kv_tiled  # tile-scaled latent rows: k is v, scales in the rows
+        self.tiled = spec.kv_tiled
         self.combine_args = dict(row_ws0=dev["row_ws0"], row_nsplit=dev["row_nsplit"], row_ti=dev["row_ti"],
                                  HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv,
                                  HAS_SINKS=apply_sinks, ONE_PASS=max_splits <= block_s,
@@ -296,8 +298,8 @@ class _TritonShardRun:
             q = q.contiguous()
         if page_table is not None and page_table.stride(-1) != 1:
             page_table = page_table.contiguous()
-        v_from_k = (v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.shape[-1] == self.d1
-                    and v.dtype == k.dtype)
+        v_from_k = self.tiled or (v.data_ptr() == k.data_ptr() and v.stride() == k.stride()
+                                  and v.shape[-1] == self.d1 and v.dtype == k.dtype)
         if k.stride(-1) != 1:
             k = k.contiguous()
         if not v_from_k and v.stride(-1) != 1:
@@ -434,7 +436,7 @@ class TritonShardBackend:
         return triton_available()
 
     def unsupported_reason(self, spec: AttentionSpec, dmeta) -> Optional[str]:
-        return triton_unsupported_reason(spec, dmeta.device, _KERNEL_MODULE, fp8=True)
+        return triton_unsupported_reason(spec, dmeta.device, _KERNEL_MODULE, fp8=True, tiled=True)
 
     def plan(self, spec: AttentionSpec, dmeta, options: Mapping) -> _TritonShardRun:
         return _TritonShardRun(spec, dmeta, options)

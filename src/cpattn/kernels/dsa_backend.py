@@ -115,7 +115,8 @@ class _TritonSparseRun:
             BLOCK_DV=max(16, triton_sparse._next_pow2(spec.head_dim_v)), BLOCK_H=block_h,
             PAGED=spec.paged, PAGE_SIZE=spec.page_size or 1, **triton_sparse.dot_settings(spec.dtype),
         )
-        self.plan_args["KV_FP8"] = spec.kv_quantized  # False: the FP8 branches compile away
+        self.plan_args["KV_FP8"] = spec.kv_quantized and not spec.kv_tiled  # False: the FP8 branches compile away
+        self.plan_args["KV_TILE"] = spec.kv_tiled  # tile-scaled latent rows: k is v, scales in the rows
         self._launch = triton_sparse.launch
         #: why the mla family cannot run this plan (None: it can)
         self.mla_reason = self._mla_reason(spec, meta, options)
@@ -182,6 +183,11 @@ class TritonSparseBackend:
         reason = _device_reason(meta, _SPARSE_MODULE)
         if reason is not None:
             return reason
+        rope = spec.head_dim - spec.head_dim_v  # the kernel's (D1, D2) blocks must be (latent, rope)
+        pow2 = lambda n: n & (n - 1) == 0  # noqa: E731
+        if spec.kv_tiled and not (pow2(spec.head_dim_v) and 16 <= rope < spec.head_dim_v and pow2(rope)):
+            return (f"kv_layout={spec.kv_layout!r} needs head_dim_v a power of two and a smaller power-of-two rope "
+                    f"part >= 16, got D={spec.head_dim}, Dv={spec.head_dim_v}")
         if spec.dtype not in (*_HALF, torch.float32):
             return f"dtype {spec.dtype} not supported (bf16, fp16; fp32 under the interpreter)"
         if spec.dtype == torch.float32 and meta.device.type == "cuda":

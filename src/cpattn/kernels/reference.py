@@ -7,7 +7,9 @@ the one backend whose per-layer call loops over segments on the host (from the p
 no device sync), and so the one that a CUDA graph cannot replay for another batch.
 
 FP8 caches (``spec.kv_dtype``): the rows a segment reads are dequantized (``x * scale``, float32,
-:func:`cpattn.quant.dequantize_fp8`) before the same math.
+:func:`cpattn.quant.dequantize_fp8`) before the same math; tile-scaled MLA latent rows
+(``spec.kv_layout="fp8_tile"``, k and v the same uint8 cache) by
+:func:`cpattn.quant.dequantize_mla_fp8_tiles` (V: the latent, the row's first ``Dv`` values).
 
 NaN semantics: a NaN in q, in a visible key or value, or in a sink reaches exactly the rows that
 see it (their out and lse are NaN); masked keys never contribute, not even as 0 * NaN. Rows that
@@ -24,7 +26,7 @@ from torch import Tensor
 from . import AttentionSpec, IndexTopkSpec
 from ._dsa_rows import device_rows
 from ..metadata import CPMetadata
-from ..quant import dequantize_fp8
+from ..quant import dequantize_fp8, dequantize_mla_fp8_tiles
 from ..selection import NO_KEY, key_positions, pack_keys, top_keys
 
 _ROW_CHUNK = 512  # query rows per score matrix (bounds memory to chunk * keys * Hq floats)
@@ -48,11 +50,25 @@ def _keys_of(k: Tensor, v: Tensor, page_table: Optional[Tensor], kv_start: int, 
     return k[pages, slot], v[pages, slot]
 
 
-def _dequantized(keys: Tensor, values: Tensor, k_scale: Optional[Tensor], v_scale: Optional[Tensor], work):
-    """FP8 rows times their scales in ``work`` (rows in the query dtype: unchanged)."""
+def _dequantized(keys: Tensor, values: Tensor, k_scale: Optional[Tensor], v_scale: Optional[Tensor], work,
+                 tiled: Optional[int] = None):
+    """FP8 rows times their scales in ``work`` (rows in the query dtype: unchanged); ``tiled``
+    (the latent width Dv of a tile-scaled cache): keys dequantized from their uint8 rows, values
+    their first Dv columns."""
+    if tiled is not None:
+        keys = dequantize_mla_fp8_tiles(keys, tiled, work)
+        return keys, keys[..., :tiled]
     if k_scale is None:
         return keys, values
     return dequantize_fp8(keys, k_scale, work), dequantize_fp8(values, v_scale, work)
+
+
+def _rows_in(x: Tensor, scale: Optional[Tensor], work, tiled: Optional[int], width: int) -> Tensor:
+    """Gathered K or V rows in ``work``: dequantized (FP8 scale, or the tile layout whose first
+    ``width`` values are kept), or converted."""
+    if tiled is not None:
+        return dequantize_mla_fp8_tiles(x, tiled, work)[..., :width]
+    return x.to(work) if scale is None else dequantize_fp8(x, scale, work)
 
 
 def segment_attention(
@@ -101,6 +117,7 @@ class _TorchRun:
         self.cu_kv = host.cu_kv_lens.tolist()
         self.num_local = meta.num_local_tokens
         self.window_left = spec.window_left
+        self.tiled = spec.head_dim_v if spec.kv_tiled else None
         #: the lse dtype the plan hands out: float64 math for float64 inputs keeps a float64 lse
         self.lse_dtype = torch.float64 if spec.dtype == torch.float64 else torch.float32
 
@@ -117,7 +134,7 @@ class _TorchRun:
                 first, last = pos0 + c0 * stride, pos0 + (c1 - 1) * stride
                 lo = max(0, first - w) if w >= 0 else 0
                 keys, values = _keys_of(k, v, page_table, self.cu_kv[seq], seq, lo, last + 1)
-                keys, values = _dequantized(keys, values, k_scale, v_scale, work)
+                keys, values = _dequantized(keys, values, k_scale, v_scale, work, self.tiled)
                 pos = torch.arange(first, last + 1, stride, device=q.device)
                 key_pos = torch.arange(lo, last + 1, device=q.device)
                 o, l = segment_attention(q[row0 + c0 : row0 + c1], pos, keys, values, key_pos, softmax_scale, w, sinks)
@@ -170,6 +187,7 @@ class _TorchShardRun:
         self.sharding = dmeta.kv
         self.window_left = spec.window_left
         self.sinks_used = spec.has_sinks and dmeta.rank == 0
+        self.tiled = spec.head_dim_v if spec.kv_tiled else None
         self.family = "torch"
 
     def __call__(self, q, k, v, page_table, sinks, softmax_scale, out, lse, k_scale=None, v_scale=None) -> None:
@@ -182,7 +200,7 @@ class _TorchShardRun:
                 continue
             n_local = self.local[b]
             keys, values = _keys_of(k, v, page_table, self.cu_local[b], b, 0, n_local)
-            keys, values = _dequantized(keys, values, k_scale, v_scale, work)
+            keys, values = _dequantized(keys, values, k_scale, v_scale, work, self.tiled)
             key_pos = self.sharding.global_position(torch.arange(n_local, device=q.device), self.rank)
             pos = torch.arange(sl - ql, sl, device=q.device)
             r0 = self.cu_q[b]
@@ -235,6 +253,7 @@ class _TorchSparseRun:
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
         hq, hkv, g = spec.num_q_heads, spec.num_kv_heads, spec.group_size
         ps = spec.page_size or 1
+        tiled = spec.head_dim_v if spec.kv_tiled else None
 
         def take(x: Tensor, rows: Tensor) -> Tensor:  # rows of the flattened K/V, without flattening x
             if x.shape[0] == 0:  # an empty key shard: every entry is masked
@@ -257,7 +276,7 @@ class _TorchSparseRun:
             for c0 in range(0, topk, key_chunk):
                 c1 = min(topk, c0 + key_chunk)
                 keys = take(k, flat[:, c0:c1])  # [r, kc, Hkv, D]
-                keys = keys.to(work) if k_scale is None else dequantize_fp8(keys, k_scale, work)
+                keys = _rows_in(keys, k_scale, work, tiled, spec.head_dim)
                 scores[..., c0:c1] = torch.einsum("rhgd,rkhd->rhgk", qr, keys) * softmax_scale
             scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
             if sinks is not None:
@@ -271,7 +290,7 @@ class _TorchSparseRun:
             for c0 in range(0, topk, key_chunk):
                 c1 = min(topk, c0 + key_chunk)
                 vals = take(v, flat[:, c0:c1])  # [r, kc, Hkv, Dv]
-                vals = vals.to(work) if v_scale is None else dequantize_fp8(vals, v_scale, work)
+                vals = _rows_in(vals, v_scale, work, tiled, spec.head_dim_v)
                 vals = vals.masked_fill(~valid[:, c0:c1, None, None], 0.0)  # masked keys: not even 0 * NaN
                 acc += torch.einsum("rhgk,rkhd->rhgd", probs[..., c0:c1], vals)
             pad = (pos < 0)[:, None]

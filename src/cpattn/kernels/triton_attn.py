@@ -14,7 +14,10 @@ contiguous). Softmax runs in base 2 with fp32 accumulation; LSE is converted to 
 FP8 caches (``KV_FP8``: e4m3 K/V, float32 scales per tensor or per KV head read from device
 memory): every K/V block is converted to the query dtype in registers after its load (exact), the
 K scale of the program's KV head multiplies the softmax scale and the V scale the output; pointer
-loads only (no TMA). With ``KV_FP8`` False the branches compile away.
+loads only (no TMA). With ``KV_FP8`` False the branches compile away. Tile-scaled FP8 MLA latent
+rows (``KV_TILE``: uint8 K = V, one float32 scale per 128 latent values, bf16 rope): the e4m3
+values convert exactly and the tile scales apply in fp32 outside the dots (:mod:`._fp8_tiles`);
+V is the latent block.
 
 The launch geometry (tile map, GQA packing, L2 sections) is planned by the backend
 (:mod:`.triton_backend`); this module holds the kernel and :func:`launch`, which only passes
@@ -34,6 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ._fp8_tiles import load_tile_rows, tile_scores, tile_values
 from ._launch import PlannedLaunch
 from ._tiles import LOG2E, SM90_SMEM_PER_BLOCK, kv_strides
 
@@ -226,9 +230,11 @@ def _block_scores(
 def _softmax_update(
     acc, l_i, m_i, s, v, start, pos, window, qk_scale, offs_n,
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    tile_scale=None, KV_TILE: tl.constexpr = False,
 ):
     """One online-softmax step (base 2): fold scores ``s`` of a key block and its values ``v``
-    into (acc, l_i, m_i). MASKED applies the causal / window mask by position."""
+    into (acc, l_i, m_i). MASKED applies the causal / window mask by position. KV_TILE: ``v``
+    holds e4m3 latent values whose ``tile_scale`` [BLOCK_N, Dv / 128] applies in fp32."""
     # scores stay unscaled; qk_scale (> 0) folds into the exponent's FMA
     if MASKED:
         kpos = start + offs_n
@@ -245,10 +251,13 @@ def _softmax_update(
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    p = p.to(v.dtype)
-    if DOT_UPCAST:
-        p = p.to(tl.float32)
-    acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
+    if KV_TILE:
+        acc += tile_values(p, v, tile_scale, acc.shape[0], v.shape[0], v.shape[1], DOT_PRECISION)
+    else:
+        p = p.to(v.dtype)
+        if DOT_UPCAST:
+            p = p.to(tl.float32)
+        acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
 
@@ -261,7 +270,7 @@ def _attn_key_range(
     offs_n, offs_d1, offs_d2, offs_dv,
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr, KV_FP8: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr, KV_FP8: tl.constexpr = False, KV_TILE: tl.constexpr = False,
 ):
     """Online softmax over key blocks [n_lo, n_hi) (BLOCK_N-aligned); MASKED adds the causal /
     window mask and bounds loads at key_end. USE_DESC loads K/V blocks through the tensor
@@ -271,13 +280,19 @@ def _attn_key_range(
         k_off, v_off, in_seq = _kv_block_offsets(start, kv_row_base, pt_row, key_end, stride_kp, stride_kn,
                                                  stride_vp, stride_vn, offs_n, MASKED, PAGED, PAGE_SIZE, BLOCK_N)
         desc_row = (kv_row_base + start).to(tl.int32)
-        s = _block_scores(q1, q2, k_base, k_off, in_seq, k_desc1, k_desc2, desc_row, offs_d1, offs_d2,
-                          MASKED, BLOCK_D1, BLOCK_D2, DOT_PRECISION, DOT_UPCAST, USE_DESC, KV_FP8)
-        v = _load_rows(v_base, v_off, in_seq, offs_dv, v_desc, desc_row, MASKED, USE_DESC, DOT_UPCAST)
-        if KV_FP8:
-            v = v.to(q1.dtype)
+        if KV_TILE:  # tile-scaled latent rows: tile scales applied in fp32 outside the dots; V is the latent
+            v, tsc, k2 = load_tile_rows(k_base, k_off, in_seq, offs_d1, offs_d2, MASKED, BLOCK_D1, q1.dtype)
+            s = tile_scores(q1, v, tsc, q1.shape[0], BLOCK_N, BLOCK_D1, DOT_PRECISION)
+            s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
+        else:
+            tsc = None
+            s = _block_scores(q1, q2, k_base, k_off, in_seq, k_desc1, k_desc2, desc_row, offs_d1, offs_d2,
+                              MASKED, BLOCK_D1, BLOCK_D2, DOT_PRECISION, DOT_UPCAST, USE_DESC, KV_FP8)
+            v = _load_rows(v_base, v_off, in_seq, offs_dv, v_desc, desc_row, MASKED, USE_DESC, DOT_UPCAST)
+            if KV_FP8:
+                v = v.to(q1.dtype)
         acc, l_i, m_i = _softmax_update(acc, l_i, m_i, s, v, start, pos, window, qk_scale, offs_n,
-                                        MASKED, HAS_WINDOW, DOT_PRECISION, DOT_UPCAST)
+                                        MASKED, HAS_WINDOW, DOT_PRECISION, DOT_UPCAST, tsc, KV_TILE)
     return acc, l_i, m_i
 
 
@@ -307,7 +322,7 @@ def _cp_attn_fwd(
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, KV_TILE: tl.constexpr = False,
 ):
     ROWS: tl.constexpr = BLOCK_M // G_PACK
     num_tiles = tl.load(NumTiles)  # from device memory: a capacity-sized grid replays for any batch
@@ -400,7 +415,7 @@ def _cp_attn_fwd(
             k_desc1, k_desc2, v_desc, n_lo, f_lo, key_end, window, qk_scale,
             stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2, offs_dv,
             True, HAS_WINDOW, PAGED, PAGE_SIZE, BLOCK_D1, BLOCK_D2, DOT_PRECISION, DOT_UPCAST, BLOCK_N,
-            False, KV_FP8,
+            False, KV_FP8, KV_TILE,
         )
     # interior: every key visible to every row of the tile
     acc, l_i, m_i = _attn_key_range(
@@ -408,7 +423,7 @@ def _cp_attn_fwd(
         k_desc1, k_desc2, v_desc, f_lo, f_hi, key_end, window, qk_scale,
         stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2, offs_dv,
         False, HAS_WINDOW, PAGED, PAGE_SIZE, BLOCK_D1, BLOCK_D2, DOT_PRECISION, DOT_UPCAST, BLOCK_N,
-        USE_TMA, KV_FP8,
+        USE_TMA, KV_FP8, KV_TILE,
     )
     # the causal diagonal
     acc, l_i, m_i = _attn_key_range(
@@ -416,7 +431,7 @@ def _cp_attn_fwd(
         k_desc1, k_desc2, v_desc, f_hi, key_end, key_end, window, qk_scale,
         stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2, offs_dv,
         True, HAS_WINDOW, PAGED, PAGE_SIZE, BLOCK_D1, BLOCK_D2, DOT_PRECISION, DOT_UPCAST, BLOCK_N,
-        False, KV_FP8,
+        False, KV_FP8, KV_TILE,
     )
 
     # l_i == 0: no visible key (0 / -inf); NaN (from q, k, v or a sink) stays NaN in out and lse
@@ -436,7 +451,8 @@ def _cp_attn_fwd(
 
 _cp_attn_fwd_tuned = triton.autotune(
     configs=_configs(),
-    key=["HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "G_PACK", "PAGED", "PAGE_SIZE", "HAS_WINDOW", "USE_TMA", "KV_FP8"],
+    key=["HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "G_PACK", "PAGED", "PAGE_SIZE", "HAS_WINDOW", "USE_TMA", "KV_FP8",
+         "KV_TILE"],
     prune_configs_by={"early_config_prune": _prune_configs},
     do_bench=_bench_config,
 )(_cp_attn_fwd)

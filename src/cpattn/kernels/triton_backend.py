@@ -291,7 +291,8 @@ class _TritonRun:
         )
         # always given (a planned launch records only kernels whose every argument it knows);
         # False compiles the FP8 branches away: the kernel of a bf16 plan is unchanged
-        self.portable_args["KV_FP8"] = spec.kv_quantized
+        self.portable_args["KV_FP8"] = spec.kv_quantized and not spec.kv_tiled
+        self.portable_args["KV_TILE"] = spec.kv_tiled  # tile-scaled latent rows: k is v, scales in the rows
         planned = bool(options.get("planned_launch", True))
         from ._launch import LaunchState
 
@@ -372,7 +373,7 @@ class TritonBackend:
         return triton_available()
 
     def unsupported_reason(self, spec: AttentionSpec, meta: CPMetadata) -> Optional[str]:
-        return triton_unsupported_reason(spec, meta.device, _KERNEL_MODULE, fp8=True)
+        return triton_unsupported_reason(spec, meta.device, _KERNEL_MODULE, fp8=True, tiled=True)
 
     def plan(self, spec: AttentionSpec, meta: CPMetadata, options: Mapping):
         family = options.get("family", "auto")

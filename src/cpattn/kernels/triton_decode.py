@@ -26,6 +26,10 @@ memory): each K/V block is converted to the query dtype in registers after its l
 e4m3 value is a bf16 / fp16 / fp32 value) and the scales are applied outside the dots: the K scale
 of the program's KV head multiplies the softmax scale, the V scale the normalized output (the
 combine is linear in the partials). With ``KV_FP8`` False the branches compile away.
+Tile-scaled FP8 MLA latent rows (``KV_TILE``, uint8 K = V: ``BLOCK_D1`` e4m3 values, one float32
+scale per 128, ``BLOCK_D2`` bf16 rope values per row): the e4m3 values convert exactly to the
+query dtype and the tile scales apply in fp32 outside the dots (one batched dot per 128-value
+tile, :mod:`._fp8_tiles`); V is the latent block. With ``KV_TILE`` False that branch compiles away.
 
 A work item whose tile has one split writes the final ``out`` / ``lse`` (sinks included);
 otherwise it writes its normalized partial and LSE (fp32) into a workspace, and the combine
@@ -46,6 +50,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ._fp8_tiles import load_tile_rows, tile_scores, tile_values
 from ._launch import LRU, LaunchState, PlannedLaunch
 from ._tiles import LOG2E, kv_strides
 
@@ -126,7 +131,7 @@ def _key_range(
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     CP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
     V_FROM_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, BLOCK_N: tl.constexpr,
-    KV_FP8: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, KV_TILE: tl.constexpr = False,
 ):
     """Online softmax (base 2) over local key blocks [lo, hi); MASKED masks by global position
     and bounds loads at key_end. Paged: the next block's page is loaded one iteration ahead (a
@@ -142,16 +147,21 @@ def _key_range(
             page_next = _page_of(pt_row, start + BLOCK_N, hi, offs_n, PAGE_SIZE, BLOCK_N)
         k_off, v_off, in_range = _kv_offsets(start, kv_row_base, page, key_end, stride_kp, stride_kn,
                                              stride_vp, stride_vn, offs_n, PAGED, PAGE_SIZE, BLOCK_N)
-        k1 = _load_block(k_base, k_off, in_range, offs_d1, MASKED, DOT_UPCAST)
-        if KV_FP8:  # dequantized in registers: e4m3 -> q's dtype (exact), scales outside the dots
-            k1 = k1.to(q1.dtype)
-        s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
-        if BLOCK_D2 > 0:
-            k2 = _load_block(k_base + BLOCK_D1, k_off, in_range, offs_d2, MASKED, DOT_UPCAST)
-            if KV_FP8:
-                k2 = k2.to(q2.dtype)
+        if KV_TILE:  # tile-scaled latent rows: tile scales applied in fp32 outside the dots; V is the latent
+            k1, tsc, k2 = load_tile_rows(k_base, k_off, in_range, offs_d1, offs_d2, MASKED, BLOCK_D1, q1.dtype)
+            s = tile_scores(q1, k1, tsc, q1.shape[0], BLOCK_N, BLOCK_D1, DOT_PRECISION)
             s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
-        if V_FROM_K:
+        else:
+            k1 = _load_block(k_base, k_off, in_range, offs_d1, MASKED, DOT_UPCAST)
+            if KV_FP8:  # dequantized in registers: e4m3 -> q's dtype (exact), scales outside the dots
+                k1 = k1.to(q1.dtype)
+            s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
+            if BLOCK_D2 > 0:
+                k2 = _load_block(k_base + BLOCK_D1, k_off, in_range, offs_d2, MASKED, DOT_UPCAST)
+                if KV_FP8:
+                    k2 = k2.to(q2.dtype)
+                s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
+        if KV_TILE or V_FROM_K:
             v = k1
         else:
             v = _load_block(v_base, v_off, in_range, offs_dv, MASKED, DOT_UPCAST)
@@ -172,8 +182,11 @@ def _key_range(
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        p = p.to(v.dtype)
-        acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
+        if KV_TILE:
+            acc += tile_values(p, v, tsc, q1.shape[0], BLOCK_N, BLOCK_D1, DOT_PRECISION)
+        else:
+            p = p.to(v.dtype)
+            acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -194,7 +207,7 @@ def _shard_attn_split(
     CP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, V_FROM_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, KV_TILE: tl.constexpr = False,
 ):
     if PDL:  # the combine (programmatic dependent launch) may start; it waits for this grid's end
         gdc_launch_dependents()
@@ -274,17 +287,17 @@ def _shard_attn_split(
         acc, l_i, m_i, q1, q2, pos, rank, k_base, v_base, kv_row_base, pt_row, k0, a_lo, k1_end, window,
         qk_scale, stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2, offs_dv,
         True, HAS_WINDOW, PAGED, PAGE_SIZE, CP_SIZE, INTERLEAVE, BLOCK_D1, BLOCK_D2, V_FROM_K, DOT_PRECISION,
-        DOT_UPCAST, BLOCK_N, KV_FP8)
+        DOT_UPCAST, BLOCK_N, KV_FP8, KV_TILE)
     acc, l_i, m_i = _key_range(
         acc, l_i, m_i, q1, q2, pos, rank, k_base, v_base, kv_row_base, pt_row, a_lo, a_hi, k1_end, window,
         qk_scale, stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2, offs_dv,
         False, HAS_WINDOW, PAGED, PAGE_SIZE, CP_SIZE, INTERLEAVE, BLOCK_D1, BLOCK_D2, V_FROM_K, DOT_PRECISION,
-        DOT_UPCAST, BLOCK_N, KV_FP8)
+        DOT_UPCAST, BLOCK_N, KV_FP8, KV_TILE)
     acc, l_i, m_i = _key_range(
         acc, l_i, m_i, q1, q2, pos, rank, k_base, v_base, kv_row_base, pt_row, a_hi, k1_end, k1_end, window,
         qk_scale, stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2, offs_dv,
         True, HAS_WINDOW, PAGED, PAGE_SIZE, CP_SIZE, INTERLEAVE, BLOCK_D1, BLOCK_D2, V_FROM_K, DOT_PRECISION,
-        DOT_UPCAST, BLOCK_N, KV_FP8)
+        DOT_UPCAST, BLOCK_N, KV_FP8, KV_TILE)
 
     # l_i == 0: no visible key (0 / -inf); NaN (from q, a visible k / v, or a sink) stays NaN
     has_mass = l_i != 0.0

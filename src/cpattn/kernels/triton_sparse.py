@@ -18,8 +18,10 @@ P x head blocks, so a static plan's capacity-sized grid replays in a CUDA graph.
 are never loaded (no 0 * NaN). FP8 caches (``KV_FP8``: e4m3 K/V with float32 scales per tensor
 or per KV head): each gathered K/V tile is converted to the query dtype in registers (exact), the
 K scale of the program's KV head multiplies the softmax scale and the V scale the output; with
-``KV_FP8`` False the branches compile away. This module holds the kernel and :func:`launch`; the
-backend (:mod:`.dsa_backend`) plans it.
+``KV_FP8`` False the branches compile away. Tile-scaled FP8 MLA latent rows (``KV_TILE``: uint8
+K = V, one float32 scale per 128 latent values, bf16 rope): the e4m3 values convert exactly and
+the tile scales apply in fp32 outside the dots (:mod:`._fp8_tiles`). This module holds the kernel
+and :func:`launch`; the backend (:mod:`.dsa_backend`) plans it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ._fp8_tiles import load_tile_rows, tile_scores, tile_values
 from ._tiles import LOG2E, SM90_SMEM_PER_BLOCK, kv_strides
 
 #: True when the kernels were built for the CPU interpreter (TRITON_INTERPRET=1 at import).
@@ -113,7 +116,7 @@ def _sparse_attn_fwd(
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, V_IS_K: tl.constexpr,
     HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, OFFSET_32: tl.constexpr,
-    BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, KV_TILE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     row = pid // num_head_blocks  # head blocks of a row are adjacent: the second reads from L2
@@ -179,20 +182,26 @@ def _sparse_attn_fwd(
         else:
             k_off = (kv_start.to(e.dtype) + p_sel) * stride_kn
             v_off = (kv_start.to(e.dtype) + p_sel) * stride_vn
-        k1 = tl.load(k_base + k_off[:, None] + offs_d1[None, :], mask=valid[:, None] & d1_ok[None, :], other=0.0)
-        if DOT_UPCAST:
-            k1 = k1.to(tl.float32)
-        if KV_FP8:  # e4m3 -> q's dtype in registers (exact)
-            k1 = k1.to(q1.dtype)
-        s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
-        if BLOCK_D2 > 0:
-            k2 = tl.load(k_base + BLOCK_D1 + k_off[:, None] + offs_d2[None, :], mask=valid[:, None] & d2_ok[None, :],
+        if KV_TILE:  # tile-scaled latent rows: tile scales applied in fp32 outside the dots; V is the latent
+            k1, tsc, k2 = load_tile_rows(k_base, k_off, valid, offs_d1, offs_d2, True, BLOCK_D1, q1.dtype)
+            s = tile_scores(q1, k1, tsc, BLOCK_H, BLOCK_N, BLOCK_D1, DOT_PRECISION)
+            s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
+        else:
+            k1 = tl.load(k_base + k_off[:, None] + offs_d1[None, :], mask=valid[:, None] & d1_ok[None, :],
                          other=0.0)
             if DOT_UPCAST:
-                k2 = k2.to(tl.float32)
-            if KV_FP8:
-                k2 = k2.to(q2.dtype)
-            s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
+                k1 = k1.to(tl.float32)
+            if KV_FP8:  # e4m3 -> q's dtype in registers (exact)
+                k1 = k1.to(q1.dtype)
+            s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
+            if BLOCK_D2 > 0:
+                k2 = tl.load(k_base + BLOCK_D1 + k_off[:, None] + offs_d2[None, :],
+                             mask=valid[:, None] & d2_ok[None, :], other=0.0)
+                if DOT_UPCAST:
+                    k2 = k2.to(tl.float32)
+                if KV_FP8:
+                    k2 = k2.to(q2.dtype)
+                s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -200,15 +209,19 @@ def _sparse_attn_fwd(
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if V_IS_K:
-            v = k1
+        if KV_TILE:
+            acc += tile_values(p, k1, tsc, BLOCK_H, BLOCK_N, BLOCK_D1, DOT_PRECISION)
         else:
-            v = tl.load(v_base + v_off[:, None] + offs_dv[None, :], mask=valid[:, None] & dv_ok[None, :], other=0.0)
-            if DOT_UPCAST:
-                v = v.to(tl.float32)
-            if KV_FP8:
-                v = v.to(q1.dtype)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+            if V_IS_K:
+                v = k1
+            else:
+                v = tl.load(v_base + v_off[:, None] + offs_dv[None, :], mask=valid[:, None] & dv_ok[None, :],
+                            other=0.0)
+                if DOT_UPCAST:
+                    v = v.to(tl.float32)
+                if KV_FP8:
+                    v = v.to(q1.dtype)
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # l_i == 0: no valid key and no sink (0 / -inf); NaN from q, a selected k / v or a sink stays NaN
@@ -228,7 +241,7 @@ def _sparse_attn_fwd(
 
 _sparse_attn_fwd_tuned = triton.autotune(
     configs=_configs(),
-    key=["topk", "HEAD_DIM", "HEAD_DIM_V", "BLOCK_H", "PAGED", "PAGE_SIZE", "V_IS_K", "KV_FP8"],
+    key=["topk", "HEAD_DIM", "HEAD_DIM_V", "BLOCK_H", "PAGED", "PAGE_SIZE", "V_IS_K", "KV_FP8", "KV_TILE"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_sparse_attn_fwd)
 

@@ -113,6 +113,19 @@ def result_buffers(
     return out, lse
 
 
+def kv_storage_dtype(spec: AttentionSpec) -> torch.dtype:
+    """The dtype of the K/V tensors a plan of ``spec`` reads: uint8 for the tile-scaled FP8
+    latent (``kv_layout="fp8_tile"``), else ``spec.kv_dtype``."""
+    return torch.uint8 if spec.kv_tiled else spec.kv_dtype
+
+
+def tile_row_bytes(spec: AttentionSpec) -> int:
+    """Bytes per token of a tile-scaled latent cache of ``spec`` (Dv latent, D - Dv rope)."""
+    from ..quant import mla_fp8_tile_bytes
+
+    return mla_fp8_tile_bytes(spec.head_dim_v, spec.head_dim - spec.head_dim_v)
+
+
 def check_qkv(q: Tensor, k: Tensor, v: Tensor, paged: bool, *, q_name: str = "q_local", k_name: str = "k",
               v_name: str = "v", q_rows: str = "P", kv_rows: str = "num_kv_tokens") -> tuple[int, int]:
     """(Hq, Hkv) of the q / k / v of a convenience call (``attention``, ``sparse_attention``,
@@ -175,9 +188,11 @@ class AttentionPlan:
         hkv, d, dv = spec.num_kv_heads, spec.head_dim, spec.head_dim_v
         self._k_tail = ((spec.page_size,) if spec.paged else ()) + (hkv, d)
         self._v_tail = ((spec.page_size,) if spec.paged else ()) + (hkv, dv)
+        if spec.kv_tiled:  # k and v: the same uint8 rows of the tile-scaled latent
+            self._k_tail = self._v_tail = self._k_tail[:-1] + (tile_row_bytes(spec),)
         self._kv_rows_exact = None if spec.paged else kv_rows_exact
         self._kv_rows_min = 0 if spec.paged else kv_rows_min
-        size, dtype, kv_dtype = torch.Size, spec.dtype, spec.kv_dtype
+        size, dtype, kv_dtype = torch.Size, spec.dtype, kv_storage_dtype(spec)
         # what a valid call's q shape, k / v shapes past dim 0, dtypes and devices compare equal to
         self._expect = (size(self._q_shape), size(self._k_tail), size(self._v_tail), dtype, kv_dtype, kv_dtype, device,
                         device, device)
@@ -250,7 +265,10 @@ class AttentionPlan:
         spec, device = self.spec, self._device
         for name, t in (("k", k), ("v", v)):
             check_tensor(t, name)
-            if t.dtype != spec.kv_dtype:
+            if spec.kv_tiled and t.dtype != torch.uint8:
+                raise TypeError(f"{name} dtype {t.dtype}: a kv_layout={spec.kv_layout!r} plan reads the uint8 cache "
+                                "rows")
+            if t.dtype != kv_storage_dtype(spec):
                 what = "kv_dtype" if spec.kv_quantized else "dtype"
                 raise TypeError(f"{name} dtype {t.dtype} != the plan's {what} {spec.kv_dtype}")
             if t.device != device:
@@ -295,6 +313,10 @@ class AttentionPlan:
             raise TypeError(f"{type(self).__name__}.{method}() got unexpected keyword argument(s) "
                             f"{sorted(call.keys() - allowed)}")
         get = call.get
+        if self.spec.kv_tiled and method == "run":
+            raise NotImplementedError(f"{type(self).__name__}.run over a kv_layout={self.spec.kv_layout!r} cache: "
+                                      "write it with cpattn.write_mla_cache(..., layout=) (after "
+                                      "gather_mla_latent(..., layout=) for sharded queries) and call attend")
         scales = self._check_scales(get("k_scale"), get("v_scale"))
         return (get("page_table"), get("sinks"), get("softmax_scale"), get("out"), get("lse"), get("return_lse", False),
                 scales)
@@ -303,6 +325,11 @@ class AttentionPlan:
         """The K/V scales of a call: None for a cache in the query dtype (both must be None), the
         checked (k_scale, v_scale) pair for an FP8 cache (float32 ``[]`` or ``[Hkv]`` on the
         plan's device; device tensors, read by the kernels: graph-safe)."""
+        if self.spec.kv_tiled:
+            if k_scale is not None or v_scale is not None:
+                raise ValueError(f"kv_layout={self.spec.kv_layout!r} rows carry their own tile scales: pass no "
+                                 "k_scale / v_scale")
+            return None
         if not self.spec.kv_quantized:
             if k_scale is not None or v_scale is not None:
                 raise ValueError(f"k_scale / v_scale are for an FP8 cache (AttentionSpec(kv_dtype=)); this plan's "

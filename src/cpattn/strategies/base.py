@@ -26,6 +26,7 @@ from ..plan_cache import cached_plan
 from ..plans import AttentionPlan, plan_attention
 from ..plans.base import KernelCall, check_qkv
 from ..plans.sparse import check_index
+from ..quant import FP8_TILE, quantize_mla_fp8_tiles
 from ..spec import FP8_KV_DTYPES, AttentionSpec
 
 if TYPE_CHECKING:  # annotations only (typing.Unpack: Python >= 3.11)
@@ -346,20 +347,34 @@ class CPStrategy(ABC):
         return result if async_op else (result[0], result[1])
 
     def gather_mla_latent(
-        self, kv_c_local: Tensor, k_pe_local: Tensor, meta: CPMetadata, group=None, *, async_op: bool = False
-    ) -> tuple[Tensor, Tensor] | PendingGather:
+        self, kv_c_local: Tensor, k_pe_local: Tensor, meta: CPMetadata, group=None, *, async_op: bool = False,
+        layout: Optional[str] = None,
+    ) -> tuple[Tensor, Tensor] | Tensor | PendingGather:
         """MLA latent ``kv_c`` [P, r] and rotary key ``k_pe`` [P, d_rope] of this rank -> logical
         [T, r] and [T, d_rope] of all extend tokens, packed into ONE all-gather (``gather_packed``).
 
         This is what a paged MLA cache stores: (r + d_rope) * itemsize bytes per token instead of
         Hkv * (D + Dv) for up-projected K/V. Any dtype, fp8 included (moved as raw bytes; the two
         may differ, e.g. fp8 latent with bf16 rope key). ``async_op=True`` returns a handle.
+
+        ``layout="fp8_tile"`` (:data:`cpattn.quant.FP8_TILE`): this rank quantizes its rows to
+        the tile-scaled FP8 layout (:func:`cpattn.quant.quantize_mla_fp8_tiles`, 656 bytes per
+        DeepSeek-V3 token instead of 1,152 in bf16) and the one all-gather moves those bytes; the
+        result is ONE uint8 tensor [T, row_bytes] (the cache rows: ``write_mla_cache(rows, None,
+        cache, writes, layout="fp8_tile")``; with ``async_op``, ``wait()`` gives ``[rows]``).
         """
         self.check_metadata(meta)
         for name, t in (("kv_c_local", kv_c_local), ("k_pe_local", k_pe_local)):
             self._check_rows(t, name, 0, meta.num_physical_tokens, "num_physical_tokens", meta)
             if t.dim() != 2:
                 raise ValueError(f"{name} must be 2-D [P, dim], got shape {tuple(t.shape)}")
+        if layout is not None:
+            if layout != FP8_TILE:
+                raise ValueError(f"layout must be None or {FP8_TILE!r}, got {layout!r}")
+            check_group(meta, group)
+            rows = quantize_mla_fp8_tiles(kv_c_local, k_pe_local)
+            result = self.gather_packed([rows], meta, group, async_op=async_op)
+            return result if async_op else result[0]
         result = self.gather_packed([kv_c_local, k_pe_local], meta, group, async_op=async_op)
         return result if async_op else (result[0], result[1])
 
