@@ -55,7 +55,7 @@ def _split_sig(name, hq, hkv, d, dv, q_len, c, i, paged, page, window, sinks, v_
         sig[n] = "*i32"
     consts = dict(HEAD_DIM_V=dv, BLOCK_D1=d1, BLOCK_D2=d2, ROWS=rows, G_PACK=g_pack, BLOCK_M=block_m, CP_SIZE=c,
                   INTERLEAVE=i, PAGED=paged, PAGE_SIZE=page, HAS_WINDOW=window, HAS_SINKS=sinks, V_FROM_K=v_from_k,
-                  DOT_PRECISION="tf32", DOT_UPCAST=False, BLOCK_N=block_n, KV_FP8=kv_fp8)
+                  DOT_PRECISION="tf32", DOT_UPCAST=False, BLOCK_N=block_n, KV_FP8=kv_fp8, KV_TILE=False)
     if kv_fp8:
         sig.update(K="*fp8e4nv", V="*fp8e4nv")
     sig.update({n: "constexpr" for n in consts})

@@ -48,7 +48,7 @@ def compile_sparse(d, dv, block_h, v_is_k, block_n, warps, stages, paged=False, 
     consts = dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D1=d1, BLOCK_D2=d2, BLOCK_DV=max(16, ts._next_pow2(dv)),
                   BLOCK_H=block_h, PAGED=paged,
                   PAGE_SIZE=64 if paged else 1, V_IS_K=v_is_k, HAS_SINKS=sinks, RETURN_LSE=lse,
-                  DOT_PRECISION="tf32", DOT_UPCAST=False, OFFSET_32=off32, BLOCK_N=block_n, KV_FP8=False)
+                  DOT_PRECISION="tf32", DOT_UPCAST=False, OFFSET_32=off32, BLOCK_N=block_n, KV_FP8=False, KV_TILE=False)
     e = "*" + dtype
     ptrs = dict(Q=e, K=e, V=e, Idx="*i32", Out=e, Lse="*fp32", Sinks="*fp32",
                 PageTable="*i32", row_seq="*i32", row_pos="*i32", row_kv_start="*i64", KScale="*fp32",
