@@ -11,6 +11,7 @@ NaN there cannot leak); all parts empty give ``(0, -inf)``; finite LSEs of any s
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -92,8 +93,11 @@ def merge_path(out_parts: Tensor, lse_parts: Tensor, *, dim: int = 0) -> str:
     return "triton"
 
 
-#: SM count per CUDA device index (the merge's block sizes depend on it).
-_NUM_SMS: dict = {}
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    """The SM count of CUDA device ``index`` (the merge's block sizes depend on it; a pure
+    function of the hardware, memoized: the merge runs once per layer)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _merge_fused(parts: Tensor, part_lse: Tensor) -> tuple[Tensor, Tensor]:
@@ -106,9 +110,7 @@ def _merge_fused(parts: Tensor, part_lse: Tensor) -> tuple[Tensor, Tensor]:
     lse = torch.empty((n, h), dtype=torch.float32, device=device)
     if device.type == "cuda":
         index = device.index
-        num_sms = _NUM_SMS.get(index)
-        if num_sms is None:
-            num_sms = _NUM_SMS[index] = torch.cuda.get_device_properties(device).multi_processor_count
+        num_sms = _num_sms(torch.cuda.current_device() if index is None else index)
         if index != torch.cuda.current_device():
             with torch.cuda.device(device):  # parts on a non-current GPU
                 triton_decode.merge_parts(parts, part_lse, out, lse, num_sms=num_sms)
