@@ -24,8 +24,8 @@ for new keys. Full-attention layers keep every key they own. A rank holds at mos
 ``ceil(L / C) + page_size`` tokens of each layer (``interleave=1``; :meth:`ShardedKVCache.local_tokens`).
 
 Plan cost per forward: one plan agreement (a small all-gather, at plan time), one page-table
-upload and one cache-write plan per layer kind (full / each window), and the exact merge's header
-check on the first layer of each kind. The prompt's forward holds one layer's whole K/V at a time
+upload and one cache-write plan per layer kind (full / each window); the exact merge's header
+check runs once per layer kind, on the first decode step (later steps' plans skip it: ``agree=False``). The prompt's forward holds one layer's whole K/V at a time
 (the gathered ``[L, Hkv, D]`` rows it attends and stores from), never more than one layer.
 
 DSA models (transformers' ``deepseek_v32``, ``glm_moe_dsa``: ``"indexed_attention"`` layers) store

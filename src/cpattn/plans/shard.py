@@ -65,7 +65,8 @@ class ShardMergePlan(AttentionPlan):
     @property
     def agreed_partials(self) -> frozenset[tuple[int, ...]]:
         """The partials headers (:func:`cpattn.merge.partials_header`: N, Hq, Dv, dtype code,
-        scatter_heads) every rank of the group was checked to merge with this plan."""
+        scatter_heads) every rank of the group was checked to merge with this plan (a plan
+        merges over one group: the one its placement plan was agreed over)."""
         return frozenset(self._agreed)
 
     def merge(self, out_part: Tensor, lse_part: Tensor, group=None, *, scatter_heads: bool = False,
