@@ -65,6 +65,9 @@ class ShardedMiniEngine:
         # [cpattn] Decode steps place their queries with the "replicated" strategy (every rank
         # computes every query) over the same C ranks; the keys stay sharded.
         self.decode_strategy = cpattn.get_strategy("replicated", strategy.cp_size)
+        # [cpattn] Whether the ranks merged this spec's partials once: the first decode step's plan
+        # checks their header (one tiny all-gather); later steps' plans skip it (agree=False).
+        self.partials_agreed = False
         self.extend_algorithm = extend_algorithm
         self.cached_requests: list[Request] = []
         self.extend_algorithms_used: list[str] = []
@@ -193,7 +196,8 @@ class ShardedMiniEngine:
             # the owner stores a new key), attend over this rank's keys, and merge the ranks'
             # partial outputs exactly in ONE collective -> [P, Hq, D], the same on every rank.
             o = plan.run(q, k, v, (self.cache.k[layer], self.cache.v[layer]), writes=writes, group=self.group,
-                         page_table=table, **self.cache.layer_scales(layer))
+                         page_table=table, agree=not self.partials_agreed, **self.cache.layer_scales(layer))
+            self.partials_agreed = self.partials_agreed or bool(plan.agreed_partials)
             h = self._layer_tail(h, o, w)
         h = s.gather(h, dmeta, self.group)  # [cpattn] replicated rows: [P, hidden] -> [B, hidden], no collective
         for r in reqs:

@@ -114,6 +114,9 @@ class DSAAttention(MLAAttention):
         self.index_k_norm = nn.LayerNorm(c.index_head_dim, eps=1e-6, device=device, dtype=dtype)
         self.index_weights_proj = nn.Linear(c.hidden, c.index_n_heads, bias=False, device=device,
                                             dtype=torch.float32)
+        # (spec, group) pairs whose partials every rank merged: decode steps' plans check a
+        # partials header once per layer and group, not once per step
+        self._agreed_partials: set = set()
         self.reset_parameters(seed)
 
     # ------------------------------------------------------------------ pieces (also used by the bench)
@@ -264,7 +267,10 @@ class DSAAttention(MLAAttention):
         plan = cached_plan(meta, ("dsa-decode", spec, backend), lambda: cpattn.plan_attention(meta, spec,
                                                                                                 backend=backend))
         out_p, lse_p = plan.attend(q_in, k, v, idx, softmax_scale=c.softmax_scale)
-        o = cpattn.merge_partials(out_p, lse_p, group, meta=meta)  # ONE collective
+        key = (spec, group)
+        o = plan.merge(out_p, lse_p, group, agree=key not in self._agreed_partials)  # ONE collective
+        if plan.agreed_partials:
+            self._agreed_partials.add(key)
         return self.output(o, True), idx
 
     @staticmethod

@@ -315,9 +315,22 @@ def test_plan_for_another_group_size_is_rejected_locally(world):
             assert "group" in outcome[1] and f"{world} ranks" in outcome[1] and f"cp_size={world + 1}" in outcome[1]
 
 
+def _shard_merge_plan(rank: int, world: int, dv: int):
+    """A decode step over a sharded cache (agreed over the default group), a "shard_merge" plan
+    of head dim ``dv`` for V (packed caches) and its inputs: (plan, q, k, v, caches)."""
+    s = cpattn.get_strategy("replicated", world)
+    meta = s.build_metadata([1, 2], [4, 3], rank=rank, kv=cpattn.KVSharding(world))
+    spec = cpattn.AttentionSpec(num_q_heads=6, num_kv_heads=2, head_dim=8, head_dim_v=dv, dtype=torch.float32)
+    plan = cpattn.plan_attention(meta, spec, backend="torch")
+    g = torch.Generator().manual_seed(1)
+    n, rows = meta.num_physical_tokens, meta.num_local_kv_tokens
+    q, k, v = torch.randn(n, 6, 8, generator=g), torch.randn(n, 2, 8, generator=g), torch.randn(n, 2, dv, generator=g)
+    return plan, q, k, v, (torch.randn(rows, 2, 8, generator=g), torch.randn(rows, 2, dv, generator=g))
+
+
 def _worker_merge_shapes(rank: int, world: int):
     """merge_partials with partials of different shapes on different ranks: a ValueError on every
-    rank (not a gloo abort); with a plan, the shape check runs once per plan and shape."""
+    rank (not a gloo abort), without a plan on every call; a plan checks once per header."""
     out = {}
     dv = 8 if rank == 0 else 16
     o, l = torch.randn(3, 4, dv), torch.randn(3, 4)
@@ -332,27 +345,60 @@ def _worker_merge_shapes(rank: int, world: int):
         out["dtype"] = None
     except ValueError as exc:
         out["dtype"] = str(exc)
-    s = cpattn.get_strategy("replicated", world)
-    meta = s.build_metadata([1, 2], [4, 3], rank=rank, kv=cpattn.KVSharding(world))
-    o, l = torch.randn(meta.num_physical_tokens, 4, 8), torch.randn(meta.num_physical_tokens, 4)
-    counts = []
-    for _ in range(3):
-        with CountCollectives() as counter:
-            merged = cpattn.merge_partials(o, l, None, meta=meta)
-        counts.append(len(counter.calls))
+    # "shard_merge" plans whose specs differ in Dv on one rank: plan.run raises on every rank
+    plan, q, k, v, cache = _shard_merge_plan(rank, world, 8 if rank == world - 1 else 16)
+    try:
+        plan.run(q, k, v, cache)
+        out["plan/dv"] = None
+    except ValueError as exc:
+        out["plan/dv"] = str(exc)
+    out["plan/agreed_after_error"] = sorted(plan.agreed_partials)
+    # the same plans: collectives per merge (direct calls keep no state; a plan checks once)
+    plan, q, k, v, cache = _shard_merge_plan(rank, world, 8)
+    meta = plan.meta
+    o, l = plan.attend(q, *cache)
+    counts = {}
+    for name, call in (("direct", lambda: cpattn.merge_partials(o, l, None, meta=meta)),
+                       ("direct/agree=False", lambda: cpattn.merge_partials(o, l, None, meta=meta, agree=False)),
+                       ("plan.merge", lambda: plan.merge(o, l)),
+                       ("plan.run", lambda: plan.run(q, k, v, cache)),
+                       ("plan.merge/scatter", lambda: plan.merge(o, l, scatter_heads=True)),
+                       ("plan.run/agree=False", lambda: plan.run(q, k, v, cache, agree=False))):
+        counts[name] = []
+        for _ in range(3):
+            with CountCollectives() as counter:
+                merged = call()
+            counts[name].append(len(counter.calls))
+        out[f"finite/{name}"] = bool(torch.isfinite(merged).all())
     out["counts"] = counts
-    out["merged_finite"] = bool(torch.isfinite(merged).all())
+    out["agreed"] = sorted(plan.agreed_partials)
+    try:
+        plan.run(q, k, v, cache, agree=1)
+        out["agree=1"] = None
+    except TypeError as exc:
+        out["agree=1"] = str(exc)
     return out
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_merge_partials_with_different_shapes_raises_on_every_rank(world):
     results = run_distributed(_worker_merge_shapes, world, timeout=120, pg_timeout=60)
+    n = results[0]["agreed"][0][0]
     for rank, res in enumerate(results):
-        for key in ("dv/False", "dv/True", "dtype"):
+        for key in ("dv/False", "dv/True", "dtype", "plan/dv"):
             assert res[key] is not None and "merge_partials: the ranks passed different partials" in res[key], (
                 rank, key, res[key])
         assert "Dv" in res["dv/False"] and "dtype" in res["dtype"]
-        assert res["counts"] == [2, 1, 1], res["counts"]  # the shape check once per plan, then ONE collective
-        assert res["merged_finite"]
-    assert len({r["dv/False"] for r in results}) == 1  # the same message on every rank
+        assert f"rank {world - 1}: out_part [N={n}, Hq=6, Dv=8]" in res["plan/dv"], res["plan/dv"]
+        assert "rank 0: out_part [N=" in res["plan/dv"] and "Dv=16]" in res["plan/dv"], res["plan/dv"]
+        assert res["plan/agreed_after_error"] == [], res  # a failed check is not remembered
+        # all-gathers per call: without a plan every call checks (header + data); a plan checks a
+        # header once, then ONE collective (scatter_heads: an all-to-all, not counted here)
+        assert res["counts"] == {"direct": [2, 2, 2], "direct/agree=False": [1, 1, 1], "plan.merge": [2, 1, 1],
+                                 "plan.run": [1, 1, 1], "plan.merge/scatter": [1, 0, 0],
+                                 "plan.run/agree=False": [1, 1, 1]}, res["counts"]
+        assert res["agreed"] == [(n, 6, 8, 3, 0), (n, 6, 8, 3, 1)], res["agreed"]  # float32: dtype code 3
+        assert all(res[f"finite/{k}"] for k in res["counts"])
+        assert "agree must be a bool" in res["agree=1"], res["agree=1"]
+    for key in ("dv/False", "plan/dv"):
+        assert len({r[key] for r in results}) == 1  # the same message on every rank

@@ -212,6 +212,8 @@ def test_merge_and_gather_argument_types(setup):
         cpattn.merge_partials(o, l, None, meta="x")
     with pytest.raises(TypeError, match="group must be None or a torch.distributed.ProcessGroup, got str"):
         cpattn.merge_partials(o, l, "x")
+    with pytest.raises(TypeError, match="agree must be a bool, got int"):
+        cpattn.merge_partials(o, l, None, agree=1)
     with pytest.raises(TypeError, match="group must be None or a torch.distributed.ProcessGroup, got str"):
         s.gather_packed([torch.zeros(m.num_physical_tokens, 2)], m, group="x")
     with pytest.raises(TypeError, match="group must be None or a torch.distributed.ProcessGroup, got str"):

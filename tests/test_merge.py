@@ -94,3 +94,28 @@ def test_merge_partials_single_rank_needs_no_group():
     with pytest.raises(ValueError, match="cp_size 2"):
         cpattn.merge_partials(o, l, None, meta=cpattn.get_strategy("replicated", 2).build_metadata(
             [1, 1, 1], [3, 4, 5], rank=0, kv=cpattn.KVSharding(2)))
+
+
+def test_merge_keeps_no_module_state():
+    """Which headers were checked lives on the plan (``agreed_partials``), never in the module:
+    no mutable module-level value (dict / set / list / weak mapping), and a single-rank merge
+    leaves a plan's record empty (nothing was exchanged)."""
+    import types
+    import weakref
+
+    import cpattn.merge as merge
+
+    mutable = (dict, set, list, bytearray, weakref.WeakKeyDictionary, weakref.WeakValueDictionary, weakref.WeakSet)
+    state = {name: type(v).__name__ for name, v in vars(merge).items()
+             if isinstance(v, mutable) and not name.startswith("__") and not isinstance(v, types.ModuleType)}
+    assert state == {}, state
+    assert not hasattr(merge, "_CHECKED") and not hasattr(merge, "_CHECKED_DEFAULT")
+    meta = cpattn.get_strategy("replicated", 1).build_metadata([1, 2], [3, 4], rank=0, kv=cpattn.KVSharding(1))
+    spec = cpattn.AttentionSpec(num_q_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    plan = cpattn.plan_attention(meta, spec, backend="torch")
+    q, kc, vc = torch.randn(3, 4, 8), torch.randn(meta.num_local_kv_tokens, 2, 8), torch.randn(meta.num_local_kv_tokens, 2, 8)
+    out_p, lse_p = plan.attend(q, kc, vc)
+    assert plan.merge(out_p, lse_p) is out_p and plan.agreed_partials == frozenset()
+    assert merge.partials_header(out_p, True) == (3, 4, 8, 3, 1)  # float32: dtype code 3
+    with pytest.raises(TypeError, match="agree must be a bool, got str"):
+        plan.merge(out_p, lse_p, agree="no")

@@ -15,7 +15,9 @@ import sys
 import pytest
 import torch
 
-from dist_utils import run_distributed
+import cpattn
+
+from dist_utils import CountCollectives, run_distributed
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 sys.path.insert(0, EXAMPLES)
@@ -81,6 +83,30 @@ def test_sharded_engine_over_gloo_equals_replicated(world, replicated, sharded_c
             pages += res["used_pages"]
         # the C ranks together use about as many pages as one replicated copy (+ partial pages)
         assert pages <= sharded_c1["used_pages"] + world * 4 * 2, (case, pages)
+
+
+def _decode_collectives_worker(rank, world):
+    """All-gathers of each decode step: (1-D: plan agreement / partials header checks, data)."""
+    cfg = _sharded_engine.EngineConfig()
+    engine = _sharded_engine.ShardedMiniEngine(cfg, cpattn.get_strategy("zigzag", world, pad_multiple=8), rank,
+                                               None, CPU)
+    batch1, batch2 = _sharded_engine.make_requests(cfg)
+    engine.prefill(batch1)
+    engine.prefill(batch2)
+    steps = []
+    for _ in range(4):
+        with CountCollectives() as counter:
+            engine.decode(batch1 + batch2)
+        steps.append((sum(len(c) == 1 for c in counter.calls), sum(len(c) > 1 for c in counter.calls)))
+    return steps, cfg.layers
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_engine_decode_collectives_per_step(world):
+    """Steady state: a decode step runs the plan agreement and ONE merge per layer; the partials
+    header is checked once, by the first decode step's plan (the engine then passes agree=False)."""
+    for steps, layers in run_distributed(_decode_collectives_worker, world):
+        assert steps == [(2, layers)] + [(1, layers)] * 3, steps
 
 
 def test_cli_sharded():

@@ -11,8 +11,8 @@ NaN there cannot leak); all parts empty give ``(0, -inf)``; finite LSEs of any s
 
 from __future__ import annotations
 
+import functools
 import sys
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ from ._validation import check_process_group, check_tensor
 from . import collectives as _collectives
 from .metadata import CPMetadata
 
-__all__ = ["merge_partials", "merge_states", "merge_path"]
+__all__ = ["check_same_partials", "merge_partials", "merge_states", "merge_path", "partials_header"]
 
 
 def merge_states(out_parts: Tensor, lse_parts: Tensor, *, dim: int = 0) -> tuple[Tensor, Tensor]:
@@ -93,8 +93,11 @@ def merge_path(out_parts: Tensor, lse_parts: Tensor, *, dim: int = 0) -> str:
     return "triton"
 
 
-#: SM count per CUDA device index (the merge's block sizes depend on it).
-_NUM_SMS: dict = {}
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    """The SM count of CUDA device ``index`` (the merge's block sizes depend on it; a pure
+    function of the hardware, memoized: the merge runs once per layer)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _merge_fused(parts: Tensor, part_lse: Tensor) -> tuple[Tensor, Tensor]:
@@ -107,9 +110,7 @@ def _merge_fused(parts: Tensor, part_lse: Tensor) -> tuple[Tensor, Tensor]:
     lse = torch.empty((n, h), dtype=torch.float32, device=device)
     if device.type == "cuda":
         index = device.index
-        num_sms = _NUM_SMS.get(index)
-        if num_sms is None:
-            num_sms = _NUM_SMS[index] = torch.cuda.get_device_properties(device).multi_processor_count
+        num_sms = _num_sms(torch.cuda.current_device() if index is None else index)
         if index != torch.cuda.current_device():
             with torch.cuda.device(device):  # parts on a non-current GPU
                 triton_decode.merge_parts(parts, part_lse, out, lse, num_sms=num_sms)
@@ -163,21 +164,23 @@ def _describe(header: list[int]) -> str:
     return f"out_part [N={n}, Hq={hq}, Dv={dv}] {dtype} scatter_heads={bool(scatter)}"
 
 
-def _check_same_partials(header: tuple[int, ...], group, size: int, meta) -> None:
-    """Every rank of the group passes partials of one shape / dtype and one ``scatter_heads``:
-    else the same ValueError on every rank. The data collective's size depends on these, and
-    collectives of different sizes abort (gloo) or hang (NCCL) before anything can be checked,
-    so a tiny fixed-size all-gather of ``header`` runs first. With an agreed plan (``meta``: N is
-    the same on every rank) the head count, head dim, dtype and ``scatter_heads`` are checked once
-    per process group, so a decode loop's later steps run the data collective alone; without a
-    plan, every call checks. Skipped while a CUDA graph is being captured (the check reads its
-    result on the host)."""
-    key = header[1:] if meta is not None else None
-    checked = _checked_headers(group) if key is not None else None
-    if checked is not None and key in checked:
-        return
+def partials_header(out_part: Tensor, scatter_heads: bool = False) -> tuple[int, int, int, int, int]:
+    """What the ranks of a merge must agree on: (N, Hq, Dv, dtype code, scatter_heads) of
+    ``out_part`` [N, Hq, Dv] (host ints; the data collective's size and layout depend on them)."""
+    n, hq, dv = out_part.shape
+    return n, hq, dv, _dtype_code(out_part.dtype), int(scatter_heads)
+
+
+def check_same_partials(header: tuple[int, ...], group, size: int) -> bool:
+    """Every rank of the group passes partials of one header (:func:`partials_header`: shape,
+    dtype, ``scatter_heads``): else the same ValueError on every rank. The data collective's
+    size depends on these, and collectives of different sizes abort (gloo) or hang (NCCL)
+    before anything can be checked, so a tiny fixed-size all-gather of ``header`` (5 int64 per
+    rank, a host sync) runs first. Skipped while a CUDA graph is being captured (the check reads
+    its result on the host). Returns whether it checked; keeps no state (callers that merge one
+    header many times, e.g. a plan, remember it)."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return
+        return False
     device = _collectives.group_device(group)
     table = torch.empty(size * len(header), dtype=torch.int64, device=device)
     _collectives.all_gather_into(table, torch.tensor(header, dtype=torch.int64).to(device), group, False)
@@ -186,27 +189,12 @@ def _check_same_partials(header: tuple[int, ...], group, size: int, meta) -> Non
         per_rank = "; ".join(f"rank {r}: {_describe(row)}" for r, row in enumerate(rows))
         raise ValueError("merge_partials: the ranks passed different partials (out_part shape, dtype or "
                          f"scatter_heads differ; nothing was merged): {per_rank}")
-    if checked is not None:
-        checked.add(key)
-
-
-#: Partial shapes already checked per process group (the key None: the default group).
-_CHECKED: "weakref.WeakKeyDictionary[object, set]" = weakref.WeakKeyDictionary()
-_CHECKED_DEFAULT: dict = {}
-
-
-def _checked_headers(group) -> set:
-    if group is None:
-        return _CHECKED_DEFAULT.setdefault("default", set())
-    try:
-        return _CHECKED.setdefault(group, set())
-    except TypeError:  # a group object without weak references: check every call
-        return set()
+    return True
 
 
 def merge_partials(
     out_part: Tensor, lse_part: Tensor, group=None, *, scatter_heads: bool = False, meta=None,
-    return_lse: bool = False,
+    return_lse: bool = False, agree: bool = True,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Merge every CP rank's partial attention (over its key shard) exactly, in ONE collective.
 
@@ -224,13 +212,17 @@ def merge_partials(
             group must have ``meta.cp_size`` ranks with this process at ``meta.rank``, and N must
             be ``meta.num_physical_tokens`` (so every rank of an agreed plan passes one shape).
         return_lse: also return the merged lse (float32) [N, Hq] (or [N, Hq / C]).
+        agree: True: every rank's partials header is checked first (see below). False skips
+            that check: the caller guarantees that every rank passes partials of one shape,
+            dtype and ``scatter_heads`` (e.g. a plan that checked them on its first merge).
 
     All checks run before the collective (ValueError / TypeError naming the argument). Ranks
     whose partials differ in shape, dtype or ``scatter_heads`` all raise the same ValueError
-    (instead of a collective of mismatched sizes, which aborts or hangs): a tiny header
-    all-gather (5 int64 per rank) checks it before the data collective: with ``meta`` once per
-    process group and (Hq, Dv, dtype, scatter_heads) (a decode loop's later steps run the ONE
-    data collective alone), on every call without ``meta``; never inside a CUDA-graph capture.
+    (instead of a collective of mismatched sizes, which aborts or hangs): with ``agree`` (the
+    default) a tiny header all-gather (5 int64 per rank, a host sync) checks it before the data
+    collective on EVERY call over more than one rank (never inside a CUDA-graph capture). This
+    function keeps no state between calls: a "shard_merge" plan's ``run`` checks a header once
+    per plan and then passes ``agree=False`` (its later layers run the ONE data collective alone).
     Bytes moved per rank: (C - 1) N Hq (Dv itemsize + 4) received, or 1/C of that with
     scatter_heads.
 
@@ -250,6 +242,8 @@ def merge_partials(
         raise ValueError(f"out_part is on {out_part.device} but lse_part on {lse_part.device}")
     if not isinstance(scatter_heads, bool):
         raise TypeError(f"scatter_heads must be a bool, got {type(scatter_heads).__name__}")
+    if not isinstance(agree, bool):
+        raise TypeError(f"agree must be a bool, got {type(agree).__name__}")
     if meta is not None and not isinstance(meta, CPMetadata):
         raise TypeError(f"meta must be None or a CPMetadata (the plan the partials came from), got "
                         f"{type(meta).__name__} {meta!r}")
@@ -266,8 +260,8 @@ def merge_partials(
             raise ValueError(f"merge group size {size} != cp_size {meta.cp_size} of the plan")
         if rank != meta.rank:
             raise ValueError(f"the plan was built for rank {meta.rank} but this process is rank {rank} of the group")
-    if size > 1:  # the checks below depend on this rank's shapes: first make sure every rank has the same
-        _check_same_partials((n, hq, dv, _dtype_code(out_part.dtype), int(scatter_heads)), group, size, meta)
+    if size > 1 and agree:  # the checks below depend on this rank's shapes: first make sure every rank has the same
+        check_same_partials(partials_header(out_part, scatter_heads), group, size)
     if meta is not None and n != meta.num_physical_tokens:
         raise ValueError(f"out_part has {n} rows but the plan has {meta.num_physical_tokens} query rows")
     if scatter_heads and hq % size:

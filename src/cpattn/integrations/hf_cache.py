@@ -24,8 +24,8 @@ for new keys. Full-attention layers keep every key they own. A rank holds at mos
 ``ceil(L / C) + page_size`` tokens of each layer (``interleave=1``; :meth:`ShardedKVCache.local_tokens`).
 
 Plan cost per forward: one plan agreement (a small all-gather, at plan time), one page-table
-upload and one cache-write plan per layer kind (full / each window), and the exact merge's header
-check on the first layer of each kind. The prompt's forward holds one layer's whole K/V at a time
+upload and one cache-write plan per layer kind (full / each window); the exact merge's header
+check runs once per layer kind, on the first decode step (later steps' plans skip it: ``agree=False``). The prompt's forward holds one layer's whole K/V at a time
 (the gathered ``[L, Hkv, D]`` rows it attends and stores from), never more than one layer.
 
 DSA models (transformers' ``deepseek_v32``, ``glm_moe_dsa``: ``"indexed_attention"`` layers) store
@@ -343,6 +343,9 @@ class ShardedKVCache(Cache):
                 raise ValueError(f"config: index_topk must be a positive int for DSA layers, got {topk!r}")
             self.index_topk = topk
         self._checked: set[int] = set()  # ids of decoders whose indexers check_decoder accepted
+        # layer kinds (spec keys) whose partials every rank of the group merged: a decode step's
+        # plan checks a kind's partials header once (one tiny all-gather); later steps' plans skip it
+        self._agreed_partials: set = set()
         super().__init__(layers=layers)
 
     def __repr__(self) -> str:
@@ -607,7 +610,10 @@ class ShardedKVCache(Cache):
         layer.reserve(self._pools[layer.window].size, k, v if latent is None else v.shape[-1])
         sparse = {} if idx is None else {"idx": idx}
         out = plan.run(q, k, v, (layer.keys, layer.values), writes=step.writes[layer.window], group=self.group,
-                       page_table=step.tables[layer.window], sinks=sinks, softmax_scale=scaling, **sparse)
+                       page_table=step.tables[layer.window], sinks=sinks, softmax_scale=scaling,
+                       agree=spec_key not in self._agreed_partials, **sparse)
+        if plan.agreed_partials:  # checked over the group: later steps' plans of this kind skip the check
+            self._agreed_partials.add(spec_key)
         if latent is not None:
             out = torch.einsum("nhr,hvr->nhv", out, w_uv)  # latent -> per-head values [n, H, Dv]
         return out.unsqueeze(0)  # [1, n, Hq, Dv]

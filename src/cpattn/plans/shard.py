@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import Tensor
 
+from .._validation import check_bool
 from ..cache import CacheWritePlan, check_kv_writes, write_kv_cache
 from ..collectives import check_group
-from ..merge import merge_partials
+from ..merge import merge_partials, partials_header
 from ..metadata import CPMetadata
 from .base import KERNEL_CALL, AttentionPlan, KernelCall
 from .sparse import check_plan_index
@@ -45,7 +46,13 @@ _RUN = KERNEL_CALL - {"out", "lse"}  # merge_partials allocates the merged resul
 
 
 class ShardMergePlan(AttentionPlan):
-    """Replicated queries over this rank's key shard, merged over the ranks."""
+    """Replicated queries over this rank's key shard, merged over the ranks.
+
+    ``run``'s merge checks that every rank passes partials of one shape, dtype and
+    ``scatter_heads`` (a tiny header all-gather, :func:`cpattn.merge_partials`) the first time
+    this plan merges them over a group; the plan remembers the headers it checked
+    (:attr:`agreed_partials`), so its later layers run the ONE data collective alone.
+    """
 
     algorithm = "shard_merge"
     _keys_what = "this rank's longest shard"
@@ -53,6 +60,30 @@ class ShardMergePlan(AttentionPlan):
     def __init__(self, meta, spec, backend: str, run_impl) -> None:
         super().__init__(meta, spec, backend, run_impl, rows=meta.num_physical_tokens,
                          kv_rows_min=meta.num_local_kv_tokens, max_keys=meta.max_local_kv_len, rows_name="Nq")
+        self._agreed: set[tuple[int, ...]] = set()
+
+    @property
+    def agreed_partials(self) -> frozenset[tuple[int, ...]]:
+        """The partials headers (:func:`cpattn.merge.partials_header`: N, Hq, Dv, dtype code,
+        scatter_heads) every rank of the group was checked to merge with this plan (a plan
+        merges over one group: the one its placement plan was agreed over)."""
+        return frozenset(self._agreed)
+
+    def merge(self, out_part: Tensor, lse_part: Tensor, group=None, *, scatter_heads: bool = False,
+              return_lse: bool = False, agree: bool = True) -> Tensor | tuple[Tensor, Tensor]:
+        """:func:`cpattn.merge_partials` of this plan's partials (``meta=`` this plan's), ONE
+        collective; with ``agree`` the partials header is checked over the group only the first
+        time this plan merges it (:attr:`agreed_partials`), ``agree=False``: never (the caller
+        guarantees it). ``attend`` + ``merge`` is ``run`` without the write."""
+        check_bool(agree, "agree")
+        header = partials_header(out_part, scatter_heads) if isinstance(scatter_heads, bool) else None
+        check = agree and header not in self._agreed
+        out = merge_partials(out_part, lse_part, group, scatter_heads=scatter_heads, meta=self.meta,
+                             return_lse=return_lse, agree=check)
+        if check and self.meta.cp_size > 1 and not (torch.cuda.is_available()
+                                                    and torch.cuda.is_current_stream_capturing()):
+            self._agreed.add(header)  # checked over the group (merge_partials raised otherwise)
+        return out
 
     def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor,
                **call: Unpack[KernelCall]) -> tuple[Tensor, Tensor]:
@@ -85,7 +116,8 @@ class ShardMergePlan(AttentionPlan):
         return out, lse
 
     def run(self, q: Tensor, k: Tensor, v: Tensor, cache, *, writes: Optional[CacheWritePlan] = None, group=None,
-            scatter_heads: bool = False, **call: Unpack[KernelCall]) -> Tensor | tuple[Tensor, Tensor]:
+            scatter_heads: bool = False, agree: bool = True,
+            **call: Unpack[KernelCall]) -> Tensor | tuple[Tensor, Tensor]:
         """One layer: write this rank's share of the new K/V, attend the shard, merge (ONE collective).
 
         Args:
@@ -96,6 +128,11 @@ class ShardMergePlan(AttentionPlan):
                 None when the caches already hold the step's keys.
             group: the CP group (None: the default group).
             scatter_heads: as :func:`cpattn.merge_partials`.
+            agree: True: the merge checks the partials header over the group the first time
+                this plan merges it (one tiny all-gather; later layers skip it). False: the
+                caller guarantees every rank merges partials of this shape, dtype and
+                ``scatter_heads`` (e.g. an engine whose plan of an earlier step over the same
+                group checked the same spec): no check.
             **call: :class:`KernelCall` but ``out`` / ``lse``: ``page_table``, ``sinks``,
                 ``softmax_scale``, ``k_scale`` / ``v_scale`` as :meth:`attend` (an FP8 spec: the
                 rows this rank stores are quantized as they are written); ``return_lse`` as
@@ -105,12 +142,12 @@ class ShardMergePlan(AttentionPlan):
             out [Nq, Hq, Dv] (or this rank's heads with scatter_heads), or (out, lse).
         """
         page_table, sinks, softmax_scale, _, _, return_lse, scales = self._kernel_call(call, "run", _RUN)
+        check_bool(agree, "agree")
         k_cache, v_cache = self._write_step(q, k, v, cache, writes, group, page_table, sinks, scales)
         k_scale, v_scale = scales or (None, None)
         out_p, lse_p = self.attend(q, k_cache, v_cache, page_table=page_table, sinks=sinks,
                                    softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
-        return merge_partials(out_p, lse_p, group, scatter_heads=scatter_heads, meta=self.meta,
-                              return_lse=return_lse)
+        return self.merge(out_p, lse_p, group, scatter_heads=scatter_heads, return_lse=return_lse, agree=agree)
 
     def _write_step(self, q, k, v, cache, writes, group, page_table, sinks,
                     scales: Optional[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
@@ -190,19 +227,20 @@ class SparseShardMergePlan(ShardMergePlan):
         return out, lse
 
     def run(self, q: Tensor, k: Tensor, v: Tensor, cache, *, idx: Optional[Tensor] = None,
-            writes: Optional[CacheWritePlan] = None, group=None, scatter_heads: bool = False,
+            writes: Optional[CacheWritePlan] = None, group=None, scatter_heads: bool = False, agree: bool = True,
             **call: Unpack[KernelCall]) -> Tensor | tuple[Tensor, Tensor]:
         """One layer: write this rank's share of the new K/V, attend its selected keys, merge
         (ONE collective). Arguments as :meth:`ShardMergePlan.run`, plus ``idx`` (as
-        :meth:`attend`). Every check runs before the write and the collective."""
+        :meth:`attend`) and ``agree`` (as :meth:`ShardMergePlan.run`). Every check runs before the
+        write and the collective."""
         page_table, sinks, softmax_scale, _, _, return_lse, scales = self._kernel_call(call, "run", _RUN)
+        check_bool(agree, "agree")
         self._check_idx(idx)
         k_cache, v_cache = self._write_step(q, k, v, cache, writes, group, page_table, sinks, scales)
         k_scale, v_scale = scales or (None, None)
         out_p, lse_p = self.attend(q, k_cache, v_cache, idx, page_table=page_table, sinks=sinks,
                                    softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
-        return merge_partials(out_p, lse_p, group, scatter_heads=scatter_heads, meta=self.meta,
-                              return_lse=return_lse)
+        return self.merge(out_p, lse_p, group, scatter_heads=scatter_heads, return_lse=return_lse, agree=agree)
 
     def _check_idx(self, idx) -> None:
         if idx is None:
