@@ -120,6 +120,12 @@ class ShardedExtendPlan(AttentionPlan):
         """
         _, sinks, softmax_scale, _, _, return_lse, scales = self._kernel_call(call, "run", _RUN)
         meta, spec = self.meta, self.spec
+        if spec.kv_tiled:  # before any check, collective or write
+            raise NotImplementedError(
+                f"{self.algorithm} run over a kv_layout={spec.kv_layout!r} cache is not implemented: its gather packs "
+                "K and V rows of one value per element (pass-KV) and its write is the per-element K/V write; gather "
+                "with strategy.gather_mla_latent(..., layout=), write with cpattn.write_mla_cache(..., layout=) "
+                "and call attend")
         self._check_new_rows(q_local, k_local, v_local, meta.num_physical_tokens)
         if writes is not None and writes is not self.writes:
             raise ValueError("writes= of a pass-KV / pass-Q plan are planned from its page table at plan time; "
