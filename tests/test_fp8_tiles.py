@@ -553,10 +553,9 @@ def _run_inputs(ext, pre, r, rope, hq, dtype, g):
     return lat, deq[:, None, :], q, pre_rows, new_rows
 
 
-def _paged_prefix_cache(lat, kv_lens, pre, ps, g):
+def _paged_prefix_cache(lat, r, kv_lens, pre, ps, g):
     """A paged tile cache [num_pages, ps, 1, row] holding each sequence's prefix rows (quantized)
     at random pages, every other byte 0xFF, its page table [B, max_pages] int32, the page count."""
-    r = lat.shape[-1] - _ROPE
     rows = quantize_mla_fp8_tiles(lat[:, 0, :r], lat[:, 0, r:])
     counts = [-(-n // ps) for n in kv_lens]
     num_pages = sum(counts) + 2
@@ -574,11 +573,8 @@ def _paged_prefix_cache(lat, kv_lens, pre, ps, g):
     return cache, table, num_pages
 
 
-_ROPE = 16
-
-
 def _check_local_run(ext, pre, paged, backend, dtype, seed):
-    r, rope, hq, ps = 128, _ROPE, 4, 4
+    r, rope, hq, ps = 128, 16, 4, 4
     g = torch.Generator().manual_seed(seed)
     kv_lens = [e + p for e, p in zip(ext, pre)]
     lat, deq, q, pre_rows, new_rows = _run_inputs(ext, pre, r, rope, hq, dtype, g)
@@ -589,7 +585,7 @@ def _check_local_run(ext, pre, paged, backend, dtype, seed):
     k_local = s.shard(lat[new_rows], meta)
     kw = {}
     if paged:
-        cache, table, num_pages = _paged_prefix_cache(lat, kv_lens, pre, ps, g)
+        cache, table, num_pages = _paged_prefix_cache(lat, r, kv_lens, pre, ps, g)
         writes = cpattn.plan_cache_writes(meta, table, page_size=ps, num_pages=num_pages)
         want = cache.clone()
         cpattn.write_mla_cache(lat[new_rows, 0, :r], lat[new_rows, 0, r:], want[..., 0, :], writes, layout=FP8_TILE)
@@ -641,7 +637,7 @@ def _run_worker(rank, world):
     from test_dsa_sharded import _shard_paged
     from test_dsa_sharded import sparse_oracle as sharded_oracle
 
-    r, rope, hq, ps = 128, _ROPE, 4, 4
+    r, rope, hq, ps = 512, 64, 4, 4  # DeepSeek's latent: 656-byte tile rows, 1,152 bytes in bf16
     group = torch.distributed.group.WORLD
     g = torch.Generator().manual_seed(21)
     ext, pre = [7, 0, 1, 2 * world - 1, 2], [3, 4, 0, 2, 0]
@@ -650,7 +646,7 @@ def _run_worker(rank, world):
     res = {}
     s = cpattn.ZigzagStrategy(world, pad_multiple=4)
     meta = s.build_metadata(ext, pre, rank=rank, group=group)
-    cache, table, num_pages = _paged_prefix_cache(lat, kv_lens, pre, ps, torch.Generator().manual_seed(3))
+    cache, table, num_pages = _paged_prefix_cache(lat, r, kv_lens, pre, ps, torch.Generator().manual_seed(3))
     writes = cpattn.plan_cache_writes(meta, table, page_size=ps, num_pages=num_pages)
     plan = cpattn.plan_attention(meta, _tile_spec(hq, r, rope, torch.bfloat16, ps), backend="torch")
     res["algorithm"] = plan.algorithm
@@ -695,7 +691,7 @@ def _run_worker(rank, world):
                  page_table=table)
     res["bf16/bytes"] = [math.prod(c) for c in ag.calls]
     # shard_merge decode over a sharded tile cache: dense and sparse
-    il, lens, qs = 2, [9, 1, 14, 5], [1, 1, 2, 1]
+    r, rope, il, lens, qs = 128, 16, 2, [9, 1, 14, 5], [1, 1, 2, 1]
     dpre = [n - x for n, x in zip(lens, qs)]
     lat2, deq2, q2, pre2, new2 = _run_inputs(qs, dpre, r, rope, hq, torch.float32, g)
     dmeta = cpattn.get_strategy("replicated", world).build_metadata(qs, dpre, rank=rank,
@@ -725,10 +721,12 @@ def _run_worker(rank, world):
         res[f"{kind}/bad_collectives"], res[f"{kind}/bad_unchanged"] = len(none.calls), torch.equal(c2, cache2)
         want = c2.clone()
         cpattn.write_mla_cache(k2[:, 0, :r], k2[:, 0, r:], want[..., 0, :], writes2, layout=FP8_TILE)
+        c3 = c2.clone()  # a second layer: its steady-state collectives (the first merge checks headers once)
+        out = plan.run(q2, k2, k2[..., :r], (c2, c2), writes=writes2, group=group, page_table=table2, **kw)
         with CountCollectives() as ag:
-            out = plan.run(q2, k2, k2[..., :r], (c2, c2), writes=writes2, group=group, page_table=table2, **kw)
+            out3 = plan.run(q2, k2, k2[..., :r], (c3, c3), writes=writes2, group=group, page_table=table2, **kw)
         res[f"{kind}/collectives"] = len(ag.calls)
-        res[f"{kind}/cache_equal"] = torch.equal(c2, want)
+        res[f"{kind}/cache_equal"] = torch.equal(c2, want) and torch.equal(c3, want) and torch.equal(out, out3)
         res[f"{kind}/err"] = (out.double() - refs[kind]).abs().max().item()
     return res
 
@@ -751,7 +749,9 @@ def test_tile_runs_over_gloo(world):
         assert res["bad/collectives"] == 0 and res["bad/unchanged"]
         assert res["gather/cache_equal"], rank
         assert res["gather/err"] < TOLERANCE[torch.bfloat16], (rank, res["gather/err"])
-        assert res["gather/bytes"] == [656 * res["P"]] and res["bf16/bytes"] == [1152 * res["P"]], res
+        # ONE all-gather of 656-byte rows; the bf16 plan's run moves K (1,152 bytes) and its V view
+        # (1,024) apart; gather_mla_latent's bf16 rows are 1,152 (test_tile_layout_gather_moves_656_byte_rows)
+        assert res["gather/bytes"] == [656 * res["P"]] and res["bf16/bytes"] == [(1152 + 1024) * res["P"]], res
         for kind in ("dense", "sparse"):
             assert res[f"{kind}/algorithm"] == "shard_merge"
             assert res[f"{kind}/bad"].startswith("page_table holds 0 pages"), res[f"{kind}/bad"]
