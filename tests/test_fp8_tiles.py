@@ -760,16 +760,67 @@ def test_tile_runs_over_gloo(world):
             assert res[f"{kind}/err"] < TOLERANCE[torch.float32], (rank, kind, res[f"{kind}/err"])
 
 
-def test_sharded_extend_run_refuses_tile_layout():
-    """pass-KV / pass-Q over a tile cache: NotImplementedError naming the layout, before anything."""
-    ext, pre = [3, 1], [2, 0]
-    meta = cpattn.ZigzagStrategy(1).build_metadata(ext, pre, rank=0, kv=cpattn.KVSharding(1))
-    table = torch.arange(4, dtype=torch.int32).view(2, 2)
-    cache = torch.full((4, 4, 1, mla_fp8_tile_bytes(128, 16)), 7, dtype=torch.uint8)
-    lat = torch.randn(4, 1, 144)
+def _extend_worker(rank, world):
+    """pass-KV and pass-Q runs over a sharded tile cache (zigzag, pad rows, prefixes): outputs vs
+    the fp64 oracle on the dequantized latent, the cache vs write_mla_cache(layout=) of the same
+    rows through the plan's writes, ONE all-gather of tile rows per layer, and bad inputs refused
+    before any collective or write."""
+    from test_dsa_sharded import _shard_paged
+
+    r, rope, hq, ps = 512, 64, 4, 4
+    group = torch.distributed.group.WORLD
+    g = torch.Generator().manual_seed(31)
+    ext, pre = [7, 0, 1, 2 * world - 1, 3], [5, 4, 0, 2, 9]
+    kv_lens = [e + p for e, p in zip(ext, pre)]
+    lat, deq, q, _, new_rows = _run_inputs(ext, pre, r, rope, hq, torch.bfloat16, g)
+    tiles = quantize_mla_fp8_tiles(lat[:, 0, :r], lat[:, 0, r:])[:, None, :]
+    per_seq = list(tiles.clone().index_fill_(0, new_rows, 0xFF).split(kv_lens))  # the new rows: not cached yet
+    s = cpattn.ZigzagStrategy(world, pad_multiple=4)
+    meta = s.build_metadata(ext, pre, rank=rank, kv=cpattn.KVSharding(world), group=group)
+    ref, _ = attention_oracle(q, deq, deq[..., :r], ext, pre)
+    q_local, k_local = s.shard(q, meta), s.shard(lat[meta.kv_extend_index], meta)
+    res = {"P": meta.num_physical_tokens}
     for algo in ("pass_kv", "pass_q"):
-        plan = cpattn.plan_attention(meta, _tile_spec(4, 128, 16, torch.float32, 4), page_table=table, num_pages=4,
-                                     algorithm=algo, backend="torch")
-        with pytest.raises(NotImplementedError, match=f"{algo} run over a kv_layout='fp8_tile' cache"):
-            plan.run(torch.randn(4, 4, 144), lat, lat[..., :128], (cache, cache))
-        assert (cache == 7).all()
+        cache, table = _shard_paged(per_seq, world, 1, rank, ps, torch.Generator().manual_seed(rank))
+        plan = cpattn.plan_attention(meta, _tile_spec(hq, r, rope, torch.bfloat16, ps), page_table=table,
+                                     num_pages=cache.shape[0], algorithm=algo, backend="torch")
+        before = cache.clone()
+        bad = {"v_view": (k_local, k_local[..., :r].clone(), (cache, cache)),
+               "cache_pair": (k_local, k_local[..., :r], (cache, cache.clone())),
+               "cache_shape": (k_local, k_local[..., :r], (cache[:, :, :, :-1], cache[:, :, :, :-1]))}
+        with CountCollectives() as none:
+            for name, (k, v, c) in bad.items():
+                try:
+                    plan.run(q_local, k, v, c, group=group)
+                    res[f"{algo}/bad/{name}"] = "no error"
+                except ValueError as e:
+                    res[f"{algo}/bad/{name}"] = str(e)
+        res[f"{algo}/bad/collectives"], res[f"{algo}/bad/unchanged"] = len(none.calls), torch.equal(cache, before)
+        want = cache.clone()
+        cpattn.write_mla_cache(lat[meta.kv_extend_index, 0, :r], lat[meta.kv_extend_index, 0, r:], want[..., 0, :],
+                               plan.writes, layout=FP8_TILE)
+        with CountCollectives() as ag:
+            out = plan.run(q_local, k_local, k_local[..., :r], (cache, cache), group=group)
+        res[f"{algo}/bytes"] = [math.prod(c) for c in ag.calls]
+        res[f"{algo}/cache_equal"] = torch.equal(cache, want)
+        res[f"{algo}/err"] = (s.gather(out, meta, group).double() - ref).abs().max().item()
+        res[f"{algo}/pad_zero"] = bool((out[meta.num_local_tokens :] == 0).all())
+    return res
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_tile_extend_runs_over_gloo(world):
+    for rank, res in enumerate(run_distributed(_extend_worker, world)):
+        for algo in ("pass_kv", "pass_q"):
+            assert res[f"{algo}/bad/v_view"].startswith("v must be the view k[..., :512]"), res
+            assert res[f"{algo}/bad/cache_pair"].startswith("cache of a kv_layout='fp8_tile' plan is (rows, rows)")
+            assert res[f"{algo}/bad/cache_shape"].startswith("cache must be [num_pages, 4, 1, 656]"), res
+            assert res[f"{algo}/bad/collectives"] == 0 and res[f"{algo}/bad/unchanged"]
+            assert res[f"{algo}/cache_equal"] and res[f"{algo}/pad_zero"], (rank, algo)
+            assert res[f"{algo}/err"] < TOLERANCE[torch.bfloat16], (rank, algo, res[f"{algo}/err"])
+            (nbytes,) = res[f"{algo}/bytes"]  # ONE all-gather per layer
+            if algo == "pass_kv":  # rows of 656 bytes: this rank's new rows, then its prefix shard's
+                assert nbytes % 656 == 0 and nbytes // 656 >= res["P"], nbytes
+            else:  # q rows (4 heads x 576 bf16) and 656-byte tile rows
+                assert nbytes == res["P"] * (4 * 576 * 2 + 656), nbytes
