@@ -779,7 +779,7 @@ def _extend_worker(rank, world):
     meta = s.build_metadata(ext, pre, rank=rank, kv=cpattn.KVSharding(world), group=group)
     ref, _ = attention_oracle(q, deq, deq[..., :r], ext, pre)
     q_local, k_local = s.shard(q, meta), s.shard(lat[meta.kv_extend_index], meta)
-    res = {"P": meta.num_physical_tokens}
+    res = {"P": meta.num_physical_tokens, "Np": max(meta.num_local_prefix_tokens_per_rank)}
     for algo in ("pass_kv", "pass_q"):
         cache, table = _shard_paged(per_seq, world, 1, rank, ps, torch.Generator().manual_seed(rank))
         plan = cpattn.plan_attention(meta, _tile_spec(hq, r, rope, torch.bfloat16, ps), page_table=table,
@@ -821,6 +821,6 @@ def test_tile_extend_runs_over_gloo(world):
             assert res[f"{algo}/err"] < TOLERANCE[torch.bfloat16], (rank, algo, res[f"{algo}/err"])
             (nbytes,) = res[f"{algo}/bytes"]  # ONE all-gather per layer
             if algo == "pass_kv":  # rows of 656 bytes: this rank's new rows, then its prefix shard's
-                assert nbytes % 656 == 0 and nbytes // 656 >= res["P"], nbytes
+                assert nbytes == 656 * (res["P"] + res["Np"]) and res["Np"] > 0, (nbytes, res["P"], res["Np"])
             else:  # q rows (4 heads x 576 bf16) and 656-byte tile rows
                 assert nbytes == res["P"] * (4 * 576 * 2 + 656), nbytes
