@@ -102,6 +102,11 @@ class ShardMergePlan(AttentionPlan):
                 rows this rank stores are quantized as they are written); ``return_lse`` as
                 :func:`cpattn.merge_partials`.
 
+        A tile-scaled latent spec (``kv_layout="fp8_tile"``): ``k`` is the new latent rows [Nq, 1,
+        D] in the plan's dtype, ``v`` the view ``k[..., :Dv]``, ``cache`` ``(rows, rows)`` (ONE
+        uint8 tensor twice); the rows this rank stores are quantized to tile rows as they are
+        written (:func:`cpattn.write_mla_cache` with ``layout=``).
+
         Returns:
             out [Nq, Hq, Dv] (or this rank's heads with scatter_heads), or (out, lse).
         """

@@ -115,6 +115,12 @@ class ShardedExtendPlan(AttentionPlan):
                 ``[]`` or ``[Hkv]`` device tensors; the new K/V are quantized on this rank before
                 the collective, which moves FP8 bytes; pass-KV: the prefix rows too, as cached).
 
+        A tile-scaled latent spec (``kv_layout="fp8_tile"``): ``k_local`` is the new latent rows
+        [P, 1, D] in the plan's dtype, ``v_local`` the view ``k_local[..., :Dv]``, ``cache``
+        ``(rows, rows)`` (ONE uint8 [num_pages, page_size, 1, row_bytes] tensor twice); the rows
+        are quantized on this rank before the collective, which moves one tile row per token (V
+        is its latent); no ``k_scale`` / ``v_scale``.
+
         Returns:
             out [P, Hq, Dv] in q's dtype (pad rows 0), with return_lse (out, lse).
         """
