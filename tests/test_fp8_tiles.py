@@ -27,6 +27,7 @@ from cpattn.quant import (
 )
 from dist_utils import CountCollectives, run_distributed
 from oracle import TOLERANCE, attention_oracle
+from test_dsa import _selection, sparse_oracle  # module level: importing defines @given tests
 
 FP8 = torch.float8_e4m3fn
 
@@ -573,23 +574,29 @@ def _paged_prefix_cache(lat, r, kv_lens, pre, ps, g):
     return cache, table, num_pages
 
 
-def _check_local_run(ext, pre, paged, backend, dtype, seed):
+def _check_local_run(ext, pre, paged, backend, dtype, seed, topk=None):
+    """plan.run of a local plan (sparse with ``topk``) vs the fp64 oracle on the dequantized
+    latent, and its cache vs write_mla_cache(layout=) of the same rows."""
     r, rope, hq, ps = 128, 16, 4, 4
     g = torch.Generator().manual_seed(seed)
     kv_lens = [e + p for e, p in zip(ext, pre)]
     lat, deq, q, pre_rows, new_rows = _run_inputs(ext, pre, r, rope, hq, dtype, g)
     s = cpattn.ZigzagStrategy(1, pad_multiple=4)
     meta = s.build_metadata(ext, pre, rank=0)
-    plan = cpattn.plan_attention(meta, _tile_spec(hq, r, rope, dtype, ps if paged else None), backend=backend)
+    spec = _tile_spec(hq, r, rope, dtype, ps if paged else None, **({} if topk is None else {"topk": topk}))
+    plan = cpattn.plan_attention(meta, spec, backend=backend)
     assert plan.algorithm == "local"
     k_local = s.shard(lat[new_rows], meta)
     kw = {}
+    if topk is not None:
+        idx = _selection(ext, pre, topk, g)
+        kw["idx"] = s.shard(idx, meta)
     if paged:
         cache, table, num_pages = _paged_prefix_cache(lat, r, kv_lens, pre, ps, g)
         writes = cpattn.plan_cache_writes(meta, table, page_size=ps, num_pages=num_pages)
         want = cache.clone()
         cpattn.write_mla_cache(lat[new_rows, 0, :r], lat[new_rows, 0, r:], want[..., 0, :], writes, layout=FP8_TILE)
-        kw = dict(writes=writes, page_table=table)
+        kw.update(writes=writes, page_table=table)
     else:
         pre_tiles = quantize_mla_fp8_tiles(lat[pre_rows, 0, :r], lat[pre_rows, 0, r:])[:, None, :]
         cache = (pre_tiles, pre_tiles) if pre_rows.numel() else None
@@ -597,7 +604,10 @@ def _check_local_run(ext, pre, paged, backend, dtype, seed):
     out, lse = plan.run(s.shard(q, meta), k_local, k_local[..., :r], arg, return_lse=True, **kw)
     if paged:
         assert torch.equal(cache, want)  # bit for bit the write_mla_cache(layout=) of the same rows
-    ref, ref_lse = attention_oracle(q, deq, deq[..., :r], ext, pre)
+    if topk is None:
+        ref, ref_lse = attention_oracle(q, deq, deq[..., :r], ext, pre)
+    else:
+        ref, ref_lse = sparse_oracle(q, deq, deq[..., :r], idx, ext, pre, (r + rope) ** -0.5)
     t = q.shape[0]
     assert (out[:t].double() - ref).abs().max().item() < TOLERANCE[dtype]
     fin = torch.isfinite(ref_lse)
@@ -611,22 +621,28 @@ _BATCHES = st.lists(st.tuples(st.integers(0, 9), st.integers(0, 6)), min_size=1,
     lambda b: sum(e for e, _ in b) > 0)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(batch=_BATCHES, paged=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       seed=st.integers(0, 2**16))
-def test_local_run_over_tile_cache_equals_oracle(batch, paged, dtype, seed):
-    """plan.run of a local plan (torch reference): this rank's new latent rows quantized to tile
-    rows, written through the write plan (paged) or packed after the cached prefix tile rows:
-    the fp64 oracle on the dequantized latent; the cache equals write_mla_cache(layout=) bit for
-    bit (ragged batches: empty sequences, single rows, prefixes)."""
+       topk=st.sampled_from([None, 1, 6]), seed=st.integers(0, 2**16))
+def test_local_run_over_tile_cache_equals_oracle(batch, paged, dtype, topk, seed):
+    """plan.run of a local plan (torch reference, dense or sparse): this rank's new latent rows
+    quantized to tile rows, written through the write plan (paged) or packed after the cached
+    prefix tile rows: the fp64 oracle on the dequantized latent; the cache equals
+    write_mla_cache(layout=) bit for bit (ragged batches: empty sequences, single rows, prefixes)."""
     ext, pre = [e for e, _ in batch], [p for _, p in batch]
-    _check_local_run(ext, pre, paged, "torch", dtype, seed)
+    _check_local_run(ext, pre, paged, "torch", dtype, seed, topk)
 
 
 @pytest.mark.parametrize("paged", [False, True])
 def test_local_run_over_tile_cache_triton(interp, paged):
     """The same through the portable Triton kernel (interpreter)."""
     _check_local_run([5, 0, 1, 7], [3, 2, 0, 1], paged, "triton", torch.float32, 5)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_sparse_local_run_over_tile_cache_triton(dsa_interp, paged):
+    """Sparse through the portable sparse Triton kernel (interpreter)."""
+    _check_local_run([5, 0, 1, 7], [3, 2, 0, 1], paged, "triton", torch.float32, 6, topk=5)
 
 
 def _run_worker(rank, world):
