@@ -545,7 +545,7 @@ def _run_inputs(ext, pre, r, rope, hq, dtype, g):
     its fp64 dequantized tile rows [N, 1, r + rope] (the oracle's keys); q [T, Hq, r + rope];
     the row index of each sequence's prefix rows and of its extend rows)."""
     kv_lens = [e + p for e, p in zip(ext, pre)]
-    lat = (torch.randn(sum(kv_lens), 1, r + rope, generator=g) * 2).to(dtype)
+    lat = torch.randn(sum(kv_lens), 1, r + rope, generator=g).to(dtype)
     deq = dequantize_mla_fp8_tiles(quantize_mla_fp8_tiles(lat[:, 0, :r], lat[:, 0, r:]), r, torch.float64)
     q = torch.randn(sum(ext), hq, r + rope, generator=g).to(dtype)
     starts = [sum(kv_lens[:b]) for b in range(len(ext))]
