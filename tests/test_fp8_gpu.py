@@ -264,3 +264,40 @@ def test_gpu_tile_decode_graph_replays_new_cache_rows():
         torch.cuda.synchronize()
         eager_o, eager_l = plan.attend(q, cache, cache, page_table=table)
         assert torch.equal(out, eager_o) and torch.equal(lse, eager_l)
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode", "sparse", "shard_merge"])
+def test_gpu_tile_plan_run_equals_torch_reference(kind):
+    """plan.run over a tile cache on the GPU (Triton kernels, 128 heads, 576 / 512): the cache
+    equals write_mla_cache(layout=) of the same rows on the CPU bit for bit, the output equals the
+    torch reference plan's run from the same cache."""
+    gen = torch.Generator().manual_seed(13)
+    if kind == "prefill":
+        ext, pre = [300, 1, 77], [0, 3000, 64]
+    else:
+        ext, pre = [1, 1, 2, 1], [9000, 7, 4000, 130]
+    kv_lens = [e + p for e, p in zip(ext, pre)]
+    cache, table, _ = _tile_cache(kv_lens, gen)
+    kv = cpattn.KVSharding(1) if kind == "shard_merge" else None
+    meta_cpu = cpattn.get_strategy("replicated", 1).build_metadata(ext, pre, rank=0, kv=kv)
+    meta = meta_cpu.to(DEV)
+    spec = _tile_spec(topk=256) if kind == "sparse" else _tile_spec()
+    n = meta.num_physical_tokens
+    q = (torch.randn(n, MLA_HQ, R + ROPE, generator=gen) * 0.5).bfloat16().to(DEV)
+    k = torch.randn(n, 1, R + ROPE, generator=gen).bfloat16().to(DEV)
+    writes = cpattn.plan_cache_writes(meta, table, page_size=PAGE, num_pages=cache.shape[0])
+    kw = dict(writes=writes, page_table=table, softmax_scale=192**-0.5)
+    if kind == "sparse":
+        rows = [(torch.randperm(p + i + 1, generator=gen)[:256].tolist() + [-1] * 256)[:256]
+                for e, p in zip(ext, pre) for i in range(e)]
+        kw["idx"] = torch.tensor(rows, dtype=torch.int32).to(DEV)
+    want = cache.cpu()
+    writes_cpu = cpattn.plan_cache_writes(meta_cpu, table.cpu(), page_size=PAGE, num_pages=cache.shape[0])
+    cpattn.write_mla_cache(k[:, 0, :R].cpu(), k[:, 0, R:].cpu(), want[..., 0, :], writes_cpu, layout=FP8_TILE)
+    outs = []
+    for backend in ("triton", "torch"):
+        c = cache.clone()
+        plan = cpattn.plan_attention(meta, spec, backend=backend)
+        outs.append(plan.run(q, k, k[..., :R], (c, c), **kw))
+        assert torch.equal(c.cpu(), want), backend
+    assert (outs[0].float() - outs[1].float()).abs().max().item() < TOLERANCE[torch.bfloat16]
