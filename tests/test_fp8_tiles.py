@@ -840,3 +840,28 @@ def test_tile_extend_runs_over_gloo(world):
                 assert nbytes == 656 * (res["P"] + res["Np"]) and res["Np"] > 0, (nbytes, res["P"], res["Np"])
             else:  # q rows (4 heads x 576 bf16) and 656-byte tile rows
                 assert nbytes == res["P"] * (4 * 576 * 2 + 656), nbytes
+
+
+def test_packed_tile_run_checks_its_prefix():
+    """A packed tile plan's run: the prefix tile rows must be uint8 [sum(prefix_lens), 1, row],
+    given as (rows, rows) when the batch has a prefix; writes= is refused (checked before use)."""
+    ext, pre = [2, 1], [3, 0]
+    meta = cpattn.get_strategy("replicated", 1).build_metadata(ext, pre, rank=0)
+    plan = cpattn.plan_attention(meta, _tile_spec(4, 128, 16, torch.float32), backend="torch")
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(3, 4, 144, generator=g), torch.randn(3, 1, 144, generator=g)
+    rows, _ = _latent(3, 128, 16, g)
+    pre_rows = rows[:, None, :]
+    cases = [
+        ("the batch has 3 prefix tokens: pass cache=", None, {}),
+        (r"must be uint8 \[sum\(prefix_lens\)=3, 1, 164\]", (pre_rows[:2], pre_rows[:2]), {}),
+        (r"must be uint8 \[sum\(prefix_lens\)=3, 1, 164\]", (pre_rows.view(FP8), pre_rows.view(FP8)), {}),
+        ("writes= is for a paged cache", (pre_rows, pre_rows), dict(writes=torch.arange(3))),
+    ]
+    for match, cache, kw in cases:
+        with pytest.raises(ValueError, match=match):
+            plan.run(q, k, k[..., :128], cache, **kw)
+    out = plan.run(q, k, k[..., :128], (pre_rows, pre_rows))
+    # packed: sequence 0's 3 prefix rows, its 2 new rows, sequence 1's new row
+    lat = torch.cat([pre_rows, quantize_mla_fp8_tiles(k[:, 0, :128], k[:, 0, 128:])[:, None, :]])
+    assert torch.equal(out, plan.attend(q, lat, lat))
