@@ -202,25 +202,35 @@ def test_gpu_split_kv_mla_decode_over_tile_cache_equals_oracle(q_len):
         assert (lse.cpu().double() - ref_lse).abs().max().item() < tol
 
 
+def _tile_batch(kind, gen):
+    """(ext, pre, cache, page table) of a prefill-shaped or decode-shaped batch over a tile cache."""
+    if kind == "prefill":
+        ext, pre = [300, 1, 77], [0, 3000, 64]
+    else:
+        ext, pre = [1, 1, 2, 1], [9000, 7, 4000, 130]
+    cache, table, _ = _tile_cache([e + p for e, p in zip(ext, pre)], gen)
+    return ext, pre, cache, table
+
+
+def _selection_256(ext, pre, gen):
+    """idx [T, 256] int32 on the GPU: up to 256 distinct visible positions per row, -1 padded."""
+    rows = [(torch.randperm(p + i + 1, generator=gen)[:256].tolist() + [-1] * 256)[:256]
+            for e, p in zip(ext, pre) for i in range(e)]
+    return torch.tensor(rows, dtype=torch.int32).to(DEV)
+
+
 @pytest.mark.parametrize("kind", ["prefill", "decode", "sparse"])
 def test_gpu_tile_cache_kernels_equal_torch_reference(kind):
     """The portable kernel (prefill-shaped), the decode family (decode-shaped dense plan) and the
     portable sparse kernel (DSA) over a tile cache equal the torch reference on the same cache."""
     gen = torch.Generator().manual_seed(5)
-    if kind == "prefill":
-        ext, pre = [300, 1, 77], [0, 3000, 64]
-    else:
-        ext, pre = [1, 1, 2, 1], [9000, 7, 4000, 130]
-    kv_lens = [e + p for e, p in zip(ext, pre)]
-    cache, table, _ = _tile_cache(kv_lens, gen)
+    ext, pre, cache, table = _tile_batch(kind, gen)
     meta = cpattn.get_strategy("replicated", 1).build_metadata(ext, pre, rank=0).to(DEV)
     spec = _tile_spec(topk=256) if kind == "sparse" else _tile_spec()
     q = (torch.randn(meta.num_physical_tokens, MLA_HQ, R + ROPE, generator=gen) * 0.5).bfloat16().to(DEV)
     args = (q, cache, cache)
     if kind == "sparse":
-        rows = [(torch.randperm(p + i + 1, generator=gen)[:256].tolist() + [-1] * 256)[:256]
-                for e, p in zip(ext, pre) for i in range(e)]
-        args += (torch.tensor(rows, dtype=torch.int32).to(DEV),)
+        args += (_selection_256(ext, pre, gen),)
     tri = cpattn.plan_attention(meta, spec, backend="triton")
     assert tri.family == {"prefill": "portable", "decode": "decode", "sparse": "portable"}[kind]
     ref = cpattn.plan_attention(meta, spec, backend="torch")
@@ -264,3 +274,33 @@ def test_gpu_tile_decode_graph_replays_new_cache_rows():
         torch.cuda.synchronize()
         eager_o, eager_l = plan.attend(q, cache, cache, page_table=table)
         assert torch.equal(out, eager_o) and torch.equal(lse, eager_l)
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode", "sparse", "shard_merge"])
+def test_gpu_tile_plan_run_equals_torch_reference(kind):
+    """plan.run over a tile cache on the GPU (Triton kernels, 128 heads, 576 / 512): the cache
+    equals write_mla_cache(layout=) of the same rows on the CPU bit for bit, the output equals the
+    torch reference plan's run from the same cache."""
+    gen = torch.Generator().manual_seed(13)
+    ext, pre, cache, table = _tile_batch(kind, gen)
+    kv = cpattn.KVSharding(1) if kind == "shard_merge" else None
+    meta_cpu = cpattn.get_strategy("replicated", 1).build_metadata(ext, pre, rank=0, kv=kv)
+    meta = meta_cpu.to(DEV)
+    spec = _tile_spec(topk=256) if kind == "sparse" else _tile_spec()
+    n = meta.num_physical_tokens
+    q = (torch.randn(n, MLA_HQ, R + ROPE, generator=gen) * 0.5).bfloat16().to(DEV)
+    k = torch.randn(n, 1, R + ROPE, generator=gen).bfloat16().to(DEV)
+    writes = cpattn.plan_cache_writes(meta, table, page_size=PAGE, num_pages=cache.shape[0])
+    kw = dict(writes=writes, page_table=table, softmax_scale=192**-0.5)
+    if kind == "sparse":
+        kw["idx"] = _selection_256(ext, pre, gen)
+    want = cache.cpu()
+    writes_cpu = cpattn.plan_cache_writes(meta_cpu, table.cpu(), page_size=PAGE, num_pages=cache.shape[0])
+    cpattn.write_mla_cache(k[:, 0, :R].cpu(), k[:, 0, R:].cpu(), want[..., 0, :], writes_cpu, layout=FP8_TILE)
+    outs = []
+    for backend in ("triton", "torch"):
+        c = cache.clone()
+        plan = cpattn.plan_attention(meta, spec, backend=backend)
+        outs.append(plan.run(q, k, k[..., :R], (c, c), **kw))
+        assert torch.equal(c.cpu(), want), backend
+    assert (outs[0].float() - outs[1].float()).abs().max().item() < TOLERANCE[torch.bfloat16]

@@ -27,6 +27,7 @@ from cpattn.quant import (
 )
 from dist_utils import CountCollectives, run_distributed
 from oracle import TOLERANCE, attention_oracle
+from test_dsa import _selection, sparse_oracle  # module level: importing defines @given tests
 
 FP8 = torch.float8_e4m3fn
 
@@ -487,8 +488,7 @@ def test_sparse_attention_over_tile_cache(request, paged, backend):
 
 
 def test_tile_plans_check_their_calls():
-    """The cache must be the uint8 rows (k and v alike), no scales are taken, run is refused
-    (write_mla_cache(layout=) then attend), and the Triton backends name the layout."""
+    """The cache must be the uint8 rows (k and v alike) and no scales are taken."""
     r, rope = 128, 16
     ext, pre = [1, 2], [3, 0]
     g = torch.Generator().manual_seed(2)
@@ -504,8 +504,6 @@ def test_tile_plans_check_their_calls():
         plan.attend(q, lat.view(FP8), lat.view(FP8))
     with pytest.raises(ValueError, match=r"k / v must be \[rows, 1, 164\]"):
         plan.attend(q, lat, lat[..., :144])
-    with pytest.raises(NotImplementedError, match="write it with cpattn.write_mla_cache"):
-        plan.run(q, torch.zeros(3, 1, r + rope), torch.zeros(3, 1, r), lat)
 
 
 def test_triton_backends_name_what_they_cannot_read(interp, dsa_interp):
@@ -539,3 +537,331 @@ def test_dense_decode_plan_runs_split_kv_over_tile_cache(interp):
     ref, ref_lse = attention_oracle(q, deq, deq[..., :128], ext, pre)
     assert (out.double() - ref).abs().max().item() < TOLERANCE[torch.float32]
     assert (lse.double() - ref_lse).abs().max().item() < TOLERANCE[torch.float32]
+
+
+# ---------------------------------------------------------------------------------------- plan.run
+def _run_inputs(ext, pre, r, rope, hq, dtype, g):
+    """Latent rows of a batch: (lat [N, 1, r + rope] in ``dtype``, prefix-then-extend per sequence;
+    its fp64 dequantized tile rows [N, 1, r + rope] (the oracle's keys); q [T, Hq, r + rope];
+    the row index of each sequence's prefix rows and of its extend rows)."""
+    kv_lens = [e + p for e, p in zip(ext, pre)]
+    lat = torch.randn(sum(kv_lens), 1, r + rope, generator=g).to(dtype)
+    deq = dequantize_mla_fp8_tiles(quantize_mla_fp8_tiles(lat[:, 0, :r], lat[:, 0, r:]), r, torch.float64)
+    q = torch.randn(sum(ext), hq, r + rope, generator=g).to(dtype)
+    starts = [sum(kv_lens[:b]) for b in range(len(ext))]
+    pre_rows = torch.tensor([s + j for s, p in zip(starts, pre) for j in range(p)], dtype=torch.int64)
+    new_rows = torch.tensor([s + p + j for s, p, e in zip(starts, pre, ext) for j in range(e)], dtype=torch.int64)
+    return lat, deq[:, None, :], q, pre_rows, new_rows
+
+
+def _paged_prefix_cache(lat, r, kv_lens, pre, ps, g):
+    """A paged tile cache [num_pages, ps, 1, row] holding each sequence's prefix rows (quantized)
+    at random pages, every other byte 0xFF, its page table [B, max_pages] int32, the page count."""
+    rows = quantize_mla_fp8_tiles(lat[:, 0, :r], lat[:, 0, r:])
+    counts = [-(-n // ps) for n in kv_lens]
+    num_pages = sum(counts) + 2
+    order = torch.randperm(num_pages, generator=g).tolist()
+    cache = torch.full((num_pages, ps, 1, rows.shape[1]), 0xFF, dtype=torch.uint8)
+    table = torch.zeros(len(kv_lens), max([1, *counts]), dtype=torch.int32)
+    used, start = 0, 0
+    for b, n in enumerate(kv_lens):
+        for j in range(counts[b]):
+            table[b, j] = order[used]
+            used += 1
+        for j in range(pre[b]):
+            cache[table[b, j // ps], j % ps, 0] = rows[start + j]
+        start += n
+    return cache, table, num_pages
+
+
+def _check_local_run(ext, pre, paged, backend, dtype, seed, topk=None):
+    """plan.run of a local plan (sparse with ``topk``) vs the fp64 oracle on the dequantized
+    latent, and its cache vs write_mla_cache(layout=) of the same rows."""
+    r, rope, hq, ps = 128, 16, 4, 4
+    g = torch.Generator().manual_seed(seed)
+    kv_lens = [e + p for e, p in zip(ext, pre)]
+    lat, deq, q, pre_rows, new_rows = _run_inputs(ext, pre, r, rope, hq, dtype, g)
+    s = cpattn.ZigzagStrategy(1, pad_multiple=4)
+    meta = s.build_metadata(ext, pre, rank=0)
+    spec = _tile_spec(hq, r, rope, dtype, ps if paged else None, **({} if topk is None else {"topk": topk}))
+    plan = cpattn.plan_attention(meta, spec, backend=backend)
+    assert plan.algorithm == "local"
+    k_local = s.shard(lat[new_rows], meta)
+    kw = {}
+    if topk is not None:
+        idx = _selection(ext, pre, topk, g)
+        kw["idx"] = s.shard(idx, meta)
+    if paged:
+        cache, table, num_pages = _paged_prefix_cache(lat, r, kv_lens, pre, ps, g)
+        writes = cpattn.plan_cache_writes(meta, table, page_size=ps, num_pages=num_pages)
+        want = cache.clone()
+        cpattn.write_mla_cache(lat[new_rows, 0, :r], lat[new_rows, 0, r:], want[..., 0, :], writes, layout=FP8_TILE)
+        kw.update(writes=writes, page_table=table)
+    else:
+        pre_tiles = quantize_mla_fp8_tiles(lat[pre_rows, 0, :r], lat[pre_rows, 0, r:])[:, None, :]
+        cache = (pre_tiles, pre_tiles) if pre_rows.numel() else None
+    arg = (cache, cache) if paged else cache
+    out, lse = plan.run(s.shard(q, meta), k_local, k_local[..., :r], arg, return_lse=True, **kw)
+    if paged:
+        assert torch.equal(cache, want)  # bit for bit the write_mla_cache(layout=) of the same rows
+    if topk is None:
+        ref, ref_lse = attention_oracle(q, deq, deq[..., :r], ext, pre)
+    else:
+        ref, ref_lse = sparse_oracle(q, deq, deq[..., :r], idx, ext, pre, (r + rope) ** -0.5)
+    t = q.shape[0]
+    assert (out[:t].double() - ref).abs().max().item() < TOLERANCE[dtype]
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isneginf(lse[:t]), ~fin)
+    if fin.any():
+        assert (lse[:t].double()[fin] - ref_lse[fin]).abs().max().item() < TOLERANCE[dtype]
+    assert (out[t:] == 0).all() and torch.isneginf(lse[t:]).all()
+
+
+_BATCHES = st.lists(st.tuples(st.integers(0, 9), st.integers(0, 6)), min_size=1, max_size=4).filter(
+    lambda b: sum(e for e, _ in b) > 0)
+
+
+@settings(max_examples=20, deadline=None)
+@given(batch=_BATCHES, paged=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       topk=st.sampled_from([None, 1, 6]), seed=st.integers(0, 2**16))
+def test_local_run_over_tile_cache_equals_oracle(batch, paged, dtype, topk, seed):
+    """plan.run of a local plan (torch reference, dense or sparse): this rank's new latent rows
+    quantized to tile rows, written through the write plan (paged) or packed after the cached
+    prefix tile rows: the fp64 oracle on the dequantized latent; the cache equals
+    write_mla_cache(layout=) bit for bit (ragged batches: empty sequences, single rows, prefixes)."""
+    ext, pre = [e for e, _ in batch], [p for _, p in batch]
+    _check_local_run(ext, pre, paged, "torch", dtype, seed, topk)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_local_run_over_tile_cache_triton(interp, paged):
+    """The same through the portable Triton kernel (interpreter)."""
+    _check_local_run([5, 0, 1, 7], [3, 2, 0, 1], paged, "triton", torch.float32, 5)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_sparse_local_run_over_tile_cache_triton(dsa_interp, paged):
+    """Sparse through the portable sparse Triton kernel (interpreter)."""
+    _check_local_run([5, 0, 1, 7], [3, 2, 0, 1], paged, "triton", torch.float32, 6, topk=5)
+
+
+def _run_worker(rank, world):
+    """gather_kv (zigzag, pad rows) and shard_merge (dense and sparse) runs over tile caches:
+    outputs vs the fp64 oracle on the dequantized latent, caches vs write_mla_cache(layout=) of
+    the same rows, the collectives (count, bytes), and bad inputs refused before any collective
+    or write with the caches unchanged."""
+    from test_dsa_sharded import _shard_paged
+    from test_dsa_sharded import sparse_oracle as sharded_oracle
+
+    r, rope, hq, ps = 512, 64, 4, 4  # DeepSeek's latent: 656-byte tile rows, 1,152 bytes in bf16
+    group = torch.distributed.group.WORLD
+    g = torch.Generator().manual_seed(21)
+    ext, pre = [7, 0, 1, 2 * world - 1, 2], [3, 4, 0, 2, 0]
+    kv_lens = [e + p for e, p in zip(ext, pre)]
+    lat, deq, q, _, new_rows = _run_inputs(ext, pre, r, rope, hq, torch.bfloat16, g)
+    res = {}
+    s = cpattn.ZigzagStrategy(world, pad_multiple=4)
+    meta = s.build_metadata(ext, pre, rank=rank, group=group)
+    cache, table, num_pages = _paged_prefix_cache(lat, r, kv_lens, pre, ps, torch.Generator().manual_seed(3))
+    writes = cpattn.plan_cache_writes(meta, table, page_size=ps, num_pages=num_pages)
+    plan = cpattn.plan_attention(meta, _tile_spec(hq, r, rope, torch.bfloat16, ps), backend="torch")
+    res["algorithm"] = plan.algorithm
+    q_local, k_local = s.shard(q, meta), s.shard(lat[new_rows], meta)
+    before = cache.clone()
+    bad = {
+        "v_view": ((q_local, k_local, k_local[..., :r].clone(), (cache, cache)), {}),
+        "cache_pair": ((q_local, k_local, k_local[..., :r], (cache, cache.clone())), {}),
+        "cache_dtype": ((q_local, k_local, k_local[..., :r], (cache.view(FP8), cache.view(FP8))), {}),
+        "scales": ((q_local, k_local, k_local[..., :r], (cache, cache)),
+                   dict(k_scale=torch.tensor(1.0), v_scale=torch.tensor(1.0))),
+        "k_shape": ((q_local, k_local[..., :-1], k_local[..., :r], (cache, cache)), {}),
+        "writes": ((q_local, k_local, k_local[..., :r], (cache, cache)), dict(writes=None)),
+        "page_table": ((q_local, k_local, k_local[..., :r], (cache, cache)), dict(page_table=table[:1])),
+    }
+    with CountCollectives() as none:
+        for name, (args, kw) in bad.items():
+            kw = dict(dict(writes=writes, group=group, page_table=table), **kw)
+            try:
+                plan.run(*args, **kw)
+                res[f"bad/{name}"] = "no error"
+            except (ValueError, TypeError) as e:
+                res[f"bad/{name}"] = type(e).__name__ + ": " + str(e)
+    res["bad/collectives"] = len(none.calls)
+    res["bad/unchanged"] = torch.equal(cache, before)
+    want = cache.clone()
+    cpattn.write_mla_cache(lat[new_rows, 0, :r], lat[new_rows, 0, r:], want[..., 0, :], writes, layout=FP8_TILE)
+    with CountCollectives() as ag:
+        out = plan.run(q_local, k_local, k_local[..., :r], (cache, cache), writes=writes, group=group,
+                       page_table=table)
+    res["gather/bytes"] = [math.prod(c) for c in ag.calls]
+    res["P"] = meta.num_physical_tokens
+    res["gather/cache_equal"] = torch.equal(cache, want)
+    ref, _ = attention_oracle(q, deq, deq[..., :r], ext, pre)
+    res["gather/err"] = (s.gather(out, meta, group).double() - ref).abs().max().item()
+    bf16 = cpattn.plan_attention(meta, cpattn.AttentionSpec(num_q_heads=hq, num_kv_heads=1, head_dim=r + rope,
+                                                            head_dim_v=r, dtype=torch.bfloat16, page_size=ps),
+                                 backend="torch")
+    full = torch.zeros(num_pages, ps, 1, r + rope, dtype=torch.bfloat16)
+    with CountCollectives() as ag:
+        bf16.run(q_local, k_local, k_local[..., :r], (full, full[..., :r]), writes=writes, group=group,
+                 page_table=table)
+    res["bf16/bytes"] = [math.prod(c) for c in ag.calls]
+    # shard_merge decode over a sharded tile cache: dense and sparse
+    r, rope, il, lens, qs = 128, 16, 2, [9, 1, 14, 5], [1, 1, 2, 1]
+    dpre = [n - x for n, x in zip(lens, qs)]
+    lat2, deq2, q2, pre2, new2 = _run_inputs(qs, dpre, r, rope, hq, torch.float32, g)
+    dmeta = cpattn.get_strategy("replicated", world).build_metadata(qs, dpre, rank=rank,
+                                                                    kv=cpattn.KVSharding(world, il), group=group)
+    tiles = quantize_mla_fp8_tiles(lat2[:, 0, :r], lat2[:, 0, r:])[:, None, :]
+    per_seq = list(tiles.clone().index_fill_(0, new2, 0xFF).split(lens))  # the new rows: not cached yet
+    cache2, table2 = _shard_paged(per_seq, world, il, rank, ps, torch.Generator().manual_seed(5))
+    writes2 = cpattn.plan_cache_writes(dmeta, table2, page_size=ps, num_pages=cache2.shape[0])
+    sel = torch.tensor([(torch.randperm(p + 1, generator=torch.Generator().manual_seed(p))[:6].tolist() + [-1] * 6)[:6]
+                        for n, x in zip(lens, qs) for p in range(n - x, n)])
+    deq_seq = list(deq2.split(lens))
+    refs = {"dense": attention_oracle(q2, deq2, deq2[..., :r], qs, dpre)[0],
+            "sparse": sharded_oracle(q2, deq_seq, [x[..., :r] for x in deq_seq], sel.tolist(), lens, qs, 0.2)}
+    for kind in ("dense", "sparse"):
+        c2 = cache2.clone()
+        spec = _tile_spec(hq, r, rope, torch.float32, ps, **({"topk": 6} if kind == "sparse" else {}))
+        plan = cpattn.plan_attention(dmeta, spec, backend="torch")
+        res[f"{kind}/algorithm"] = plan.algorithm
+        kw = dict(idx=sel, softmax_scale=0.2) if kind == "sparse" else {}
+        k2 = lat2[new2]
+        with CountCollectives() as none:
+            try:
+                plan.run(q2, k2, k2[..., :r], (c2, c2), writes=writes2, group=group, page_table=table2[:, :0], **kw)
+                res[f"{kind}/bad"] = "no error"
+            except ValueError as e:
+                res[f"{kind}/bad"] = str(e)
+        res[f"{kind}/bad_collectives"], res[f"{kind}/bad_unchanged"] = len(none.calls), torch.equal(c2, cache2)
+        want = c2.clone()
+        cpattn.write_mla_cache(k2[:, 0, :r], k2[:, 0, r:], want[..., 0, :], writes2, layout=FP8_TILE)
+        c3 = c2.clone()  # a second layer: its steady-state collectives (the first merge checks headers once)
+        out = plan.run(q2, k2, k2[..., :r], (c2, c2), writes=writes2, group=group, page_table=table2, **kw)
+        with CountCollectives() as ag:
+            out3 = plan.run(q2, k2, k2[..., :r], (c3, c3), writes=writes2, group=group, page_table=table2, **kw)
+        res[f"{kind}/collectives"] = len(ag.calls)
+        res[f"{kind}/cache_equal"] = torch.equal(c2, want) and torch.equal(c3, want) and torch.equal(out, out3)
+        res[f"{kind}/err"] = (out.double() - refs[kind]).abs().max().item()
+    return res
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_tile_runs_over_gloo(world):
+    bad_match = {
+        "v_view": "ValueError: v must be the view k", "cache_pair": "ValueError: cache of a kv_layout='fp8_tile'",
+        "cache_dtype": "TypeError: k dtype torch.float8_e4m3fn", "scales": "ValueError: .*carry their own tile",
+        "k_shape": r"ValueError: k must be this rank's new rows", "writes": "ValueError: writes= is required",
+        "page_table": "ValueError: page_table must be",
+    }
+    import re
+
+    for rank, res in enumerate(run_distributed(_run_worker, world)):
+        assert res["algorithm"] == "gather_kv"
+        for name, pattern in bad_match.items():
+            assert re.match(pattern, res[f"bad/{name}"]), (rank, name, res[f"bad/{name}"])
+        assert res["bad/collectives"] == 0 and res["bad/unchanged"]
+        assert res["gather/cache_equal"], rank
+        assert res["gather/err"] < TOLERANCE[torch.bfloat16], (rank, res["gather/err"])
+        # ONE all-gather of 656-byte rows; the bf16 plan's run moves K (1,152 bytes) and its V view
+        # (1,024) apart; gather_mla_latent's bf16 rows are 1,152 (test_tile_layout_gather_moves_656_byte_rows)
+        assert res["gather/bytes"] == [656 * res["P"]] and res["bf16/bytes"] == [(1152 + 1024) * res["P"]], res
+        for kind in ("dense", "sparse"):
+            assert res[f"{kind}/algorithm"] == "shard_merge"
+            assert res[f"{kind}/bad"].startswith("page_table holds 0 pages"), res[f"{kind}/bad"]
+            assert res[f"{kind}/bad_collectives"] == 0 and res[f"{kind}/bad_unchanged"]
+            assert res[f"{kind}/collectives"] == 1 and res[f"{kind}/cache_equal"], (rank, kind)
+            assert res[f"{kind}/err"] < TOLERANCE[torch.float32], (rank, kind, res[f"{kind}/err"])
+
+
+def _extend_worker(rank, world):
+    """pass-KV and pass-Q runs over a sharded tile cache (zigzag, pad rows, prefixes): outputs vs
+    the fp64 oracle on the dequantized latent, the cache vs write_mla_cache(layout=) of the same
+    rows through the plan's writes, ONE all-gather of tile rows per layer, and bad inputs refused
+    before any collective or write."""
+    from test_dsa_sharded import _shard_paged
+
+    r, rope, hq, ps = 512, 64, 4, 4
+    group = torch.distributed.group.WORLD
+    g = torch.Generator().manual_seed(31)
+    ext, pre = [7, 0, 1, 2 * world - 1, 3], [5, 4, 0, 2, 9]
+    kv_lens = [e + p for e, p in zip(ext, pre)]
+    lat, deq, q, _, new_rows = _run_inputs(ext, pre, r, rope, hq, torch.bfloat16, g)
+    tiles = quantize_mla_fp8_tiles(lat[:, 0, :r], lat[:, 0, r:])[:, None, :]
+    per_seq = list(tiles.clone().index_fill_(0, new_rows, 0xFF).split(kv_lens))  # the new rows: not cached yet
+    s = cpattn.ZigzagStrategy(world, pad_multiple=4)
+    meta = s.build_metadata(ext, pre, rank=rank, kv=cpattn.KVSharding(world), group=group)
+    ref, _ = attention_oracle(q, deq, deq[..., :r], ext, pre)
+    q_local, k_local = s.shard(q, meta), s.shard(lat[meta.kv_extend_index], meta)
+    res = {"P": meta.num_physical_tokens, "Np": max(meta.num_local_prefix_tokens_per_rank)}
+    for algo in ("pass_kv", "pass_q"):
+        cache, table = _shard_paged(per_seq, world, 1, rank, ps, torch.Generator().manual_seed(rank))
+        plan = cpattn.plan_attention(meta, _tile_spec(hq, r, rope, torch.bfloat16, ps), page_table=table,
+                                     num_pages=cache.shape[0], algorithm=algo, backend="torch")
+        before = cache.clone()
+        bad = {"v_view": (k_local, k_local[..., :r].clone(), (cache, cache)),
+               "cache_pair": (k_local, k_local[..., :r], (cache, cache.clone())),
+               "cache_shape": (k_local, k_local[..., :r], (cache[:, :, :, :-1], cache[:, :, :, :-1]))}
+        with CountCollectives() as none:
+            for name, (k, v, c) in bad.items():
+                try:
+                    plan.run(q_local, k, v, c, group=group)
+                    res[f"{algo}/bad/{name}"] = "no error"
+                except ValueError as e:
+                    res[f"{algo}/bad/{name}"] = str(e)
+        res[f"{algo}/bad/collectives"], res[f"{algo}/bad/unchanged"] = len(none.calls), torch.equal(cache, before)
+        want = cache.clone()
+        cpattn.write_mla_cache(lat[meta.kv_extend_index, 0, :r], lat[meta.kv_extend_index, 0, r:], want[..., 0, :],
+                               plan.writes, layout=FP8_TILE)
+        with CountCollectives() as ag:
+            out = plan.run(q_local, k_local, k_local[..., :r], (cache, cache), group=group)
+        res[f"{algo}/bytes"] = [math.prod(c) for c in ag.calls]
+        res[f"{algo}/cache_equal"] = torch.equal(cache, want)
+        res[f"{algo}/err"] = (s.gather(out, meta, group).double() - ref).abs().max().item()
+        res[f"{algo}/pad_zero"] = bool((out[meta.num_local_tokens :] == 0).all())
+    return res
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_tile_extend_runs_over_gloo(world):
+    for rank, res in enumerate(run_distributed(_extend_worker, world)):
+        for algo in ("pass_kv", "pass_q"):
+            assert res[f"{algo}/bad/v_view"].startswith("v must be the view k[..., :512]"), res
+            assert res[f"{algo}/bad/cache_pair"].startswith("cache of a kv_layout='fp8_tile' plan is (rows, rows)")
+            assert res[f"{algo}/bad/cache_shape"].startswith("cache must be [num_pages, 4, 1, 656]"), res
+            assert res[f"{algo}/bad/collectives"] == 0 and res[f"{algo}/bad/unchanged"]
+            assert res[f"{algo}/cache_equal"] and res[f"{algo}/pad_zero"], (rank, algo)
+            assert res[f"{algo}/err"] < TOLERANCE[torch.bfloat16], (rank, algo, res[f"{algo}/err"])
+            (nbytes,) = res[f"{algo}/bytes"]  # ONE all-gather per layer
+            if algo == "pass_kv":  # rows of 656 bytes: this rank's new rows, then its prefix shard's
+                assert nbytes == 656 * (res["P"] + res["Np"]) and res["Np"] > 0, (nbytes, res["P"], res["Np"])
+            else:  # q rows (4 heads x 576 bf16) and 656-byte tile rows
+                assert nbytes == res["P"] * (4 * 576 * 2 + 656), nbytes
+
+
+def test_packed_tile_run_checks_its_prefix():
+    """A packed tile plan's run: the prefix tile rows must be uint8 [sum(prefix_lens), 1, row],
+    given as (rows, rows) when the batch has a prefix; writes= is refused (checked before use)."""
+    ext, pre = [2, 1], [3, 0]
+    meta = cpattn.get_strategy("replicated", 1).build_metadata(ext, pre, rank=0)
+    plan = cpattn.plan_attention(meta, _tile_spec(4, 128, 16, torch.float32), backend="torch")
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(3, 4, 144, generator=g), torch.randn(3, 1, 144, generator=g)
+    rows, _ = _latent(3, 128, 16, g)
+    pre_rows = rows[:, None, :]
+    cases = [
+        ("the batch has 3 prefix tokens: pass cache=", None, {}),
+        (r"must be uint8 \[sum\(prefix_lens\)=3, 1, 164\]", (pre_rows[:2], pre_rows[:2]), {}),
+        (r"must be uint8 \[sum\(prefix_lens\)=3, 1, 164\]", (pre_rows.view(FP8), pre_rows.view(FP8)), {}),
+        ("writes= is for a paged cache", (pre_rows, pre_rows), dict(writes=torch.arange(3))),
+    ]
+    for match, cache, kw in cases:
+        with pytest.raises(ValueError, match=match):
+            plan.run(q, k, k[..., :128], cache, **kw)
+    out = plan.run(q, k, k[..., :128], (pre_rows, pre_rows))
+    # packed: sequence 0's 3 prefix rows, its 2 new rows, sequence 1's new row
+    lat = torch.cat([pre_rows, quantize_mla_fp8_tiles(k[:, 0, :128], k[:, 0, 128:])[:, None, :]])
+    assert torch.equal(out, plan.attend(q, lat, lat))

@@ -39,6 +39,7 @@ from .metadata import CPMetadata
 __all__ = [
     "CacheWritePlan",
     "check_kv_writes",
+    "check_mla_tile_writes",
     "kv_bytes_per_token",
     "mla_bytes_per_token",
     "plan_cache_writes",
@@ -583,16 +584,26 @@ def _write_mla_tiles(kv_c, k_pe, cache: Tensor, writes, scale, layout) -> Tensor
             if not t.dtype.is_floating_point or t.element_size() == 1:
                 raise TypeError(f"{name} must be a 16/32-bit float tensor (quantized here), got {t.dtype}")
         width = mla_fp8_tile_bytes(kv_c.shape[1], k_pe.shape[1])
-    check_tensor(cache, "cache")
-    if cache.dtype != torch.uint8:
-        raise TypeError(f"cache dtype {cache.dtype}: a layout={FP8_TILE!r} cache holds uint8 rows")
-    ps, num_slots = _cache_layout(cache, "cache", (width,), torch.uint8, kv_c.device)
-    plan = _resolve(writes, "slots", kv_c.shape[0], "kv_c", num_slots, "cache", kv_c.device)
+    ps, plan = check_mla_tile_writes(writes, cache, kv_c.shape[0], width, kv_c.device)
     if plan.slots.numel():
         take = (lambda t: t) if plan.rows is None else (lambda t: t.index_select(0, plan.rows))
         rows = take(kv_c) if k_pe is None else quantize_mla_fp8_tiles(take(kv_c), take(k_pe))
         _scatter(cache, ps, dataclasses.replace(plan, rows=None), rows)
     return cache
+
+
+def check_mla_tile_writes(writes, cache: Tensor, rows: int, row_bytes: int,
+                          device: torch.device) -> tuple[Optional[int], CacheWritePlan]:
+    """The cache and write-plan checks of ``write_mla_cache(..., layout="fp8_tile")`` for ``rows``
+    source rows of ``row_bytes`` bytes (plans call it before their collective) -> (page size or
+    None, the resolved :class:`CacheWritePlan`)."""
+    from .quant import FP8_TILE
+
+    check_tensor(cache, "cache")
+    if cache.dtype != torch.uint8:
+        raise TypeError(f"cache dtype {cache.dtype}: a layout={FP8_TILE!r} cache holds uint8 rows")
+    ps, num_slots = _cache_layout(cache, "cache", (row_bytes,), torch.uint8, device)
+    return ps, _resolve(writes, "slots", rows, "kv_c", num_slots, "cache", device)
 
 
 def _check_mla_scale(scale, kv_c: Tensor, k_pe: Tensor, cache: Tensor) -> None:

@@ -313,10 +313,6 @@ class AttentionPlan:
             raise TypeError(f"{type(self).__name__}.{method}() got unexpected keyword argument(s) "
                             f"{sorted(call.keys() - allowed)}")
         get = call.get
-        if self.spec.kv_tiled and method == "run":
-            raise NotImplementedError(f"{type(self).__name__}.run over a kv_layout={self.spec.kv_layout!r} cache: "
-                                      "write it with cpattn.write_mla_cache(..., layout=) (after "
-                                      "gather_mla_latent(..., layout=) for sharded queries) and call attend")
         scales = self._check_scales(get("k_scale"), get("v_scale"))
         return (get("page_table"), get("sinks"), get("softmax_scale"), get("out"), get("lse"), get("return_lse", False),
                 scales)
@@ -393,8 +389,8 @@ class AttentionPlan:
             k, v = cache
             n = len(self._k_tail) + 1
             if k.dim() != n or tuple(k.shape[1:]) != self._k_tail or v.dim() != n \
-                    or tuple(v.shape[1:]) != self._v_tail or v.shape[0] != k.shape[0] or k.dtype != self.spec.kv_dtype \
-                    or v.dtype != self.spec.kv_dtype or k.device != self._device or v.device != self._device:
+                    or tuple(v.shape[1:]) != self._v_tail or v.shape[0] != k.shape[0] or k.dtype != self._expect[4] \
+                    or v.dtype != self._expect[4] or k.device != self._device or v.device != self._device:
                 self._check_kv(k, v)
         self._check_table_and_sinks(page_table, sinks)
 
@@ -411,6 +407,8 @@ class AttentionPlan:
 
         meta = self.meta
         self._check_new_rows(q, k_local, v_local, meta.num_physical_tokens)
+        if self.spec.kv_tiled:
+            return self._gather_and_write_tiles(k_local, v_local, cache, writes, group, page_table, sinks)
         if self.spec.paged:
             k_cache, v_cache = self._cache_pair(cache, "the layer's paged caches")
             if writes is None:
@@ -442,6 +440,76 @@ class AttentionPlan:
         if meta.num_kv_tokens == meta.num_tokens:  # no cached prefix: the logical rows are the packed layout
             return k_ext, v_ext
         return pack_kv(k_ext, v_ext, meta, k_pre, v_pre)
+
+    # ------------------------------------------------------------------ tile-scaled latent (kv_layout="fp8_tile")
+    def _check_latent_view(self, k: Tensor, v: Tensor) -> None:
+        """``run``'s new rows of a tile spec: ``v`` must be the view ``k[..., :Dv]`` (absorbed
+        MLA: the tile row stores the latent once; a separate V would be dropped)."""
+        if v.data_ptr() != k.data_ptr() or v.stride() != k.stride():
+            raise ValueError(f"v must be the view k[..., :{self.spec.head_dim_v}] of a kv_layout="
+                             f"{self.spec.kv_layout!r} plan (the tile row holds the latent once), got a separate tensor")
+
+    def _tile_cache(self, cache, what: str) -> Tensor:
+        """The uint8 tile rows of ``run``'s ``cache``: a pair ``(rows, rows)`` of ONE tensor (as
+        :meth:`attend` reads k = v = the rows)."""
+        k, v = self._cache_pair(cache, what)
+        if v is not k and (v.data_ptr(), v.shape, v.stride(), v.dtype) != (k.data_ptr(), k.shape, k.stride(), k.dtype):
+            raise ValueError(f"cache of a kv_layout={self.spec.kv_layout!r} plan is (rows, rows), one uint8 tensor "
+                             f"twice ({what}: K and V are the same latent rows), got two different tensors")
+        return k
+
+    def _quantize_tiles(self, k: Tensor) -> Tensor:
+        """New latent rows ``k`` [N, 1, D] (latent | rope) -> uint8 tile rows [N, 1, row_bytes]."""
+        from ..quant import quantize_mla_fp8_tiles
+
+        dv = self.spec.head_dim_v
+        return quantize_mla_fp8_tiles(k[:, 0, :dv], k[:, 0, dv:]).unsqueeze(1)
+
+    def _gather_and_write_tiles(self, k_local, v_local, cache, writes, group, page_table,
+                                sinks) -> tuple[Tensor, Tensor]:
+        """:meth:`_gather_and_write` of a tile spec (q / k / v checked): every check, then this
+        rank's rows quantized to tile rows, ONE all-gather of them (none for "local"), the write
+        through ``writes`` (paged) or the packing after the cached prefix -> (rows, rows)."""
+        from ..cache import check_mla_tile_writes, write_mla_cache
+        from ..collectives import all_gather_rows, check_group
+        from ..kv import pack_kv
+        from ..quant import FP8_TILE
+
+        meta, spec = self.meta, self.spec
+        self._check_latent_view(k_local, v_local)
+        row_bytes = tile_row_bytes(spec)
+        pre = None
+        if spec.paged:
+            tiles = self._tile_cache(cache, "the layer's paged tile cache")
+            if writes is None:
+                raise ValueError("writes= is required with a paged cache (cpattn.plan_cache_writes); engines that "
+                                 "write the cache themselves call plan.attend")
+            self._check_before_write(page_table, sinks, (tiles, tiles))
+            check_mla_tile_writes(writes, tiles[..., 0, :], meta.num_token_rows, row_bytes, self._device)
+        else:
+            if writes is not None:
+                raise ValueError("writes= is for a paged cache; a packed plan reads the prefix from cache=")
+            num_prefix = meta.num_kv_tokens - meta.num_tokens
+            if cache is not None:
+                pre = self._tile_cache(cache, "the packed prefix tile rows")
+                if tuple(pre.shape) != (num_prefix, 1, row_bytes) or pre.dtype != torch.uint8 \
+                        or pre.device != self._device:
+                    raise ValueError(f"the packed prefix tile rows must be uint8 [sum(prefix_lens)={num_prefix}, 1, "
+                                     f"{row_bytes}] on {self._device}, got {pre.dtype} {list(pre.shape)} on "
+                                     f"{pre.device}")
+            elif num_prefix:
+                raise ValueError(f"the batch has {num_prefix} prefix tokens: pass cache=(prefix_rows, prefix_rows)")
+            self._check_before_write(page_table, sinks)
+        if self.algorithm != "local":
+            check_group(meta, group)
+        (ext,) = all_gather_rows([self._quantize_tiles(k_local)], meta, group)  # ONE all-gather of tile rows
+        if spec.paged:
+            write_mla_cache(ext[:, 0], None, tiles[..., 0, :], writes, layout=FP8_TILE)
+            return tiles, tiles
+        if pre is None:
+            return ext, ext
+        rows, _ = pack_kv(ext, ext[..., :0], meta, pre, pre[..., :0])  # V is K's latent: one packed tensor
+        return rows, rows
 
     @staticmethod
     def _cache_pair(cache, what: str) -> tuple[Tensor, Tensor]:

@@ -109,6 +109,13 @@ class ReplicatedKVPlan(AttentionPlan):
                 spec: the new K/V (in the plan's dtype) are quantized on this rank before the
                 all-gather, which then moves FP8 bytes; a packed plan's cached prefix is FP8 too.
 
+        A tile-scaled latent spec (``kv_layout="fp8_tile"``): ``k_local`` is the new latent rows
+        [P, 1, D] (``kv_c | k_pe``) in the plan's dtype and ``v_local`` the view
+        ``k_local[..., :Dv]``; ``cache`` is ``(rows, rows)``, ONE uint8 tensor twice ([num_pages,
+        page_size, 1, row_bytes], or a packed plan's prefix [sum(prefix_lens), 1, row_bytes]);
+        this rank quantizes its rows (:func:`cpattn.quant.quantize_mla_fp8_tiles`) before the
+        all-gather, which moves the tile rows; no ``k_scale`` / ``v_scale``.
+
         Every check runs before the collective and the write (ValueError / TypeError naming the
         argument; the caches are unchanged when one fails).
         """

@@ -28,11 +28,12 @@ import torch
 from torch import Tensor
 
 from .._validation import check_bool
-from ..cache import CacheWritePlan, check_kv_writes, write_kv_cache
+from ..cache import CacheWritePlan, check_kv_writes, check_mla_tile_writes, write_kv_cache, write_mla_cache
 from ..collectives import check_group
 from ..merge import merge_partials, partials_header
 from ..metadata import CPMetadata
-from .base import KERNEL_CALL, AttentionPlan, KernelCall
+from ..quant import FP8_TILE
+from .base import KERNEL_CALL, AttentionPlan, KernelCall, tile_row_bytes
 from .sparse import check_plan_index
 
 if TYPE_CHECKING:  # annotations only (typing.Unpack: Python >= 3.11)
@@ -138,6 +139,11 @@ class ShardMergePlan(AttentionPlan):
                 rows this rank stores are quantized as they are written); ``return_lse`` as
                 :func:`cpattn.merge_partials`.
 
+        A tile-scaled latent spec (``kv_layout="fp8_tile"``): ``k`` is the new latent rows [Nq, 1,
+        D] in the plan's dtype, ``v`` the view ``k[..., :Dv]``, ``cache`` ``(rows, rows)`` (ONE
+        uint8 tensor twice); the rows this rank stores are quantized to tile rows as they are
+        written (:func:`cpattn.write_mla_cache` with ``layout=``).
+
         Returns:
             out [Nq, Hq, Dv] (or this rank's heads with scatter_heads), or (out, lse).
         """
@@ -156,6 +162,8 @@ class ShardMergePlan(AttentionPlan):
         checked pair of an FP8 cache) -> this rank's (k_cache, v_cache)."""
         meta = self.meta
         self._check_new_rows(q, k, v, meta.num_physical_tokens)
+        if self.spec.kv_tiled:
+            return self._write_tiles(k, v, cache, writes, group, page_table, sinks)
         k_scale, v_scale = scales or (None, None)
         k_cache, v_cache = self._cache_pair(cache, "this rank's caches")
         if writes is not None:
@@ -166,6 +174,21 @@ class ShardMergePlan(AttentionPlan):
         if writes is not None:
             write_kv_cache(k, v, k_cache, v_cache, writes, k_scale=k_scale, v_scale=v_scale)
         return k_cache, v_cache
+
+    def _write_tiles(self, k, v, cache, writes, group, page_table, sinks) -> tuple[Tensor, Tensor]:
+        """:meth:`_write_step` of a tile spec (q / k / v checked): every check, then the rows this
+        rank stores quantized to tile rows as they are written -> (rows, rows)."""
+        self._check_latent_view(k, v)
+        tiles = self._tile_cache(cache, "this rank's tile cache")
+        self._check_before_write(page_table, sinks, (tiles, tiles))
+        if writes is not None:
+            check_mla_tile_writes(writes, tiles[..., 0, :], self.meta.num_physical_tokens, tile_row_bytes(self.spec),
+                                  self._device)
+        check_group(self.meta, group)  # local checks, before any write or collective
+        if writes is not None:
+            dv = self.spec.head_dim_v
+            write_mla_cache(k[:, 0, :dv], k[:, 0, dv:], tiles[..., 0, :], writes, layout=FP8_TILE)
+        return tiles, tiles
 
 
 def local_key_view(meta: CPMetadata) -> CPMetadata:

@@ -44,12 +44,12 @@ from torch import Tensor
 
 from .. import _buffers
 from .. import collectives as _collectives
-from ..cache import write_kv_cache
+from ..cache import write_kv_cache, write_mla_cache
 from ..collectives import all_gather_rows, check_group, pack_rows, row_layout, unpack_rows
 from ..merge import merge_states
 from ..metadata import Capacity, CPMetadata, build_metadata
-from ..quant import quantize_fp8
-from .base import KERNEL_CALL, AttentionPlan, KernelCall, check_sinks
+from ..quant import FP8_TILE, quantize_fp8
+from .base import KERNEL_CALL, AttentionPlan, KernelCall, check_sinks, tile_row_bytes
 from .static import place_static
 
 if TYPE_CHECKING:  # annotations only (typing.Unpack: Python >= 3.11)
@@ -115,6 +115,12 @@ class ShardedExtendPlan(AttentionPlan):
                 ``[]`` or ``[Hkv]`` device tensors; the new K/V are quantized on this rank before
                 the collective, which moves FP8 bytes; pass-KV: the prefix rows too, as cached).
 
+        A tile-scaled latent spec (``kv_layout="fp8_tile"``): ``k_local`` is the new latent rows
+        [P, 1, D] in the plan's dtype, ``v_local`` the view ``k_local[..., :Dv]``, ``cache``
+        ``(rows, rows)`` (ONE uint8 [num_pages, page_size, 1, row_bytes] tensor twice); the rows
+        are quantized on this rank before the collective, which moves one tile row per token (V
+        is its latent); no ``k_scale`` / ``v_scale``.
+
         Returns:
             out [P, Hq, Dv] in q's dtype (pad rows 0), with return_lse (out, lse).
         """
@@ -124,19 +130,28 @@ class ShardedExtendPlan(AttentionPlan):
         if writes is not None and writes is not self.writes:
             raise ValueError("writes= of a pass-KV / pass-Q plan are planned from its page table at plan time; "
                              "pass None")
-        k_cache, v_cache = self._cache_pair(cache, "this rank's paged caches")
-        for name, t, d in (("k_cache", k_cache, spec.head_dim), ("v_cache", v_cache, spec.head_dim_v)):
+        if spec.kv_tiled:  # one uint8 tensor of tile rows: K, and V = its latent
+            self._check_latent_view(k_local, v_local)
+            k_cache = v_cache = self._tile_cache(cache, "this rank's paged tile cache")
+            tails = (("cache", k_cache, tile_row_bytes(spec), torch.uint8),)
+        else:
+            k_cache, v_cache = self._cache_pair(cache, "this rank's paged caches")
+            tails = (("k_cache", k_cache, spec.head_dim, spec.kv_dtype),
+                     ("v_cache", v_cache, spec.head_dim_v, spec.kv_dtype))
+        for name, t, d, dtype in tails:
             if t.dim() != 4 or tuple(t.shape[1:]) != (spec.page_size, spec.num_kv_heads, d) or \
                     t.shape[0] * spec.page_size != self.writes.num_slots:
                 raise ValueError(f"{name} must be [num_pages, {spec.page_size}, {spec.num_kv_heads}, {d}] with "
                                  f"num_pages * page_size = {self.writes.num_slots}, got {list(t.shape)}")
-            if t.dtype != spec.kv_dtype or t.device != meta.device:
-                raise ValueError(f"{name} must be {spec.kv_dtype} on {meta.device}, got {t.dtype} on {t.device}")
+            if t.dtype != dtype or t.device != meta.device:
+                raise ValueError(f"{name} must be {dtype} on {meta.device}, got {t.dtype} on {t.device}")
         if sinks is not None or spec.has_sinks:
             check_sinks(sinks, spec, meta.device)
         check_group(meta, group)  # local checks, before any collective
         kv_scales = {}
-        if scales is not None:  # quantized where computed: the collective moves FP8 bytes
+        if spec.kv_tiled:  # quantized where computed: the collective moves tile rows
+            k_local = v_local = self._quantize_tiles(k_local)
+        elif scales is not None:  # quantized where computed: the collective moves FP8 bytes
             k_local = quantize_fp8(k_local, scales[0], spec.kv_dtype)
             v_local = quantize_fp8(v_local, scales[1], spec.kv_dtype)
             kv_scales = {"k_scale": scales[0], "v_scale": scales[1]}
@@ -153,15 +168,16 @@ class ShardedExtendPlan(AttentionPlan):
                  kv_scales):
         meta, spec, x = self.meta, self.spec, self._extra
         p, c = meta.num_physical_tokens, meta.cp_size
-        hkv, d, dv = spec.num_kv_heads, spec.head_dim, spec.head_dim_v
-        slots = x["prefix_slots"]
-        k_pre = k_cache.view(-1, hkv, d).index_select(0, slots)  # read before this layer's writes
-        v_pre = v_cache.view(-1, hkv, dv).index_select(0, slots)
+        slots, tiled = x["prefix_slots"], spec.kv_tiled
+        # the parts of a gathered row: K and V, or a tile spec's one uint8 row (V is its latent)
+        tails = [tuple(k_local.shape[1:])] + ([] if tiled else [tuple(v_local.shape[1:])])
+        locals_ = (k_local, v_local)[: len(tails)]
+        pres = [c.view(-1, *tail).index_select(0, slots) for c, tail in zip((k_cache, v_cache), tails)]  # pre-write
         rows = p + x["np_rows"]
         layout, row_bytes = x["layout"], x["row_bytes"]
         send = torch.empty((rows, row_bytes), dtype=torch.uint8, device=k_local.device)
-        n_pre = k_pre.shape[0]
-        for (off, width), local, pre in zip(layout, (k_local, v_local), (k_pre, v_pre)):
+        n_pre = pres[0].shape[0]
+        for (off, width), local, pre in zip(layout, locals_, pres):
             cols = width // local.element_size()
             send[:p, off : off + width] = local.reshape(p, cols).contiguous().view(torch.uint8)
             send[p : p + n_pre, off : off + width] = pre.reshape(n_pre, cols).view(torch.uint8)
@@ -171,8 +187,13 @@ class ShardedExtendPlan(AttentionPlan):
             gathered = torch.empty((c * rows, send.shape[1]), dtype=torch.uint8, device=send.device)
             _collectives.all_gather_into(gathered, send, group, False)  # ONE all-gather
         packed = gathered.index_select(0, x["src_index"])
-        k_all, v_all = unpack_rows(packed, layout, [(k_local.dtype, (hkv, d)), (v_local.dtype, (hkv, dv))])
-        write_kv_cache(k_all, v_all, k_cache, v_cache, x["packed_writes"])
+        parts = unpack_rows(packed, layout, [(t.dtype, tail) for t, tail in zip(locals_, tails)])
+        if tiled:
+            k_all = v_all = parts[0]
+            write_mla_cache(k_all[:, 0], None, k_cache[..., 0, :], x["packed_writes"], layout=FP8_TILE)
+        else:
+            k_all, v_all = parts
+            write_kv_cache(k_all, v_all, k_cache, v_cache, x["packed_writes"])
         res = self.attention.attend(q_local, k_all, v_all, sinks=sinks, softmax_scale=softmax_scale,
                                     return_lse=return_lse, **kv_scales)
         return res if return_lse else (res, None)
@@ -184,8 +205,12 @@ class ShardedExtendPlan(AttentionPlan):
         if p == 0:  # an empty batch: nothing to gather, write or attend
             hq, dv = self.spec.num_q_heads, self.spec.head_dim_v
             return (q_local.new_zeros((0, hq, dv)), torch.zeros((0, hq), dtype=torch.float32, device=q_local.device))
-        q_all, k_ext, v_ext = all_gather_rows([q_local, k_local, v_local], meta, group)  # ONE all-gather
-        write_kv_cache(k_ext, v_ext, k_cache, v_cache, self.writes)
+        if self.spec.kv_tiled:  # one uint8 tile row per token: K, and V = its latent
+            q_all, k_ext = all_gather_rows([q_local, k_local], meta, group)  # ONE all-gather
+            write_mla_cache(k_ext[:, 0], None, k_cache[..., 0, :], self.writes, layout=FP8_TILE)
+        else:
+            q_all, k_ext, v_ext = all_gather_rows([q_local, k_local, v_local], meta, group)  # ONE all-gather
+            write_kv_cache(k_ext, v_ext, k_cache, v_cache, self.writes)
         out_p, lse_p = self.attention.attend(q_all, k_cache, v_cache, page_table=self.page_table, sinks=sinks,
                                              softmax_scale=softmax_scale, **kv_scales)
         idx = x["send_index"]
@@ -281,6 +306,8 @@ def _kv_row_layout(spec) -> tuple[list[tuple[int, int]], int]:
     the cache dtype (``spec.kv_dtype``: an FP8 cache moves half the bytes of a bf16 one)."""
     item = spec.kv_dtype.itemsize
     widths = [spec.num_kv_heads * spec.head_dim * item, spec.num_kv_heads * spec.head_dim_v * item]
+    if spec.kv_tiled:  # one tile row (latent, its scales, rope): V is its latent
+        widths = [tile_row_bytes(spec)]
     offsets, row_bytes = row_layout(widths)
     return list(zip(offsets, widths)), row_bytes
 
