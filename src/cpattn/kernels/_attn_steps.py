@@ -15,13 +15,24 @@ from ._fp8_tiles import tile_values
 
 
 @triton.jit
-def load_query(q_ptrs, mask1, mask2, offs_d1, offs_d2, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
-               DOT_UPCAST: tl.constexpr):
+def _entries(row_ok, col_ok, COL_MASK: tl.constexpr):
+    """The [M, N] mask of rows ``row_ok`` [M] (and with COL_MASK, columns ``col_ok`` [N])."""
+    if COL_MASK:
+        mask = row_ok[:, None] & col_ok[None, :]
+    else:
+        mask = row_ok[:, None]
+    return mask
+
+
+@triton.jit
+def load_query(q_ptrs, row_ok, d1_ok, d2_ok, offs_d1, offs_d2, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
+               DOT_UPCAST: tl.constexpr, COL_MASK: tl.constexpr):
     """(q1 [M, BLOCK_D1], q2 [M, BLOCK_D2]) of the query rows at ``q_ptrs`` [M, 1]: the head dim
-    split in two (q2 is q1 when ``BLOCK_D2 == 0``); masked entries read 0; fp32 with DOT_UPCAST."""
-    q1 = tl.load(q_ptrs + offs_d1[None, :], mask=mask1, other=0.0)
+    split in two (q2 is q1 when ``BLOCK_D2 == 0``); rows not ``row_ok`` [M] (with COL_MASK also
+    columns not ``d1_ok`` / ``d2_ok``) read 0; fp32 with DOT_UPCAST."""
+    q1 = tl.load(q_ptrs + offs_d1[None, :], mask=_entries(row_ok, d1_ok, COL_MASK), other=0.0)
     if BLOCK_D2 > 0:
-        q2 = tl.load(q_ptrs + BLOCK_D1 + offs_d2[None, :], mask=mask2, other=0.0)
+        q2 = tl.load(q_ptrs + BLOCK_D1 + offs_d2[None, :], mask=_entries(row_ok, d2_ok, COL_MASK), other=0.0)
     else:
         q2 = q1
     if DOT_UPCAST:

@@ -343,7 +343,7 @@ def _cp_attn_fwd(
     offs_dv = tl.arange(0, HEAD_DIM_V)
 
     q_ptrs = Q + row[:, None] * stride_qm + head[:, None] * stride_qh
-    q1, q2 = load_query(q_ptrs, valid[:, None], valid[:, None], offs_d1, offs_d2, BLOCK_D1, BLOCK_D2, DOT_UPCAST)
+    q1, q2 = load_query(q_ptrs, valid, None, None, offs_d1, offs_d2, BLOCK_D1, BLOCK_D2, DOT_UPCAST, False)
 
     k_base, v_base, qk_scale = kv_head(K, V, KScale, kvh, stride_kh, stride_vh, stride_ks, qk_scale, KV_FP8)
     pt_row, kv_row_base = kv_rows(PageTable, cu_kv_lens, seq, stride_pt, PAGED)
