@@ -66,6 +66,28 @@ def kv_rows(PageTable, cu_kv, seq, stride_pt, PAGED: tl.constexpr):
 
 
 @triton.jit
+def head_group_tile(
+    Q, K, V, KScale, PageTable, cu_kv, seq, qrow, head, valid, kvh, qk_scale,
+    stride_qm, stride_qh, stride_kh, stride_vh, stride_ks, stride_pt,
+    BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    PAGED: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
+):
+    """What a tile of query rows ``qrow`` [M] x heads ``head`` [M] (``valid`` [M]) of KV head
+    ``kvh`` over sequence ``seq`` reads its keys with: (offs_n, offs_d1, offs_d2, offs_dv, q1, q2,
+    k_base, v_base, qk_scale, pt_row, kv_row_base) (see :func:`load_query`, :func:`kv_head`,
+    :func:`kv_rows`)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d1 = tl.arange(0, BLOCK_D1)
+    offs_d2 = tl.arange(0, BLOCK_D2 if BLOCK_D2 > 0 else 16)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    q_ptrs = Q + qrow[:, None] * stride_qm + head[:, None] * stride_qh
+    q1, q2 = load_query(q_ptrs, valid, None, None, offs_d1, offs_d2, BLOCK_D1, BLOCK_D2, DOT_UPCAST, False)
+    k_base, v_base, qk_scale = kv_head(K, V, KScale, kvh, stride_kh, stride_vh, stride_ks, qk_scale, KV_FP8)
+    pt_row, kv_row_base = kv_rows(PageTable, cu_kv, seq, stride_pt, PAGED)
+    return offs_n, offs_d1, offs_d2, offs_dv, q1, q2, k_base, v_base, qk_scale, pt_row, kv_row_base
+
+
+@triton.jit
 def softmax_rescale(acc, l_i, m_i, s, visible, qk_scale, MASKED: tl.constexpr):
     """The first half of a base-2 online-softmax step over unscaled scores ``s`` [M, N] (fp32;
     ``qk_scale`` > 0 folds into the exponent's FMA): (acc and l_i rescaled with p's mass added to

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._attn_steps import add_values, kv_head, kv_rows, load_query, normalized, row_lse, softmax_rescale
+from ._attn_steps import add_values, head_group_tile, normalized, row_lse, softmax_rescale
 from ._fp8_tiles import load_tile_rows, tile_scores
 from ._launch import PlannedLaunch
 from ._tiles import LOG2E, SM90_SMEM_PER_BLOCK, kv_strides
@@ -337,16 +337,10 @@ def _cp_attn_fwd(
     pos_max = pos0 + last_r * pstride
     kvh = (hg * G_PACK) // group_size
 
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d1 = tl.arange(0, BLOCK_D1)
-    offs_d2 = tl.arange(0, BLOCK_D2 if BLOCK_D2 > 0 else 16)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
-
-    q_ptrs = Q + row[:, None] * stride_qm + head[:, None] * stride_qh
-    q1, q2 = load_query(q_ptrs, valid, None, None, offs_d1, offs_d2, BLOCK_D1, BLOCK_D2, DOT_UPCAST, False)
-
-    k_base, v_base, qk_scale = kv_head(K, V, KScale, kvh, stride_kh, stride_vh, stride_ks, qk_scale, KV_FP8)
-    pt_row, kv_row_base = kv_rows(PageTable, cu_kv_lens, seq, stride_pt, PAGED)
+    offs_n, offs_d1, offs_d2, offs_dv, q1, q2, k_base, v_base, qk_scale, pt_row, kv_row_base = head_group_tile(
+        Q, K, V, KScale, PageTable, cu_kv_lens, seq, row, head, valid, kvh, qk_scale,
+        stride_qm, stride_qh, stride_kh, stride_vh, stride_ks, stride_pt,
+        BLOCK_N, BLOCK_D1, BLOCK_D2, HEAD_DIM_V, PAGED, DOT_UPCAST, KV_FP8)
     if USE_TMA:  # packed K/V of this KV head as [num_kv_rows, D] row-strided matrices
         k_desc1 = tl.make_tensor_descriptor(k_base, shape=[num_kv_rows, BLOCK_D1], strides=[stride_kn, 1],
                                             block_shape=[BLOCK_N, BLOCK_D1])

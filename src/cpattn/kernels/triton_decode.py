@@ -50,7 +50,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._attn_steps import add_values, kv_head, kv_rows, load_query, normalized, row_lse, softmax_rescale
+from ._attn_steps import add_values, head_group_tile, normalized, row_lse, softmax_rescale
 from ._fp8_tiles import load_tile_rows, tile_scores
 from ._launch import LRU, LaunchState, PlannedLaunch
 from ._tiles import LOG2E, kv_strides
@@ -222,16 +222,10 @@ def _shard_attn_split(
     qrow = (tl.load(cu_q_lens + seq) + r0 + i).to(tl.int64)
     kvh = (hg * G_PACK) // group_size
 
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d1 = tl.arange(0, BLOCK_D1)
-    offs_d2 = tl.arange(0, BLOCK_D2 if BLOCK_D2 > 0 else 16)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
-
-    q_ptrs = Q + qrow[:, None] * stride_qm + head[:, None] * stride_qh
-    q1, q2 = load_query(q_ptrs, valid, None, None, offs_d1, offs_d2, BLOCK_D1, BLOCK_D2, DOT_UPCAST, False)
-
-    k_base, v_base, qk_scale = kv_head(K, V, KScale, kvh, stride_kh, stride_vh, stride_ks, qk_scale, KV_FP8)
-    pt_row, kv_row_base = kv_rows(PageTable, cu_local_kv, seq, stride_pt, PAGED)
+    offs_n, offs_d1, offs_d2, offs_dv, q1, q2, k_base, v_base, qk_scale, pt_row, kv_row_base = head_group_tile(
+        Q, K, V, KScale, PageTable, cu_local_kv, seq, qrow, head, valid, kvh, qk_scale,
+        stride_qm, stride_qh, stride_kh, stride_vh, stride_ks, stride_pt,
+        BLOCK_N, BLOCK_D1, BLOCK_D2, HEAD_DIM_V, PAGED, DOT_UPCAST, KV_FP8)
 
     single = ws < 0
     if HAS_SINKS:  # sinks join the denominator once: here when the tile has one split, else in the combine
