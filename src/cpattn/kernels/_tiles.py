@@ -54,6 +54,29 @@ def kv_strides(k, v, paged: bool) -> tuple[int, int, int, int, int, int]:
     return 0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1)
 
 
+def index_key_strides(k, k_scale, page_table, fallback) -> tuple:
+    """(stride_kp, stride_kn, stride_sp, stride_sn, page table, stride_pt) of the indexer's keys
+    for the Triton index kernels: paged keys ``[pages, page_size, D]`` with scales
+    ``[pages, page_size]``; packed ``[rows, D]`` / ``[rows]`` (page strides 0; ``fallback``, any
+    int32 tensor, stands in for the unread page table). ``k_scale`` None: scale strides 0."""
+    if page_table is not None:
+        ssp, ssn = (k_scale.stride(0), k_scale.stride(1)) if k_scale is not None else (0, 0)
+        return k.stride(0), k.stride(1), ssp, ssn, page_table, page_table.stride(0)
+    ssn = k_scale.stride(0) if k_scale is not None else 0
+    return 0, k.stride(0), 0, ssn, fallback, 0
+
+
+def segment_tiles(seg_len: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """(segment, row offset) [num_tiles] int64 of the tiles of ``rows`` rows that cover each
+    segment of ``seg_len`` [S] int64 (host), in segment order (a segment's last tile may be
+    short; an empty segment has none)."""
+    counts = (seg_len + rows - 1) // rows
+    num_tiles = int(counts.sum())
+    segment = torch.repeat_interleave(torch.arange(seg_len.numel()), counts, output_size=num_tiles)
+    first = torch.cumsum(counts, 0) - counts
+    return segment, (torch.arange(num_tiles) - first[segment]) * rows
+
+
 def tile_map(meta: CPMetadata, rows: int, capacity: Optional[int] = None, window_left: int = -1,
              group_keys: Optional[int] = None) -> TileMap:
     """Tiles over every segment of ``meta`` including the pad segment (so kernels write pad
@@ -68,11 +91,8 @@ def tile_map(meta: CPMetadata, rows: int, capacity: Optional[int] = None, window
     seg_len = host.seg_len[:s].long()
     seg_pos0 = host.seg_pos0[:s].long()
     seg_stride = host.seg_stride[:s].long()
-    counts = (seg_len + rows - 1) // rows
-    num_tiles = int(counts.sum())
-    segment = torch.repeat_interleave(torch.arange(s), counts, output_size=num_tiles)
-    first = torch.cumsum(counts, 0) - counts
-    row_offset = (torch.arange(num_tiles) - first[segment]) * rows
+    segment, row_offset = segment_tiles(seg_len, rows)
+    num_tiles = segment.numel()
     last_row = torch.minimum(row_offset + rows, seg_len[segment]) - 1
     last_pos = seg_pos0[segment] + seg_stride[segment] * last_row
     real = last_pos >= 0  # not the pad segment's tiles (position -1)

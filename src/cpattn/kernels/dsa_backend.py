@@ -46,6 +46,7 @@ from .. import _buffers
 from ..metadata import CPMetadata
 from ..selection import top_keys
 from ._dsa_rows import device_rows
+from ._tiles import max_tiles, segment_tiles
 
 #: Sparse-attention kernel families ("auto": mla where it applies, else portable).
 SPARSE_FAMILIES = ("auto", "mla", "portable")
@@ -206,11 +207,7 @@ def _row_order_tiles(meta: CPMetadata, block_m: int) -> dict[str, Tensor]:
     host = meta.host if meta.host is not None else meta
     s = meta.num_segments
     seg_len = host.seg_len[:s].long()
-    counts = (seg_len + block_m - 1) // block_m
-    num = int(counts.sum())
-    seg = torch.repeat_interleave(torch.arange(s), counts, output_size=num)
-    first = torch.cumsum(counts, 0) - counts
-    off = (torch.arange(num) - first[seg]) * block_m
+    seg, off = segment_tiles(seg_len, block_m)
     length = torch.minimum(seg_len[seg] - off, torch.tensor(block_m))
     stride = host.seg_stride[:s].long()[seg]
     pos0 = host.seg_pos0[:s].long()[seg] + off * stride
@@ -310,8 +307,6 @@ class _TritonIndexRun:
         self.config = options.get("config")
         size = tiles["row0"].numel()
         if meta.is_static:  # fixed arena shapes: pad to the capacity's tile and entry bounds
-            from ._tiles import max_tiles
-
             size = max(size, max_tiles(meta, block_m))
             # only a one-tile chunk is cut into windows, each at least budget // block_m keys
             window = max(kpp, (int(budget) // block_m) // kpp * kpp)

@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._fp8_tiles import load_tile_rows, tile_scores, tile_values
+from ._attn_steps import add_values, head_group_tile, normalized, row_lse, softmax_rescale
+from ._fp8_tiles import load_tile_rows, tile_scores
 from ._launch import PlannedLaunch
 from ._tiles import LOG2E, SM90_SMEM_PER_BLOCK, kv_strides
 
@@ -235,29 +236,15 @@ def _softmax_update(
     """One online-softmax step (base 2): fold scores ``s`` of a key block and its values ``v``
     into (acc, l_i, m_i). MASKED applies the causal / window mask by position. KV_TILE: ``v``
     holds e4m3 latent values whose ``tile_scale`` [BLOCK_N, Dv / 128] applies in fp32."""
-    # scores stay unscaled; qk_scale (> 0) folds into the exponent's FMA
     if MASKED:
         kpos = start + offs_n
         visible = kpos[None, :] <= pos[:, None]
         if HAS_WINDOW:
             visible = visible & (kpos[None, :] >= pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        m_use = m_new
-    p = tl.math.exp2(s * qk_scale - m_use[:, None])
-    alpha = tl.math.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if KV_TILE:
-        acc += tile_values(p, v, tile_scale, acc.shape[0], v.shape[0], v.shape[1], DOT_PRECISION)
-    else:
-        p = p.to(v.dtype)
-        if DOT_UPCAST:
-            p = p.to(tl.float32)
-        acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
+        visible = None
+    acc, l_i, m_new, p = softmax_rescale(acc, l_i, m_i, s, visible, qk_scale, MASKED)
+    acc = add_values(acc, p, v, tile_scale, DOT_PRECISION, DOT_UPCAST, KV_TILE)
     return acc, l_i, m_new
 
 
@@ -350,32 +337,10 @@ def _cp_attn_fwd(
     pos_max = pos0 + last_r * pstride
     kvh = (hg * G_PACK) // group_size
 
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d1 = tl.arange(0, BLOCK_D1)
-    offs_d2 = tl.arange(0, BLOCK_D2 if BLOCK_D2 > 0 else 16)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
-
-    q_ptrs = Q + row[:, None] * stride_qm + head[:, None] * stride_qh + offs_d1[None, :]
-    q1 = tl.load(q_ptrs, mask=valid[:, None], other=0.0)
-    if BLOCK_D2 > 0:
-        q2_ptrs = Q + row[:, None] * stride_qm + head[:, None] * stride_qh + BLOCK_D1 + offs_d2[None, :]
-        q2 = tl.load(q2_ptrs, mask=valid[:, None], other=0.0)
-    else:
-        q2 = q1
-    if DOT_UPCAST:
-        q1 = q1.to(tl.float32)
-        q2 = q2.to(tl.float32)
-
-    k_base = K + kvh.to(tl.int64) * stride_kh
-    v_base = V + kvh.to(tl.int64) * stride_vh
-    if KV_FP8:  # the K scale joins the softmax scale (scores are linear in K)
-        qk_scale = qk_scale * tl.load(KScale + kvh * stride_ks)
-    if PAGED:
-        pt_row = PageTable + seq.to(tl.int64) * stride_pt
-        kv_row_base = 0
-    else:
-        pt_row = PageTable
-        kv_row_base = tl.load(cu_kv_lens + seq)
+    offs_n, offs_d1, offs_d2, offs_dv, q1, q2, k_base, v_base, qk_scale, pt_row, kv_row_base = head_group_tile(
+        Q, K, V, KScale, PageTable, cu_kv_lens, seq, row, head, valid, kvh, qk_scale,
+        stride_qm, stride_qh, stride_kh, stride_vh, stride_ks, stride_pt,
+        BLOCK_N, BLOCK_D1, BLOCK_D2, HEAD_DIM_V, PAGED, DOT_UPCAST, KV_FP8)
     if USE_TMA:  # packed K/V of this KV head as [num_kv_rows, D] row-strided matrices
         k_desc1 = tl.make_tensor_descriptor(k_base, shape=[num_kv_rows, BLOCK_D1], strides=[stride_kn, 1],
                                             block_shape=[BLOCK_N, BLOCK_D1])
@@ -435,16 +400,11 @@ def _cp_attn_fwd(
     )
 
     # l_i == 0: no visible key (0 / -inf); NaN (from q, k, v or a sink) stays NaN in out and lse
-    has_mass = l_i != 0.0
-    inv_l = tl.where(has_mass, 1.0 / tl.where(has_mass, l_i, 1.0), 0.0)
-    out = acc * inv_l[:, None]
-    if KV_FP8:  # the V scale: the output is linear in V
-        out = out * tl.load(VScale + kvh * stride_vs)
+    out, has_mass = normalized(acc, l_i, VScale, kvh, stride_vs, KV_FP8)
     o_ptrs = Out + row[:, None] * stride_om + head[:, None] * stride_oh + offs_dv[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=valid[:, None])
     if RETURN_LSE:
-        lse = tl.where(has_mass, (m_i + tl.math.log2(tl.where(has_mass, l_i, 1.0))) * 0.6931471805599453,
-                       float("-inf"))
+        lse = row_lse(m_i, l_i, has_mass)
         lse = tl.where(pos < 0, float("-inf"), lse)  # pad rows (pad segment, position -1)
         tl.store(Lse + row * stride_lm + head * stride_lh, lse, mask=valid)
 

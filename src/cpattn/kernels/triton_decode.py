@@ -50,7 +50,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._fp8_tiles import load_tile_rows, tile_scores, tile_values
+from ._attn_steps import add_values, head_group_tile, normalized, row_lse, softmax_rescale
+from ._fp8_tiles import load_tile_rows, tile_scores
 from ._launch import LRU, LaunchState, PlannedLaunch
 from ._tiles import LOG2E, kv_strides
 
@@ -60,7 +61,6 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "
 
 #: The constants for use inside kernels (Triton reads only constexpr globals).
 _LOG2E = tl.constexpr(LOG2E)
-_LN2 = tl.constexpr(0.6931471805599453)
 
 
 # ----------------------------------------------------------------------------- helpers (device)
@@ -152,6 +152,7 @@ def _key_range(
             s = tile_scores(q1, k1, tsc, q1.shape[0], BLOCK_N, BLOCK_D1, DOT_PRECISION)
             s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
         else:
+            tsc = None
             k1 = _load_block(k_base, k_off, in_range, offs_d1, MASKED, DOT_UPCAST)
             if KV_FP8:  # dequantized in registers: e4m3 -> q's dtype (exact), scales outside the dots
                 k1 = k1.to(q1.dtype)
@@ -172,22 +173,10 @@ def _key_range(
             visible = in_range[None, :] & (kpos[None, :] <= pos[:, None])
             if HAS_WINDOW:
                 visible = visible & (kpos[None, :] >= pos[:, None] - window)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            m_use = m_new
-        p = tl.math.exp2(s * qk_scale - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if KV_TILE:
-            acc += tile_values(p, v, tsc, q1.shape[0], BLOCK_N, BLOCK_D1, DOT_PRECISION)
-        else:
-            p = p.to(v.dtype)
-            acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+            visible = None
+        acc, l_i, m_i, p = softmax_rescale(acc, l_i, m_i, s, visible, qk_scale, MASKED)
+        acc = add_values(acc, p, v, tsc, DOT_PRECISION, DOT_UPCAST, KV_TILE)
     return acc, l_i, m_i
 
 
@@ -233,31 +222,10 @@ def _shard_attn_split(
     qrow = (tl.load(cu_q_lens + seq) + r0 + i).to(tl.int64)
     kvh = (hg * G_PACK) // group_size
 
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d1 = tl.arange(0, BLOCK_D1)
-    offs_d2 = tl.arange(0, BLOCK_D2 if BLOCK_D2 > 0 else 16)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
-
-    q_ptrs = Q + qrow[:, None] * stride_qm + head[:, None] * stride_qh
-    q1 = tl.load(q_ptrs + offs_d1[None, :], mask=valid[:, None], other=0.0)
-    if BLOCK_D2 > 0:
-        q2 = tl.load(q_ptrs + BLOCK_D1 + offs_d2[None, :], mask=valid[:, None], other=0.0)
-    else:
-        q2 = q1
-    if DOT_UPCAST:
-        q1 = q1.to(tl.float32)
-        q2 = q2.to(tl.float32)
-
-    k_base = K + kvh.to(tl.int64) * stride_kh
-    v_base = V + kvh.to(tl.int64) * stride_vh
-    if KV_FP8:  # the K scale joins the softmax scale (scores are linear in K)
-        qk_scale = qk_scale * tl.load(KScale + kvh * stride_ks)
-    if PAGED:
-        pt_row = PageTable + seq.to(tl.int64) * stride_pt
-        kv_row_base = 0
-    else:
-        pt_row = PageTable
-        kv_row_base = tl.load(cu_local_kv + seq)
+    offs_n, offs_d1, offs_d2, offs_dv, q1, q2, k_base, v_base, qk_scale, pt_row, kv_row_base = head_group_tile(
+        Q, K, V, KScale, PageTable, cu_local_kv, seq, qrow, head, valid, kvh, qk_scale,
+        stride_qm, stride_qh, stride_kh, stride_vh, stride_ks, stride_pt,
+        BLOCK_N, BLOCK_D1, BLOCK_D2, HEAD_DIM_V, PAGED, DOT_UPCAST, KV_FP8)
 
     single = ws < 0
     if HAS_SINKS:  # sinks join the denominator once: here when the tile has one split, else in the combine
@@ -300,11 +268,9 @@ def _shard_attn_split(
         DOT_UPCAST, BLOCK_N, KV_FP8, KV_TILE)
 
     # l_i == 0: no visible key (0 / -inf); NaN (from q, a visible k / v, or a sink) stays NaN
-    has_mass = l_i != 0.0
-    out = acc * tl.where(has_mass, 1.0 / tl.where(has_mass, l_i, 1.0), 0.0)[:, None]
-    if KV_FP8:  # the V scale: the output (and each partial, which the combine mixes linearly) is linear in V
-        out = out * tl.load(VScale + kvh * stride_vs)
-    lse = tl.where(has_mass, (m_i + tl.math.log2(tl.where(has_mass, l_i, 1.0))) * _LN2, float("-inf"))
+    # KV_FP8: the V scale applies here (each partial, which the combine mixes linearly, is linear in V)
+    out, has_mass = normalized(acc, l_i, VScale, kvh, stride_vs, KV_FP8)
+    lse = row_lse(m_i, l_i, has_mass)
     if single:
         o_ptrs = Out + qrow[:, None] * stride_om + head[:, None] * stride_oh + offs_dv[None, :]
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=valid[:, None])

@@ -30,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ._launch import scratch_allocator
-from ._tiles import SM90_SMEM_PER_BLOCK
+from ._tiles import SM90_SMEM_PER_BLOCK, index_key_strides
 
 #: True when the kernels were built for the CPU interpreter (TRITON_INTERPRET=1 at import).
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
@@ -219,14 +219,7 @@ def launch(
     element ``piece_base``, column j = key position ``p_lo + j``). ``grid[1]``: key splits of the widest
     piece. ``config`` = (BLOCK_N, num_warps, num_stages) bypasses the autotuner."""
     paged = page_table is not None
-    if paged:
-        skp, skn = k.stride(0), k.stride(1)
-        ssp, ssn = (k_scale.stride(0), k_scale.stride(1)) if k_scale is not None else (0, 0)
-        pt, stride_pt = page_table, page_table.stride(0)
-    else:
-        skp, skn = 0, k.stride(0)
-        ssp, ssn = (0, k_scale.stride(0)) if k_scale is not None else (0, 0)
-        pt, stride_pt = plan_args["tile_seq"], 0
+    skp, skn, ssp, ssn, pt, stride_pt = index_key_strides(k, k_scale, page_table, plan_args["tile_seq"])
     args = dict(
         Q=q, K=k, W=w, KScale=k_scale if k_scale is not None else scores, Scores=scores, PageTable=pt,
         entry_base=entry_base, softmax_scale=float(softmax_scale),

@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ._tiles import index_key_strides
+
 #: True when the kernels were built for the CPU interpreter (TRITON_INTERPRET=1 at import).
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
@@ -108,14 +110,7 @@ def launch(q: Tensor, k: Tensor, w: Tensor, k_scale, scores: Tensor, page_table,
     args = dict(plan_args)
     kpp, warps, stages = args.pop("KEYS_PER_PROGRAM"), args.pop("num_warps"), args.pop("num_stages")
     paged = page_table is not None
-    if paged:
-        skp, skn = k.stride(0), k.stride(1)
-        ssp, ssn = (k_scale.stride(0), k_scale.stride(1)) if k_scale is not None else (0, 0)
-        pt, stride_pt = page_table, page_table.stride(0)
-    else:
-        skp, skn = 0, k.stride(0)
-        ssp, ssn = (0, k_scale.stride(0)) if k_scale is not None else (0, 0)
-        pt, stride_pt = row_seq, 0
+    skp, skn, ssp, ssn, pt, stride_pt = index_key_strides(k, k_scale, page_table, row_seq)
     grid = (n, triton.cdiv(width, kpp))
     _shard_index_scores[grid](
         q, k, w, k_scale if k_scale is not None else scores, scores, pt, row_seq, row_visible, row_start,

@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._fp8_tiles import load_tile_rows, tile_scores, tile_values
+from ._attn_steps import add_values, kv_head, load_query, normalized, row_lse, softmax_rescale
+from ._fp8_tiles import load_tile_rows, tile_scores
 from ._tiles import LOG2E, SM90_SMEM_PER_BLOCK, kv_strides
 
 #: True when the kernels were built for the CPU interpreter (TRITON_INTERPRET=1 at import).
@@ -140,19 +141,9 @@ def _sparse_attn_fwd(
     dv_ok = offs_dv < HEAD_DIM_V
 
     q_row = Q + row64 * stride_qm + head[:, None].to(tl.int64) * stride_qh
-    q1 = tl.load(q_row + offs_d1[None, :], mask=h_valid[:, None] & d1_ok[None, :], other=0.0)
-    if BLOCK_D2 > 0:
-        q2 = tl.load(q_row + BLOCK_D1 + offs_d2[None, :], mask=h_valid[:, None] & d2_ok[None, :], other=0.0)
-    else:
-        q2 = q1
-    if DOT_UPCAST:
-        q1 = q1.to(tl.float32)
-        q2 = q2.to(tl.float32)
+    q1, q2 = load_query(q_row, h_valid, d1_ok, d2_ok, offs_d1, offs_d2, BLOCK_D1, BLOCK_D2, DOT_UPCAST, True)
 
-    k_base = K + kvh.to(tl.int64) * stride_kh
-    v_base = V + kvh.to(tl.int64) * stride_vh
-    if KV_FP8:  # the K scale joins the softmax scale (scores are linear in K)
-        qk_scale = qk_scale * tl.load(KScale + kvh * stride_ks)
+    k_base, v_base, qk_scale = kv_head(K, V, KScale, kvh, stride_kh, stride_vh, stride_ks, qk_scale, KV_FP8)
     pt_row = PageTable + seq.to(tl.int64) * stride_pt
     idx_row = Idx + row64 * stride_im
 
@@ -187,6 +178,7 @@ def _sparse_attn_fwd(
             s = tile_scores(q1, k1, tsc, BLOCK_H, BLOCK_N, BLOCK_D1, DOT_PRECISION)
             s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
         else:
+            tsc = None
             k1 = tl.load(k_base + k_off[:, None] + offs_d1[None, :], mask=valid[:, None] & d1_ok[None, :],
                          other=0.0)
             if DOT_UPCAST:
@@ -202,39 +194,24 @@ def _sparse_attn_fwd(
                 if KV_FP8:
                     k2 = k2.to(q2.dtype)
                 s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s * qk_scale - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if KV_TILE:
-            acc += tile_values(p, k1, tsc, BLOCK_H, BLOCK_N, BLOCK_D1, DOT_PRECISION)
+        acc, l_i, m_i, p = softmax_rescale(acc, l_i, m_i, s, valid[None, :], qk_scale, True)
+        if KV_TILE or V_IS_K:
+            v = k1
         else:
-            if V_IS_K:
-                v = k1
-            else:
-                v = tl.load(v_base + v_off[:, None] + offs_dv[None, :], mask=valid[:, None] & dv_ok[None, :],
-                            other=0.0)
-                if DOT_UPCAST:
-                    v = v.to(tl.float32)
-                if KV_FP8:
-                    v = v.to(q1.dtype)
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+            v = tl.load(v_base + v_off[:, None] + offs_dv[None, :], mask=valid[:, None] & dv_ok[None, :],
+                        other=0.0)
+            if DOT_UPCAST:
+                v = v.to(tl.float32)
+            if KV_FP8:
+                v = v.to(q1.dtype)
+        acc = add_values(acc, p, v, tsc, DOT_PRECISION, DOT_UPCAST, KV_TILE)
 
     # l_i == 0: no valid key and no sink (0 / -inf); NaN from q, a selected k / v or a sink stays NaN
-    has_mass = l_i != 0.0
-    inv_l = tl.where(has_mass, 1.0 / tl.where(has_mass, l_i, 1.0), 0.0)
-    out = acc * inv_l[:, None]
-    if KV_FP8:  # the V scale: the output is linear in V
-        out = out * tl.load(VScale + kvh * stride_vs)
+    out, has_mass = normalized(acc, l_i, VScale, kvh, stride_vs, KV_FP8)
     o_ptrs = Out + row64 * stride_om + head[:, None].to(tl.int64) * stride_oh + offs_dv[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=h_valid[:, None] & dv_ok[None, :])
     if RETURN_LSE:
-        lse = tl.where(has_mass, (m_i + tl.math.log2(tl.where(has_mass, l_i, 1.0))) * 0.6931471805599453,
-                       float("-inf"))
+        lse = row_lse(m_i, l_i, has_mass)
         lse = tl.where(pos < 0, float("-inf"), lse)  # pad rows
         tl.store(Lse + row64 * stride_lm + head * stride_lh, lse, mask=h_valid)
 

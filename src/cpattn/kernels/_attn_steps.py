@@ -1,0 +1,141 @@
+"""Triton device helpers shared by the portable, split-KV and portable sparse attention kernels
+(device functions, no launch of their own): the query tile's load, the KV head's base pointers,
+the base-2 online-softmax step and the final normalization.
+
+Every helper is inlined where it is called, so a kernel compiles to the code it had with the
+helper's body written in place.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._fp8_tiles import tile_values
+
+
+@triton.jit
+def _entries(row_ok, col_ok, COL_MASK: tl.constexpr):
+    """The [M, N] mask of rows ``row_ok`` [M] (and with COL_MASK, columns ``col_ok`` [N])."""
+    if COL_MASK:
+        mask = row_ok[:, None] & col_ok[None, :]
+    else:
+        mask = row_ok[:, None]
+    return mask
+
+
+@triton.jit
+def load_query(q_ptrs, row_ok, d1_ok, d2_ok, offs_d1, offs_d2, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
+               DOT_UPCAST: tl.constexpr, COL_MASK: tl.constexpr):
+    """(q1 [M, BLOCK_D1], q2 [M, BLOCK_D2]) of the query rows at ``q_ptrs`` [M, 1]: the head dim
+    split in two (q2 is q1 when ``BLOCK_D2 == 0``); rows not ``row_ok`` [M] (with COL_MASK also
+    columns not ``d1_ok`` / ``d2_ok``) read 0; fp32 with DOT_UPCAST."""
+    q1 = tl.load(q_ptrs + offs_d1[None, :], mask=_entries(row_ok, d1_ok, COL_MASK), other=0.0)
+    if BLOCK_D2 > 0:
+        q2 = tl.load(q_ptrs + BLOCK_D1 + offs_d2[None, :], mask=_entries(row_ok, d2_ok, COL_MASK), other=0.0)
+    else:
+        q2 = q1
+    if DOT_UPCAST:
+        q1 = q1.to(tl.float32)
+        q2 = q2.to(tl.float32)
+    return q1, q2
+
+
+@triton.jit
+def kv_head(K, V, KScale, kvh, stride_kh, stride_vh, stride_ks, qk_scale, KV_FP8: tl.constexpr):
+    """(K base, V base, softmax scale) of KV head ``kvh``; KV_FP8 folds the head's K scale into
+    the softmax scale (scores are linear in K)."""
+    k_base = K + kvh.to(tl.int64) * stride_kh
+    v_base = V + kvh.to(tl.int64) * stride_vh
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(KScale + kvh * stride_ks)
+    return k_base, v_base, qk_scale
+
+
+@triton.jit
+def kv_rows(PageTable, cu_kv, seq, stride_pt, PAGED: tl.constexpr):
+    """(page-table row, first packed K/V row) of sequence ``seq``: paged K/V read the table row
+    (first row 0), packed K/V start at ``cu_kv[seq]``."""
+    if PAGED:
+        pt_row = PageTable + seq.to(tl.int64) * stride_pt
+        kv_row_base = 0
+    else:
+        pt_row = PageTable
+        kv_row_base = tl.load(cu_kv + seq)
+    return pt_row, kv_row_base
+
+
+@triton.jit
+def head_group_tile(
+    Q, K, V, KScale, PageTable, cu_kv, seq, qrow, head, valid, kvh, qk_scale,
+    stride_qm, stride_qh, stride_kh, stride_vh, stride_ks, stride_pt,
+    BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    PAGED: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
+):
+    """What a tile of query rows ``qrow`` [M] x heads ``head`` [M] (``valid`` [M]) of KV head
+    ``kvh`` over sequence ``seq`` reads its keys with: (offs_n, offs_d1, offs_d2, offs_dv, q1, q2,
+    k_base, v_base, qk_scale, pt_row, kv_row_base) (see :func:`load_query`, :func:`kv_head`,
+    :func:`kv_rows`)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d1 = tl.arange(0, BLOCK_D1)
+    offs_d2 = tl.arange(0, BLOCK_D2 if BLOCK_D2 > 0 else 16)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    q_ptrs = Q + qrow[:, None] * stride_qm + head[:, None] * stride_qh
+    q1, q2 = load_query(q_ptrs, valid, None, None, offs_d1, offs_d2, BLOCK_D1, BLOCK_D2, DOT_UPCAST, False)
+    k_base, v_base, qk_scale = kv_head(K, V, KScale, kvh, stride_kh, stride_vh, stride_ks, qk_scale, KV_FP8)
+    pt_row, kv_row_base = kv_rows(PageTable, cu_kv, seq, stride_pt, PAGED)
+    return offs_n, offs_d1, offs_d2, offs_dv, q1, q2, k_base, v_base, qk_scale, pt_row, kv_row_base
+
+
+@triton.jit
+def softmax_rescale(acc, l_i, m_i, s, visible, qk_scale, MASKED: tl.constexpr):
+    """The first half of a base-2 online-softmax step over unscaled scores ``s`` [M, N] (fp32;
+    ``qk_scale`` > 0 folds into the exponent's FMA): (acc and l_i rescaled with p's mass added to
+    l_i, the new running max, probabilities p [M, N] fp32). MASKED: keys not ``visible`` drop out
+    and a row with no visible key so far keeps max -inf."""
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_use = m_new
+    p = tl.math.exp2(s * qk_scale - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    return acc, l_i, m_new, p
+
+
+@triton.jit
+def add_values(acc, p, v, tile_scale, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+               KV_TILE: tl.constexpr):
+    """``acc + p @ v`` (fp32) for probabilities ``p`` [M, N] fp32 (rounded to v's dtype as the
+    dot takes them). KV_TILE: ``v`` holds e4m3 latent values whose ``tile_scale``
+    [N, Dv / 128] applies in fp32."""
+    if KV_TILE:
+        acc += tile_values(p, v, tile_scale, acc.shape[0], v.shape[0], v.shape[1], DOT_PRECISION)
+    else:
+        p = p.to(v.dtype)
+        if DOT_UPCAST:
+            p = p.to(tl.float32)
+        acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def normalized(acc, l_i, VScale, kvh, stride_vs, KV_FP8: tl.constexpr):
+    """(output rows acc / l_i (fp32; 0 where l_i == 0: no visible key), mask l_i != 0); NaN in
+    l_i stays NaN. KV_FP8 applies the head's V scale (the output is linear in V)."""
+    has_mass = l_i != 0.0
+    out = acc * tl.where(has_mass, 1.0 / tl.where(has_mass, l_i, 1.0), 0.0)[:, None]
+    if KV_FP8:
+        out = out * tl.load(VScale + kvh * stride_vs)
+    return out, has_mass
+
+
+@triton.jit
+def row_lse(m_i, l_i, has_mass):
+    """Natural-log LSE of the rows from the base-2 running max and sum (-inf without mass)."""
+    return tl.where(has_mass, (m_i + tl.math.log2(tl.where(has_mass, l_i, 1.0))) * 0.6931471805599453,
+                    float("-inf"))
