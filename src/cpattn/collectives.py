@@ -25,11 +25,13 @@ __all__ = [
     "PlanDisagreement",
     "agree_on_plan",
     "all_gather_into",
+    "all_gather_kv_rows",
     "all_gather_rows",
     "all_to_all_into",
     "check_group",
     "gathered_bytes_per_token",
     "group_device",
+    "is_leading_view",
     "pack_rows",
     "row_layout",
     "unpack_rows",
@@ -225,6 +227,25 @@ class PendingGather:
                 out.append(view.view(rows.shape[0], *trailing))
             self._result = out
         return self._result
+
+
+def is_leading_view(v: Tensor, k: Tensor) -> bool:
+    """True when ``v`` is ``k[..., :Dv]`` (absorbed MLA: the values are the latent columns of the
+    keys), so gathering ``k`` gathers ``v`` too."""
+    return (v.data_ptr() == k.data_ptr() and v.dtype == k.dtype and v.dim() == k.dim()
+            and v.shape[:-1] == k.shape[:-1] and v.shape[-1] <= k.shape[-1] and v.stride() == k.stride())
+
+
+def all_gather_kv_rows(k: Tensor, v: Tensor, meta: CPMetadata, group=None, *, lead: Sequence[Tensor] = ()
+                       ) -> list[Tensor]:
+    """:func:`all_gather_rows` of ``[*lead, k, v]`` in ONE collective, returning the logical
+    ``[*lead, k, v]``; a ``v`` that is ``k[..., :Dv]`` (:func:`is_leading_view`) is not moved a second
+    time: the result's ``v`` is the same view of the gathered ``k`` (absorbed MLA: 1152 instead of
+    2176 bytes per DeepSeek-V3 token in bf16)."""
+    if is_leading_view(v, k):
+        *rest, k_all = all_gather_rows([*lead, k], meta, group)
+        return [*rest, k_all, k_all[..., : v.shape[-1]]]
+    return all_gather_rows([*lead, k, v], meta, group)
 
 
 def all_gather_rows(

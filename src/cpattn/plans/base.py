@@ -402,7 +402,7 @@ class AttentionPlan:
         ``scales`` (an FP8 cache, checked): the new rows are quantized on this rank first, so the
         all-gather moves FP8 bytes."""
         from ..cache import check_kv_writes, write_kv_cache
-        from ..collectives import all_gather_rows, check_group
+        from ..collectives import all_gather_kv_rows, check_group
         from ..kv import pack_kv
 
         meta = self.meta
@@ -433,7 +433,7 @@ class AttentionPlan:
 
             k_local = quantize_fp8(k_local, scales[0], self.spec.kv_dtype)
             v_local = quantize_fp8(v_local, scales[1], self.spec.kv_dtype)
-        k_ext, v_ext = all_gather_rows([k_local, v_local], meta, group)  # ONE all-gather ("local": none)
+        k_ext, v_ext = all_gather_kv_rows(k_local, v_local, meta, group)  # ONE all-gather ("local": none)
         if self.spec.paged:
             write_kv_cache(k_ext, v_ext, k_cache, v_cache, writes)
             return k_cache, v_cache

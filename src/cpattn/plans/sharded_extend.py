@@ -45,7 +45,7 @@ from torch import Tensor
 from .. import _buffers
 from .. import collectives as _collectives
 from ..cache import write_kv_cache, write_mla_cache
-from ..collectives import all_gather_rows, check_group, pack_rows, row_layout, unpack_rows
+from ..collectives import all_gather_kv_rows, all_gather_rows, check_group, pack_rows, row_layout, unpack_rows
 from ..merge import merge_states
 from ..metadata import Capacity, CPMetadata, build_metadata
 from ..quant import FP8_TILE, quantize_fp8
@@ -209,7 +209,7 @@ class ShardedExtendPlan(AttentionPlan):
             q_all, k_ext = all_gather_rows([q_local, k_local], meta, group)  # ONE all-gather
             write_mla_cache(k_ext[:, 0], None, k_cache[..., 0, :], self.writes, layout=FP8_TILE)
         else:
-            q_all, k_ext, v_ext = all_gather_rows([q_local, k_local, v_local], meta, group)  # ONE all-gather
+            q_all, k_ext, v_ext = all_gather_kv_rows(k_local, v_local, meta, group, lead=(q_local,))  # ONE all-gather
             write_kv_cache(k_ext, v_ext, k_cache, v_cache, self.writes)
         out_p, lse_p = self.attention.attend(q_all, k_cache, v_cache, page_table=self.page_table, sinks=sinks,
                                              softmax_scale=softmax_scale, **kv_scales)
