@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import sys
 import tempfile
 import traceback
 
@@ -29,6 +30,13 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn, args, 
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # The result is written and every rank passed the barrier: leave without interpreter
+    # finalization, where gloo's worker threads can still hold finished work whose tensors
+    # need the GIL being torn down ("terminate called without an active exception", SIGABRT,
+    # seen in about one full-suite run in three on the 2-core CI machine).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, pg_timeout: float | None = None,
