@@ -865,3 +865,24 @@ def test_packed_tile_run_checks_its_prefix():
     # packed: sequence 0's 3 prefix rows, its 2 new rows, sequence 1's new row
     lat = torch.cat([pre_rows, quantize_mla_fp8_tiles(k[:, 0, :128], k[:, 0, 128:])[:, None, :]])
     assert torch.equal(out, plan.attend(q, lat, lat))
+
+
+def test_cost_model_prices_tile_rows_at_656_bytes():
+    """An extend over a sharded tile-scaled latent cache is priced at the 656 bytes per token
+    the gather moves (spec.kv_row_bytes), not Hkv (D + Dv) = 1088 values of the cache dtype."""
+    spec = cpattn.AttentionSpec(num_q_heads=16, num_kv_heads=1, head_dim=576, head_dim_v=512, dtype=torch.bfloat16,
+                                page_size=64, kv_dtype=torch.float8_e4m3fn, kv_layout="fp8_tile")
+    assert spec.kv_row_bytes == 656
+    assert spec.replace(kv_layout=None).kv_row_bytes == 1088
+    assert spec.replace(kv_layout=None, kv_dtype=None).kv_row_bytes == 2176
+    meta = cpattn.ZigzagStrategy(4).build_metadata([64, 30], [4000, 900], rank=0, kv=cpattn.KVSharding(4))
+    dims = dict(num_q_heads=16, num_kv_heads=1, head_dim=576, head_dim_v=512, dtype=torch.bfloat16,
+                kv_dtype=torch.float8_e4m3fn)
+    values = cpattn.CostModel().estimate(meta, **dims)
+    tiles = cpattn.CostModel().estimate(meta, **dims, kv_row_bytes=656)
+    assert tiles["bytes_pass_kv"] * 1088 == values["bytes_pass_kv"] * 656
+    table = torch.arange(2 * 20, dtype=torch.int32).view(2, 20)
+    plan = cpattn.plan_attention(meta, spec, page_table=table, num_pages=40, backend="torch")
+    assert plan.estimate == tiles
+    with pytest.raises(ValueError, match="kv_row_bytes"):
+        cpattn.CostModel().estimate(meta, **dims, kv_row_bytes=0)

@@ -138,7 +138,7 @@ class CostModel:
 
     def estimate(self, meta, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  head_dim_v: Optional[int] = None, dtype: torch.dtype,
-                 kv_dtype: Optional[torch.dtype] = None) -> dict:
+                 kv_dtype: Optional[torch.dtype] = None, kv_row_bytes: Optional[int] = None) -> dict:
         """pass-KV vs pass-Q for an extend over a sharded prefix planned as ``meta`` (a
         ``CPMetadata`` with a sharded ``kv``): ``{"pass_kv": s, "pass_q": s, "bytes_pass_kv": n,
         "bytes_pass_q": n}``, the same on every rank (only batch-wide numbers enter).
@@ -150,7 +150,9 @@ class CostModel:
         this rank's keys, ONE all-to-all of the partials back to the owners, a local merge:
         ``2 latency + 3 launch + (C - 1) P (q_row + kv_row + part_row) / link + W_mean / shard
         + C P part_row / hbm``. ``kv_row`` counts ``kv_dtype``'s bytes (default ``dtype``; an FP8
-        cache's rows are gathered as FP8: one byte per value).
+        cache's rows are gathered as FP8: one byte per value); ``kv_row_bytes`` overrides it for a
+        cache layout that is not one value per element (``AttentionSpec.kv_row_bytes``: a
+        tile-scaled FP8 MLA latent row is 656 bytes, not Hkv (D + Dv) = 1088).
         """
         hq = check_int(num_q_heads, "num_q_heads", 1)
         hkv = check_int(num_kv_heads, "num_kv_heads", 1)
@@ -163,6 +165,8 @@ class CostModel:
         if kv_dtype is not None and not isinstance(kv_dtype, torch.dtype):
             raise TypeError(f"kv_dtype must be a torch.dtype or None, got {kv_dtype!r}")
         kv_row, q_row, part_row, flop = _row_bytes(hq, hkv, d, dv, dtype, kv_dtype)
+        if kv_row_bytes is not None:
+            kv_row = check_int(kv_row_bytes, "kv_row_bytes", 1)
         c, p = meta.cp_size, meta.num_physical_tokens
         np_max = max(meta.num_local_prefix_tokens_per_rank) if meta.num_local_prefix_tokens_per_rank else 0
         work = meta.causal_work_per_rank
@@ -182,13 +186,14 @@ def _row_bytes(hq: int, hkv: int, d: int, dv: int, dtype: torch.dtype,
 
 def choose_extend_algorithm(meta, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
                             head_dim_v: Optional[int] = None, dtype: torch.dtype,
-                            cost_model: Optional[CostModel] = None, kv_dtype: Optional[torch.dtype] = None) -> str:
+                            cost_model: Optional[CostModel] = None, kv_dtype: Optional[torch.dtype] = None,
+                            kv_row_bytes: Optional[int] = None) -> str:
     """"pass_kv" or "pass_q" for an extend over a sharded prefix: the smaller estimate of
     ``cost_model`` (default :class:`CostModel`); "pass_kv" without any cached prefix or at
     C = 1. Deterministic from batch-wide numbers, so every rank picks the same one."""
     model = _check_model(cost_model)
     est = model.estimate(meta, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                         head_dim_v=head_dim_v, dtype=dtype, kv_dtype=kv_dtype)
+                         head_dim_v=head_dim_v, dtype=dtype, kv_dtype=kv_dtype, kv_row_bytes=kv_row_bytes)
     if meta.cp_size == 1 or meta.num_kv_tokens == meta.num_tokens:
         return "pass_kv"
     return "pass_q" if est["pass_q"] < est["pass_kv"] else "pass_kv"
@@ -288,8 +293,9 @@ def choose_placement(
     if pre.numel() != ext.numel():
         raise ValueError(f"extend_lens and prefix_lens must have the same size, got {ext.numel()} and {pre.numel()}")
 
-    kv_row, q_row, part_row, flop = _row_bytes(spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim_v,
-                                               spec.dtype, spec.kv_dtype)
+    _, q_row, part_row, flop = _row_bytes(spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim_v,
+                                          spec.dtype, spec.kv_dtype)
+    kv_row = spec.kv_row_bytes
     caps = [x for x in (spec.window_left + 1 if spec.window_left >= 0 else None, spec.topk) if x is not None]
     cap = min(caps) if caps else None
     rest = float(token_flops) / model.matmul_flops_per_s  # seconds per row of non-attention work

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from ._validation import check_int
-from .quant import FP8_TILE, MLA_FP8_TILE_SIZE
+from .quant import FP8_TILE, MLA_FP8_TILE_SIZE, mla_fp8_tile_bytes
 
 __all__ = ["AttentionSpec", "window_left"]
 
@@ -171,6 +171,15 @@ class AttentionSpec:
         """The cache is the tile-scaled FP8 MLA layout (``kv_layout="fp8_tile"``): uint8 rows
         carrying their own scales."""
         return self.kv_layout == FP8_TILE
+
+    @property
+    def kv_row_bytes(self) -> int:
+        """Bytes one token's K and V cache rows take (what a gather of new rows moves per token):
+        ``Hkv (D + Dv)`` values of ``kv_dtype``, or one tile-scaled FP8 latent row (``D - Dv`` rope
+        values in bf16 beside it; DeepSeek-V3: 656 bytes)."""
+        if self.kv_tiled:
+            return mla_fp8_tile_bytes(self.head_dim_v, self.head_dim - self.head_dim_v)
+        return self.num_kv_heads * (self.head_dim + self.head_dim_v) * self.kv_dtype.itemsize
 
     @property
     def group_size(self) -> int:

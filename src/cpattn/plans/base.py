@@ -121,9 +121,7 @@ def kv_storage_dtype(spec: AttentionSpec) -> torch.dtype:
 
 def tile_row_bytes(spec: AttentionSpec) -> int:
     """Bytes per token of a tile-scaled latent cache of ``spec`` (Dv latent, D - Dv rope)."""
-    from ..quant import mla_fp8_tile_bytes
-
-    return mla_fp8_tile_bytes(spec.head_dim_v, spec.head_dim - spec.head_dim_v)
+    return spec.kv_row_bytes
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor, paged: bool, *, q_name: str = "q_local", k_name: str = "k",

@@ -138,7 +138,7 @@ def _plan_sharded_extend(meta, spec, backend, algorithm, options, page_table, nu
     if not isinstance(model, CostModel):
         raise TypeError(f"cost_model must be a cpattn.CostModel, got {type(model).__name__}")
     dims = dict(num_q_heads=spec.num_q_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                head_dim_v=spec.head_dim_v, dtype=spec.dtype, kv_dtype=spec.kv_dtype)
+                head_dim_v=spec.head_dim_v, dtype=spec.dtype, kv_dtype=spec.kv_dtype, kv_row_bytes=spec.kv_row_bytes)
     estimate = model.estimate(meta, **dims)
     if algorithm == "auto":
         algorithm = choose_extend_algorithm(meta, cost_model=model, **dims)
