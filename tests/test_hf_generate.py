@@ -125,13 +125,14 @@ def _refusal_worker(rank: int, world: int) -> dict:
     with CountCollectives() as counter:
         model = cphf.enable(hf_cp_prefill.build_model("llama", seed=0))
         cache = cphf.ShardedKVCache(model.config, page_size=PAGE)
+        kw = {cphf.cache_keyword(model): cache}
         for key, call in (
-            ("batch", lambda: model.generate(_prompt().repeat(2, 1), cache=cache, max_new_tokens=2, do_sample=False)),
+            ("batch", lambda: model.generate(_prompt().repeat(2, 1), **kw, max_new_tokens=2, do_sample=False)),
             ("mask", lambda: model(input_ids=_prompt(), attention_mask=torch.tensor([[0] + [1] * (PROMPT - 1)]),
-                                   cache=cache)),
-            ("use_cache", lambda: model(input_ids=_prompt(), cache=cache, use_cache=False)),
-            ("hidden", lambda: model(input_ids=_prompt(), cache=cache, output_hidden_states=True)),
-            ("beams", lambda: model.generate(_prompt(), cache=cache, max_new_tokens=2, num_beams=2, do_sample=False)),
+                                   **kw)),
+            ("use_cache", lambda: model(input_ids=_prompt(), **kw, use_cache=False)),
+            ("hidden", lambda: model(input_ids=_prompt(), **kw, output_hidden_states=True)),
+            ("beams", lambda: model.generate(_prompt(), **kw, max_new_tokens=2, num_beams=2, do_sample=False)),
         ):
             try:
                 with torch.no_grad():
@@ -146,7 +147,7 @@ def _refusal_worker(rank: int, world: int) -> dict:
         plain = cphf.ShardedKVCache(hf_cp_prefill.build_model("llama", seed=0).config)
         try:  # the model was not switched to cpattn's attention
             with torch.no_grad():
-                hf_cp_prefill.build_model("llama", seed=0)(input_ids=_prompt(), cache=plain)
+                hf_cp_prefill.build_model("llama", seed=0)(input_ids=_prompt(), **{cphf.cache_keyword(model): plain})
         except RuntimeError as exc:
             errors["not_enabled"] = str(exc)
     errors["collectives"] = len(counter.calls)

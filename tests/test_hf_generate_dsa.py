@@ -189,3 +189,19 @@ def test_example_script_dsa_cp2():
     for name in DSA_MODELS:
         line = next(line for line in proc.stdout.splitlines() if line.split()[0] == name)
         assert "tokens/s" in line and line.endswith("OK"), line
+
+
+def test_expanded_dsa_keys_are_refused():
+    """A DSA layer that hands the cache up-projected per-head K/V (transformers releases whose DSA
+    attention caches K/V after ``expand_kv``) is refused with a ValueError naming the layer: the
+    sharded cache stores and selects over the MLA latent only."""
+    model = hf_cp_prefill.build_model("deepseek_v32", seed=0, index_topk=TOPK)
+    cache = cphf.ShardedKVCache(model.config, page_size=PAGE)
+    cache.begin_step(PROMPT, torch.device("cpu"))
+    heads = model.config.num_attention_heads
+    k = torch.zeros(1, heads, PROMPT, model.config.qk_head_dim)
+    v = torch.zeros(1, heads, PROMPT, model.config.v_head_dim)
+    with pytest.raises(ValueError, match="DSA layer 0 caches up-projected per-head K/V"):
+        cache.update(k, v, 0)
+    cache.finish_step(False)
+    assert cache.num_tokens == 0

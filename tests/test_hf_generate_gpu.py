@@ -26,7 +26,13 @@ MODELS = ("llama", "qwen3", "deepseek_v3", "gpt_oss", "mimo_v2_flash", "deepseek
 def _generate(model, ids, cache=None):
     kw = {} if cache is None else {cphf.cache_keyword(model): cache}
     with torch.no_grad():
-        return model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0, **kw)[0, ids.shape[1]:].tolist()
+        try:
+            out = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0, **kw)
+        except ValueError as exc:  # the documented refusal of a release that caches expanded DSA K/V
+            if "caches up-projected per-head K/V" in str(exc):
+                pytest.skip(str(exc))
+            raise
+    return out[0, ids.shape[1]:].tolist()
 
 
 @pytest.mark.parametrize("name", MODELS)

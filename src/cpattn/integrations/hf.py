@@ -97,7 +97,7 @@ ATTN_IMPLEMENTATION = "cpattn"
 
 #: ``layer_types`` entries the plug-in runs exactly (attention over the whole sequence or a window;
 #: DSA sparse attention through :mod:`cpattn.integrations.hf_dsa`).
-SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", hf_dsa.DSA_LAYER_TYPE})
+SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"}) | hf_dsa.DSA_LAYER_TYPES
 
 #: Class-name pattern of known token mixers that are not attention (recurrent / SSM / conv blocks).
 _MIXER_CLASS = re.compile(
@@ -365,7 +365,7 @@ def _begin_sharded_forward(module: torch.nn.Module, bound, argument, cache_name:
         call.update(input_ids=sharded.get("input_ids"), inputs_embeds=sharded.get("inputs_embeds"),
                     position_ids=sharded["position_ids"])
     if step.dsa_mask is not None:  # DSA: the indexer's mask (hf_dsa_cache), passed as the mask mapping
-        call["attention_mask"] = {hf_dsa.DSA_LAYER_TYPE: step.dsa_mask}
+        call["attention_mask"] = hf_dsa.mask_mapping(step.dsa_mask)
     ctx = CPContext(step.strategy, step.meta, cache.group, cache.backend)
     ctx._forward.update(active=True, cache=cache, sharded=step, module=module, dsa_mask=step.dsa_mask)
     ctx._forward["token"] = _CONTEXT.set(ctx)

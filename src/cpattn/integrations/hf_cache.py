@@ -71,7 +71,7 @@ __all__ = ["DEFAULT_PAGE_SIZE", "ShardedKVCache", "ShardedKVLayer", "ShardedStep
 #: at most one partial page per layer.
 DEFAULT_PAGE_SIZE = 64
 
-_SUPPORTED = ("full_attention", "sliding_attention", hf_dsa.DSA_LAYER_TYPE)
+_SUPPORTED = ("full_attention", "sliding_attention", *sorted(hf_dsa.DSA_LAYER_TYPES))
 
 
 def _text_config(config):
@@ -289,6 +289,8 @@ class ShardedKVCache(Cache):
                  prefill_strategy: "str | CPStrategy" = "zigzag", backend: str = "auto") -> None:
         text = _text_config(config)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+        if isinstance(layer_kwargs, dict):  # older transformers: one kwargs dict for every layer
+            layer_kwargs = [layer_kwargs] * len(layer_types)
         bad = sorted({t for t in layer_types if t not in _SUPPORTED})
         if bad:
             raise ValueError(f"config: ShardedKVCache holds {list(_SUPPORTED)} layers only, got layer types {bad}")
@@ -333,10 +335,10 @@ class ShardedKVCache(Cache):
         rank_r, rope = getattr(text, "kv_lora_rank", None), getattr(text, "qk_rope_head_dim", None)
         self._mla = (rank_r, rope) if isinstance(rank_r, int) and isinstance(rope, int) else None
         self.index_topk: Optional[int] = None  # DSA: keys each token attends (config.index_topk)
-        if hf_dsa.DSA_LAYER_TYPE in layer_types:
+        if not hf_dsa.DSA_LAYER_TYPES.isdisjoint(layer_types):
             topk = getattr(text, "index_topk", None)
-            if self._mla is None or set(layer_types) != {hf_dsa.DSA_LAYER_TYPE}:
-                raise ValueError(f"config: ShardedKVCache runs {hf_dsa.DSA_LAYER_TYPE!r} layers of MLA models "
+            if self._mla is None or len(set(layer_types)) != 1:
+                raise ValueError("config: ShardedKVCache runs DSA layers of MLA models "
                                  "(kv_lora_rank, qk_rope_head_dim) whose every layer is one, got layer types "
                                  f"{sorted(set(layer_types))}")
             if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
@@ -381,6 +383,12 @@ class ShardedKVCache(Cache):
             )
         latent = self._mla is not None and tuple(key_states.shape[1::2]) == (1, self._mla[0]) \
             and tuple(value_states.shape[1::2]) == (1, self._mla[1])
+        if self.index_topk is not None and not latent:
+            raise ValueError(
+                f"DSA layer {layer_idx} caches up-projected per-head K/V {tuple(key_states.shape)}, not the "
+                f"compressed MLA latent [1, 1, n, {self._mla[0]}]: this transformers release's DSA attention "
+                "cannot run over a ShardedKVCache (releases whose DSA attention calls cache.update(k_pass, "
+                "k_rot) can); generate with cpattn's CP prefill and a transformers cache instead")
         if latent and self.index_topk is not None and not self.step.decode:
             return self._store_dsa_prefill(layer_idx, key_states, value_states)
         if latent:
@@ -621,7 +629,7 @@ class ShardedKVCache(Cache):
     def _selection(self, layer_idx: int, layer: ShardedKVLayer, indices: Optional[Tensor],
                    latent: bool) -> tuple[Optional[int], Optional[Tensor]]:
         """(topk, idx [n, topk]) of a DSA layer (the step's agreed selection), (None, None) else."""
-        if layer.layer_type != hf_dsa.DSA_LAYER_TYPE:
+        if layer.layer_type not in hf_dsa.DSA_LAYER_TYPES:
             if indices is not None:
                 raise ValueError(f"layer {layer_idx} ({layer.layer_type}) got DSA indices")
             return None, None

@@ -37,16 +37,22 @@ from torch import Tensor
 
 from .. import dsa
 
-__all__ = ["DSA_LAYER_TYPE", "cp_mask", "is_dsa_config", "prepare_forward", "finish_forward",
+__all__ = ["DSA_LAYER_TYPES", "cp_mask", "is_dsa_config", "prepare_forward", "finish_forward",
            "sparse_attention_forward"]
 
-#: The ``layer_types`` entry (and mask-mapping key) of transformers' DSA layers.
-DSA_LAYER_TYPE = "indexed_attention"
+#: The ``layer_types`` entries (and mask-mapping keys) of transformers' DSA layers: the name
+#: differs between transformers releases ("deepseek_sparse_attention" before "indexed_attention").
+DSA_LAYER_TYPES = frozenset({"indexed_attention", "deepseek_sparse_attention"})
 
 
 def is_dsa_config(config) -> bool:
-    """Does the (decoder) config describe DSA layers (``"indexed_attention"`` in ``layer_types``)?"""
-    return DSA_LAYER_TYPE in (getattr(config, "layer_types", None) or ())
+    """Does the (decoder) config describe DSA layers (a :data:`DSA_LAYER_TYPES` entry in ``layer_types``)?"""
+    return not DSA_LAYER_TYPES.isdisjoint(getattr(config, "layer_types", None) or ())
+
+
+def mask_mapping(mask) -> dict:
+    """The attention-mask mapping a DSA decoder reads its layers' mask from (every DSA name)."""
+    return dict.fromkeys(DSA_LAYER_TYPES, mask)
 
 
 def _rows_to_tokens(x: Tensor) -> Tensor:
@@ -119,7 +125,7 @@ def prepare_forward(module, ctx, bound, kwargs: dict, cache_name: str, cache: Op
             new_kwargs[name] = value
     new_kwargs.pop("past_key_values", None)
     new_kwargs[cache_name] = _GatheringCache(ctx, inner)
-    new_kwargs["attention_mask"] = {DSA_LAYER_TYPE: mask}
+    new_kwargs["attention_mask"] = mask_mapping(mask)
     new_kwargs["use_cache"] = use_cache
     ctx._forward.update(active=True, dsa_mask=mask, dsa_cache=inner)
     return new_args, new_kwargs
