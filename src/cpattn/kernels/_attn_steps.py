@@ -111,12 +111,12 @@ def softmax_rescale(acc, l_i, m_i, s, visible, qk_scale, MASKED: tl.constexpr):
 #: e4m3), 2 the same quantization emulated in fp32 for the CPU interpreter (its fp8 conversion and
 #: fp8 dot are wrong): values rounded to the e4m3 grid by :func:`e4m3_round`, dots in fp32 (exact
 #: for e4m3 products), so it checks the scheme's arithmetic but not the fp8 instructions.
-FP8_MMA_OFF: tl.constexpr = 0
-FP8_MMA_HW: tl.constexpr = 1
-FP8_MMA_EMULATED: tl.constexpr = 2
+FP8_MMA_OFF = 0
+FP8_MMA_HW = 1
+FP8_MMA_EMULATED = 2
 
 #: P is rounded as fp8(P_SCALE p) for the P V dot (cpattn.quant.FP8_P_SCALE).
-P_SCALE: tl.constexpr = 256.0
+P_SCALE = tl.constexpr(256.0)
 
 
 @triton.jit
@@ -137,11 +137,7 @@ def e4m3_round(x):
 @triton.jit
 def to_e4m3(x, FP8_MMA: tl.constexpr):
     """fp32 ``x`` as the P V / q K dots take it: e4m3 (FP8_MMA 1) or its fp32 emulation (2)."""
-    if FP8_MMA == FP8_MMA_EMULATED:
-        y = e4m3_round(x)
-    else:
-        y = x.to(tl.float8e4nv)
-    return y
+    return e4m3_round(x) if FP8_MMA == 2 else x.to(tl.float8e4nv)  # 2: FP8_MMA_EMULATED
 
 
 @triton.jit

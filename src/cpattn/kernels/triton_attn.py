@@ -105,9 +105,13 @@ def _configs() -> list:
     return out
 
 
-def _heuristic(d: int, dv: int, block_m: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) used without autotuning (measured defaults on H200)."""
+def _heuristic(d: int, dv: int, block_m: int, fp8_mma: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) used without autotuning (measured defaults on H200; the
+    FP8-MMA ones are unmeasured: the bf16 choices, except D <= 64 on 8 warps, where 4 spill 304
+    bytes offline (tools/fp8_mma_offline_check.py) and 8 spill none)."""
     width = max(d, dv)
+    if fp8_mma and width <= 64:
+        return 128, 8, 3
     if width <= 64:
         return 128, 4, 3
     if width <= 128:
@@ -137,7 +141,7 @@ def _prune_configs(configs, named_args, **kwargs):
         if max(d, dv) <= 128 and bn < 64:
             continue
         kept.append(c)
-    want = _heuristic(d, dv, block_m)
+    want = _heuristic(d, dv, block_m, bool(named_args.get("FP8_MMA", kwargs.get("FP8_MMA", 0))))
     if not _autotune_enabled() or not kept:
         for c in configs:
             if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) == want:
