@@ -26,7 +26,7 @@ import torch
 
 import cpattn
 from cpattn.quant import FP8_E4M3_MAX, quantize_fp8_rows
-from oracle import attention_oracle
+from oracle import TOLERANCE, attention_oracle
 from test_triton_kernel import _paged
 
 FP8 = torch.float8_e4m3fn
@@ -289,3 +289,29 @@ def test_lse_is_natural_log(interp):
     out, lse, ref, ref_lse, *_ = fp8_mma_case("triton", [1], [0], seed=9)
     assert math.isfinite(lse[0, 0].item())
     assert abs(lse[0, 0].item() - ref_lse[0, 0].item()) < LSE_BOUND
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_shard_plans_ignore_mma_dtype(backend, request):
+    """Shard plans (decode over a sharded cache; memory-bound) dequantize in registers whatever
+    ``mma_dtype`` says, and say so: ``plan.mma_dtype`` is None and the output meets the
+    dequantize path's tolerance, far tighter than the FP8-MMA bound."""
+    if backend == "triton":
+        request.getfixturevalue("interp")
+    ext, pre = [1, 2, 1], [40, 70, 33]
+    g = torch.Generator().manual_seed(21)
+    hq, hkv, d = 8, 2, 32
+    n_kv = sum(e + p for e, p in zip(ext, pre))
+    q = torch.randn(sum(ext), hq, d, generator=g)
+    keys, vals = torch.randn(n_kv, hkv, d, generator=g), torch.randn(n_kv, hkv, d, generator=g)
+    ks, vs = _scales(keys, True), _scales(vals, True)
+    k8, v8 = (keys / ks.view(-1, 1)).to(FP8), (vals / vs.view(-1, 1)).to(FP8)
+    meta = cpattn.get_strategy("replicated", 1).build_metadata(ext, pre, rank=0, kv=cpattn.KVSharding(1))
+    spec = cpattn.AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.float32, kv_dtype=FP8,
+                                mma_dtype=FP8)
+    plan = cpattn.plan_attention(meta, spec, backend=backend)
+    assert plan.mma_dtype is None
+    out, lse = plan.attend(q, k8, v8, k_scale=ks, v_scale=vs)
+    ref, ref_lse = attention_oracle(q, k8.double() * _per_head(ks), v8.double() * _per_head(vs), ext, pre)
+    assert (out.double() - ref).abs().max().item() < TOLERANCE[torch.float32]
+    assert (lse.double() - ref_lse).abs().max().item() < TOLERANCE[torch.float32]
