@@ -88,11 +88,13 @@ def head_group_tile(
 
 
 @triton.jit
-def softmax_rescale(acc, l_i, m_i, s, visible, qk_scale, MASKED: tl.constexpr):
+def softmax_rescale(acc, l_i, m_i, s, visible, qk_scale, MASKED: tl.constexpr, ROW_SCALED: tl.constexpr = False):
     """The first half of a base-2 online-softmax step over unscaled scores ``s`` [M, N] (fp32;
     ``qk_scale`` > 0 folds into the exponent's FMA): (acc and l_i rescaled with p's mass added to
     l_i, the new running max, probabilities p [M, N] fp32). MASKED: keys not ``visible`` drop out
-    and a row with no visible key so far keeps max -inf."""
+    and a row with no visible key so far keeps max -inf. ROW_SCALED (FP8 tensor-core attention):
+    ``qk_scale`` is per row [M] and p comes back as ``P_SCALE p`` (2^8: exact, folded into the
+    exponent), l_i still adds p."""
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
@@ -100,9 +102,14 @@ def softmax_rescale(acc, l_i, m_i, s, visible, qk_scale, MASKED: tl.constexpr):
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_use = m_new
-    p = tl.math.exp2(s * qk_scale - m_use[:, None])
-    alpha = tl.math.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    if ROW_SCALED:
+        p = tl.math.exp2(s * qk_scale[:, None] - (m_use - 8.0)[:, None])  # 256 p: log2(P_SCALE) = 8
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1) * (1.0 / 256.0)
+    else:
+        p = tl.math.exp2(s * qk_scale - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     return acc, l_i, m_new, p
 
@@ -166,12 +173,13 @@ def add_values(acc, p, v, tile_scale, DOT_PRECISION: tl.constexpr, DOT_UPCAST: t
                KV_TILE: tl.constexpr, FP8_MMA: tl.constexpr = 0):
     """``acc + p @ v`` (fp32) for probabilities ``p`` [M, N] fp32 (rounded to v's dtype as the
     dot takes them). KV_TILE: ``v`` holds e4m3 latent values whose ``tile_scale``
-    [N, Dv / 128] applies in fp32. FP8_MMA: ``acc + fp8(P_SCALE p) @ v8`` (v e4m3, or its fp32
-    values when emulated): the caller divides by P_SCALE at the end."""
+    [N, Dv / 128] applies in fp32. FP8_MMA: ``p`` is ``P_SCALE`` times the probabilities
+    (:func:`softmax_rescale` ROW_SCALED), ``acc + fp8(p) @ v8`` (v e4m3, or its fp32 values when
+    emulated): the caller divides by P_SCALE at the end."""
     if KV_TILE:
         acc += tile_values(p, v, tile_scale, acc.shape[0], v.shape[0], v.shape[1], DOT_PRECISION)
-    elif FP8_MMA != 0:
-        acc = tl.dot(to_e4m3(p * P_SCALE, FP8_MMA), v, acc, input_precision=DOT_PRECISION)
+    elif FP8_MMA != 0:  # p is P_SCALE p (softmax_rescale's ROW_SCALED)
+        acc = tl.dot(to_e4m3(p, FP8_MMA), v, acc, input_precision=DOT_PRECISION)
     else:
         p = p.to(v.dtype)
         if DOT_UPCAST:

@@ -245,9 +245,6 @@ def _softmax_update(
     into (acc, l_i, m_i). MASKED applies the causal / window mask by position. KV_TILE: ``v``
     holds e4m3 latent values whose ``tile_scale`` [BLOCK_N, Dv / 128] applies in fp32. FP8_MMA:
     ``qk_scale`` is per row [BLOCK_M] (the query rows' quantization scales folded in)."""
-    if FP8_MMA != 0:
-        s = s * qk_scale[:, None]
-        qk_scale = 1.0
     if MASKED:
         kpos = start + offs_n
         visible = kpos[None, :] <= pos[:, None]
@@ -255,7 +252,7 @@ def _softmax_update(
             visible = visible & (kpos[None, :] >= pos[:, None] - window)
     else:
         visible = None
-    acc, l_i, m_new, p = softmax_rescale(acc, l_i, m_i, s, visible, qk_scale, MASKED)
+    acc, l_i, m_new, p = softmax_rescale(acc, l_i, m_i, s, visible, qk_scale, MASKED, FP8_MMA != 0)
     acc = add_values(acc, p, v, tile_scale, DOT_PRECISION, DOT_UPCAST, KV_TILE, FP8_MMA)
     return acc, l_i, m_new
 
