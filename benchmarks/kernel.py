@@ -29,6 +29,15 @@ Backends on the same tensors (``--backends``):
   resident program per SM walking the work items; ``False``: one program per work item).
   ``triton`` itself takes ``"auto"`` (persistent for short key ranges); other families ignore it.
 * ``triton-portable``: the portable Triton kernel alone (``backend_options={"family": "portable"}``).
+* ``triton-fp8``: FP8 tensor-core attention (``AttentionSpec(kv_dtype=mma_dtype=torch.float8_e4m3fn)``,
+  the portable kernel's e4m3 dots) over the same K/V quantized to e4m3 with per-KV-head scales
+  (``amax / 448``; not timed). Dense and paged workloads (not MLA). When ``triton`` runs too, its
+  row gains ``rel_rmse_vs_bf16``: ``||out_fp8 - out_bf16|| / ||out_bf16||`` over the rank's rows
+  against the ``triton`` (bf16) output, and the targets summary prints the TF/s ratio (target
+  >= 1.5x the bf16 Hopper kernel). The FP8 target run (H100, about a minute)::
+
+      python benchmarks/run.py kernel --workloads dense --shapes d128 --seqs 65536,131072 \
+          --cps 1,2,4,8 --no-interleave --backends triton,triton-fp8 --warmup-ms 100 --min-ms 30
 * ``fa4``: ``plan.attend(...)`` of an ``backend="fa4"`` plan (one varlen launch plus output set-up).
 * ``fa4-raw``: ``flash_attn.cute.flash_attn_varlen_func`` called directly with the same
   per-segment arguments, to show the fa4 backend's overhead.
@@ -77,7 +86,10 @@ MIN_MS = 50.0
 #: (Hq, Hkv, D, Dv) per head shape.
 SHAPES = {"d64": (32, 8, 64, 64), "d128": (32, 8, 128, 128), "d192": (16, 16, 192, 128),
           "mla576": (128, 1, 576, 512)}
-BACKENDS = ("triton", "triton-persistent", "triton-per-tile", "triton-portable", "fa4", "fa4-raw", "sdpa")
+BACKENDS = ("triton", "triton-persistent", "triton-per-tile", "triton-portable", "triton-fp8", "fa4", "fa4-raw",
+            "sdpa")
+#: Backends run on request only (not in the default ``--backends``).
+ON_REQUEST = ("triton-fp8",)
 GROUPS = ("dense", "paged", "mla", "decode", "short")
 #: Where the benchmark runs (a module constant so tests can drive ``main`` on CPU).
 DEVICE = "cuda"
@@ -101,7 +113,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--short", default="1024x128,64x2048", help="short-sequence batches BxN (C=1, d128)")
     p.add_argument("--no-interleave", action="store_true", help="skip the dense interleave C=4 workloads")
     p.add_argument("--no-paged", action="store_true", help="skip the paged group (same as leaving it out)")
-    p.add_argument("--backends", default=",".join(BACKENDS), help="comma list of " + ",".join(BACKENDS))
+    p.add_argument("--backends", default=",".join(b for b in BACKENDS if b not in ON_REQUEST),
+                   help="comma list of " + ",".join(BACKENDS) + " (default: all but " + ",".join(ON_REQUEST) + ")")
     p.add_argument("--iters", type=int, default=10, help="timed iterations (fewer for > 100 ms calls)")
     p.add_argument("--warmup-ms", type=float, default=WARMUP_MS,
                    help="run each backend at least this many ms (and 2 calls) before timing it; 0: 2 calls only")
@@ -387,6 +400,7 @@ def _run(args, workloads, backends, triton_kw, sampler) -> int:
                 kk, vv, table = paged_cache(k, v, list(lens), w.page, tensors.gen)
         flops = _flops(meta, hq, d, dv)
         kv_bytes = k.numel() * k.element_size() + (0 if w.shape == "mla576" else v.numel() * v.element_size())
+        outputs: dict = {}  # backend -> its output (triton and triton-fp8: the FP8 path's RMSE)
         for backend in backends:
             made = _make_fn(backend, s, q, kk, vv, meta, table, hq // hkv, w, triton_kw)
             if made is None:
@@ -407,6 +421,11 @@ def _run(args, workloads, backends, triton_kw, sampler) -> int:
                        ms=round(ms, 4), ms_sync=round(ms_sync, 4),
                        tflops_sync=round(flops / (ms_sync * 1e-3) / 1e12, 1))
             extra = ""
+            if backend in ("triton", "triton-fp8"):
+                outputs[backend] = fn()[: meta.num_local_tokens].float()
+                if len(outputs) == 2:
+                    row["rel_rmse_vs_bf16"] = round(rel_rmse(outputs["triton-fp8"], outputs["triton"]), 5)
+                    extra = f" rel RMSE vs bf16 {row['rel_rmse_vs_bf16']:.4f}"
             clocks = sampler.stats(t0, t1) if sampler is not None else None
             if clocks:
                 row.update(clocks, tflops_per_ghz=round(tflops / (clocks["sm_mhz"] / 1000), 1))
@@ -424,7 +443,7 @@ def _run(args, workloads, backends, triton_kw, sampler) -> int:
             rows.append(row)
             progress(f"{w.name:38s} {backend:15s} {family:8s} {ms:9.3f} ms {tflops:7.1f} TF/s{extra} "
                      f"(one call + sync: {ms_sync:.3f} ms)")
-        del q, kk, vv, table
+        del q, kk, vv, table, outputs
     try:
         from cpattn.kernels.triton_attn import tuned_configs
 
@@ -440,14 +459,38 @@ def _run(args, workloads, backends, triton_kw, sampler) -> int:
     return 0
 
 
-def _plan_fn(s, q, k, v, meta, table, backend, options):
+def rel_rmse(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` (float64 sums)."""
+    return ((out.double() - ref.double()).pow(2).sum().sqrt() / ref.double().pow(2).sum().sqrt()).item()
+
+
+def fp8_kv(k: torch.Tensor, v: torch.Tensor):
+    """K/V [..., Hkv, D] quantized to e4m3 with per-KV-head scales ``amax / 448``:
+    (k8, v8, k_scale [Hkv], v_scale [Hkv]) (:func:`cpattn.quant.quantize_fp8`)."""
+    from cpattn.quant import FP8_E4M3_MAX, quantize_fp8
+
+    def scale(x):
+        return (x.float().abs().flatten(0, -3).amax(dim=(0, 2)) / FP8_E4M3_MAX).clamp_min(1e-12)
+
+    ks, vs = scale(k), scale(v)
+    return quantize_fp8(k, ks), quantize_fp8(v, vs), ks, vs
+
+
+def _plan_fn(s, q, k, v, meta, table, backend, options, fp8: bool = False):
     import cpattn
 
     hq, d = q.shape[1], q.shape[2]
+    call = {}
+    extra = {}
+    if fp8:  # FP8 tensor-core attention over the K/V quantized here (not timed)
+        k, v, ks, vs = fp8_kv(k, v)
+        call = dict(k_scale=ks, v_scale=vs)
+        extra = dict(kv_dtype=torch.float8_e4m3fn, mma_dtype=torch.float8_e4m3fn)
     spec = cpattn.AttentionSpec(num_q_heads=hq, num_kv_heads=k.shape[-2], head_dim=d, head_dim_v=v.shape[-1],
-                                dtype=q.dtype, page_size=k.shape[1] if table is not None else None)
+                                dtype=q.dtype, page_size=k.shape[1] if table is not None else None, **extra)
     plan = cpattn.plan_attention(meta, spec, backend=backend, backend_options=options)
-    return (lambda: plan.attend(q, k, v, page_table=table)), plan.family
+    family = plan.family + ("-fp8mma" if plan.mma_dtype is not None else "")
+    return (lambda: plan.attend(q, k, v, page_table=table, **call)), family
 
 
 def _make_fn(backend, s, q, k, v, meta, table, group, w: Workload, triton_kw):
@@ -459,9 +502,12 @@ def _make_fn(backend, s, q, k, v, meta, table, group, w: Workload, triton_kw):
         persistent = backend == "triton-persistent"
         options = {**triton_kw, "sm90": {**triton_kw.get("sm90", {}), "persistent": persistent}}
         return _plan_fn(s, q, k, v, meta, table, "triton", options)
-    if backend == "triton-portable":
+    if backend in ("triton-portable", "triton-fp8"):
+        if backend == "triton-fp8" and w.shape == "mla576":
+            return None
         portable = {k_: v_ for k_, v_ in triton_kw.items() if k_ != "sm90"}
-        return _plan_fn(s, q, k, v, meta, table, "triton", {**portable, "family": "portable"})
+        return _plan_fn(s, q, k, v, meta, table, "triton", {**portable, "family": "portable"},
+                        fp8=backend == "triton-fp8")
     if backend.startswith("fa4") and (w.strategy == "interleave" or d > 256):
         return None
     if backend == "fa4":
@@ -535,6 +581,12 @@ def _print_targets(rows: list[dict]) -> None:
             lines.append(f"{w}: triton {v['triton']:.0f} TF/s = "
                          f"{'-' if own is None else f'{own:.2f}'}x its packed (target >= 0.95), "
                          f"{'-' if fa4 is None else f'{fa4:.2f}'}x fa4 paged (target >= 0.95)")
+    rmse = {r["workload"]: r["rel_rmse_vs_bf16"] for r in rows if "rel_rmse_vs_bf16" in r}
+    for w, v in table.items():
+        if "triton-fp8" in v and "triton" in v:
+            err = f", rel RMSE vs bf16 {rmse[w]:.4f}" if w in rmse else ""
+            lines.append(f"{w}: triton-fp8 {v['triton-fp8']:.0f} TF/s = {v['triton-fp8'] / v['triton']:.2f}x triton "
+                         f"bf16 (target >= 1.50){err}")
     for w, v in table.items():
         if w.startswith("mla576 S=") and "triton" in v:
             lines.append(f"{w}: triton {v['triton']:.0f} TF/s (target >= 500)")

@@ -194,7 +194,7 @@ def compile_portable_tma():
     fn = ta._cp_attn_fwd
     consts = dict(HEAD_DIM=128, HEAD_DIM_V=128, BLOCK_D1=128, BLOCK_D2=0, BLOCK_M=128, PAGED=False, PAGE_SIZE=1,
                   DOT_PRECISION="tf32", DOT_UPCAST=False, BLOCK_N=64, HAS_SINKS=False, RETURN_LSE=True, USE_TMA=True,
-                  G_PACK=4, HAS_WINDOW=False, KV_FP8=False, KV_TILE=False)
+                  G_PACK=4, HAS_WINDOW=False, KV_FP8=False, KV_TILE=False, FP8_MMA=0)
     sig = _ptr_sig(fn, "*bf16", {})
     sig.update(KScale="*i32", VScale="*i32")  # never read without KV_FP8 (the launch passes the page table)
     sig.update({n: "constexpr" for n in consts})

@@ -98,6 +98,8 @@ def test_targets_summary(capsys):
     add("mla576 decode B=8 L=4k q1", "triton", 88, "decode", gbps=364.0, tflops_graph=350.0, gbps_graph=1450.0)
     add("d128 1024x128", "triton", 300, "short")
     add("d128 1024x128", "fa4", 400, "short")
+    add("d128 S=128k zigzag C=4", "triton", 600)
+    add("d128 S=128k zigzag C=4", "triton-fp8", 930, rel_rmse_vs_bf16=0.0312)
     bench._print_targets(rows)
     out = capsys.readouterr().out
     assert "dense d128 zigzag triton/fa4: median 1.000" in out and "min 0.893" in out
@@ -106,6 +108,23 @@ def test_targets_summary(capsys):
     assert "mla576 decode B=8 L=32k q1: triton back to back 2600 GB/s, 20 TF/s (target" in out
     assert "mla576 decode B=8 L=4k q1: triton back to back 364 GB/s, 88 TF/s; graph replay 1450 GB/s, 350 TF/s" in out
     assert "d128 1024x128: triton 300 TF/s = 0.75x fa4 varlen" in out
+    assert "d128 S=128k zigzag C=4: triton-fp8 930 TF/s = 1.55x triton bf16 (target >= 1.50), rel RMSE vs bf16 " \
+        "0.0312" in out
+
+
+def test_fp8_kv_quantizes_per_kv_head():
+    """The triton-fp8 backend's K/V: e4m3 with per-KV-head scales amax / 448 (packed and paged)."""
+    g = torch.Generator().manual_seed(0)
+    for shape in ((50, 3, 16), (4, 8, 3, 16)):
+        k = torch.randn(*shape, generator=g) * torch.tensor([1.0, 10.0, 0.1]).view(3, 1)
+        v = torch.randn(*shape, generator=g)
+        k8, v8, ks, vs = bench.fp8_kv(k.bfloat16(), v.bfloat16())
+        assert k8.dtype == torch.float8_e4m3fn and ks.shape == (3,) and vs.shape == (3,)
+        amax = k.bfloat16().float().abs().flatten(0, -3).amax(dim=(0, 2))
+        assert torch.equal(ks, amax / 448)
+        assert (k8.float().abs().flatten(0, -3).amax(dim=(0, 2)) == 448).all()
+        back = k8.float() * ks.view(3, 1)
+        assert bench.rel_rmse(back, k.bfloat16().float()) < 0.05
 
 
 def test_sm90_options_parse():

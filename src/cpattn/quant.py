@@ -31,6 +31,8 @@ __all__ = [
     "dequantize_mla_fp8_tiles",
     "mla_fp8_tile_bytes",
     "quantize_fp8",
+    "quantize_fp8_rows",
+    "FP8_P_SCALE",
     "quantize_mla_fp8_tiles",
 ]
 
@@ -91,6 +93,38 @@ def dequantize_fp8(x: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32)
     ``dtype`` is float64). ``scale``: float32 ``[]`` or ``[Hkv]``."""
     work = torch.float64 if dtype == torch.float64 else torch.float32
     return (x.to(work) * _per_head(scale, x).to(work)).to(dtype)
+
+
+#: The factor FP8 tensor-core attention scales probabilities by before rounding them to e4m3
+#: (``fp8(256 p)`` for ``p`` in [0, 1] relative to the running row max; a power of two, so exact):
+#: small probabilities stay normal e4m3 numbers down to 2^-14 instead of flushing below 2^-10.
+FP8_P_SCALE = 256.0
+
+
+def quantize_fp8_rows(x: Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[Tensor, Tensor]:
+    """Per-row FP8 quantization of queries (FP8 tensor-core attention, ``AttentionSpec(mma_dtype=)``).
+
+    Each row (the last dim, e.g. one (token, head) of q [T, Hq, D]) gets the float32 scale
+    ``amax(|row|) / 448`` (1 for a row of zeros) and is stored as ``fp8(x / scale)`` (computed in
+    float32, rounded to nearest). A row holding NaN or +-inf gets scale NaN and NaN values: its
+    scores, output and lse are NaN (never hidden).
+
+    Args:
+        x: [..., D] any float dtype.
+        dtype: the FP8 dtype (torch.float8_e4m3fn).
+
+    Returns:
+        (values [..., D] in ``dtype``, scales [...] float32). ``values * scales`` approximates x.
+    """
+    check_tensor(x, "x")
+    if dtype != torch.float8_e4m3fn:
+        raise ValueError(f"dtype must be torch.float8_e4m3fn, got {dtype}")
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)  # NaN stays NaN, inf stays inf
+    scale = torch.where(amax == 0, 1.0, amax / FP8_E4M3_MAX)
+    scale = torch.where(amax.isfinite(), scale, float("nan"))
+    y = (xf / scale[..., None]).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return y.to(dtype), scale
 
 
 # ---------------------------------------------------------------------------------------- MLA tiles

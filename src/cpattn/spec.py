@@ -2,7 +2,8 @@
 
 One spec type for every algorithm and kernel family: dense or sparse (``topk``), packed or
 paged K/V (``page_size``), sliding window, attention sinks, GQA / MQA / absorbed MLA (by heads and
-head dims), the K/V cache dtype (``kv_dtype``: FP8 e4m3 caches with per-tensor or per-KV-head scales).
+head dims), the K/V cache dtype (``kv_dtype``: FP8 e4m3 caches with per-tensor or per-KV-head scales)
+and the dense prefill kernels' multiply dtype (``mma_dtype``: FP8 tensor-core attention).
 Validated once, at construction (TypeError / ValueError naming the argument).
 """
 
@@ -28,6 +29,9 @@ FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 #: Cache layouts a spec's ``kv_layout`` may name besides None (one value per element): the
 #: tile-scaled FP8 MLA latent (:data:`cpattn.quant.FP8_TILE`).
 KV_LAYOUTS = (FP8_TILE,)
+
+#: Dtypes a spec's ``mma_dtype`` may name (the dense prefill kernels' FP8 tensor-core mode).
+FP8_MMA_DTYPES = (torch.float8_e4m3fn,)
 
 
 def window_left(window_size) -> int:
@@ -75,6 +79,18 @@ class AttentionSpec:
             512 + 64; :func:`cpattn.quant.quantize_mla_fp8_tiles`). Needs ``kv_dtype=
             torch.float8_e4m3fn``, one KV head, ``head_dim_v`` a multiple of 128 and
             ``head_dim > head_dim_v``. The scales live in the rows: calls pass no ``k_scale``.
+        mma_dtype: the dtype the dense prefill kernels multiply in: None (the default: FP8 K/V
+            are dequantized to ``dtype`` in registers and multiplied there) or
+            ``torch.float8_e4m3fn``: FP8 tensor-core attention (FA3's scheme). Queries are quantized
+            per (token, head) row in the kernel (scale ``amax / 448``), scores are ``(q8 . k8)``
+            times the row's and the KV head's K scales, the online softmax runs in fp32 and the
+            probabilities are quantized to e4m3 for ``P V`` (V read from the cache as it is, its
+            scale applied to the output). Needs ``kv_dtype=torch.float8_e4m3fn``, ``kv_layout``
+            None, dense attention (``topk`` None) and ``dtype`` bfloat16, float16 or float32. Plans
+            of the dense kind (prefill / extend: the portable Triton kernel, the torch reference)
+            multiply in FP8; the split-KV decode (shard) kernels are memory-bound and keep
+            dequantizing in registers (their plans ignore the field); the Hopper Gluon kernels
+            and FA4 refuse it. Accuracy: docs/fp8.md.
 
     Example::
 
@@ -93,6 +109,7 @@ class AttentionSpec:
     topk: Optional[int] = None
     kv_dtype: Optional[torch.dtype] = None
     kv_layout: Optional[str] = None
+    mma_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:
         hq = check_int(self.num_q_heads, "num_q_heads", 1)
@@ -124,6 +141,7 @@ class AttentionSpec:
         if kv_dtype in FP8_KV_DTYPES and self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"an FP8 kv_dtype needs dtype bfloat16, float16 or float32, got {self.dtype}")
         self._check_layout(kv_dtype, hkv, d, dv)
+        self._check_mma(kv_dtype)
         object.__setattr__(self, "kv_dtype", kv_dtype)
         object.__setattr__(self, "head_dim_v", dv)
         object.__setattr__(self, "window_size", (left, 0))
@@ -143,6 +161,22 @@ class AttentionSpec:
             raise ValueError(f"kv_layout={layout!r} is absorbed MLA's latent: num_kv_heads=1, head_dim_v a multiple of "
                              f"{MLA_FP8_TILE_SIZE} and head_dim > head_dim_v (the rope part), got num_kv_heads={hkv}, "
                              f"head_dim={d}, head_dim_v={dv}")
+
+    def _check_mma(self, kv_dtype: torch.dtype) -> None:
+        """ValueError / TypeError naming ``mma_dtype`` for an FP8 MMA mode the other fields do not fit."""
+        mma = self.mma_dtype
+        if mma is None:
+            return
+        if not isinstance(mma, torch.dtype):
+            raise TypeError(f"mma_dtype must be None or a torch.dtype, got {type(mma).__name__}")
+        if mma not in FP8_MMA_DTYPES:
+            raise ValueError(f"mma_dtype must be None or one of {list(FP8_MMA_DTYPES)}, got {mma}")
+        if kv_dtype != mma:
+            raise ValueError(f"mma_dtype={mma} needs kv_dtype={mma} (the FP8 cache the dots read), got {kv_dtype}")
+        if self.kv_layout is not None:
+            raise ValueError(f"mma_dtype={mma} needs kv_layout None, got {self.kv_layout!r}")
+        if self.topk is not None:
+            raise ValueError(f"mma_dtype={mma} is for dense attention, got topk={self.topk}")
 
     def replace(self, **changes) -> "AttentionSpec":
         """A copy with some fields changed (validated again)."""
@@ -165,6 +199,11 @@ class AttentionSpec:
     def kv_quantized(self) -> bool:
         """The K/V caches hold FP8 values read with scales (``kv_dtype`` is an FP8 dtype)."""
         return self.kv_dtype in FP8_KV_DTYPES
+
+    @property
+    def fp8_mma(self) -> bool:
+        """The dense prefill kernels multiply in FP8 (``mma_dtype`` is an FP8 dtype)."""
+        return self.mma_dtype in FP8_MMA_DTYPES
 
     @property
     def kv_tiled(self) -> bool:

@@ -88,11 +88,13 @@ def head_group_tile(
 
 
 @triton.jit
-def softmax_rescale(acc, l_i, m_i, s, visible, qk_scale, MASKED: tl.constexpr):
+def softmax_rescale(acc, l_i, m_i, s, visible, qk_scale, MASKED: tl.constexpr, ROW_SCALED: tl.constexpr = False):
     """The first half of a base-2 online-softmax step over unscaled scores ``s`` [M, N] (fp32;
     ``qk_scale`` > 0 folds into the exponent's FMA): (acc and l_i rescaled with p's mass added to
     l_i, the new running max, probabilities p [M, N] fp32). MASKED: keys not ``visible`` drop out
-    and a row with no visible key so far keeps max -inf."""
+    and a row with no visible key so far keeps max -inf. ROW_SCALED (FP8 tensor-core attention):
+    ``qk_scale`` is per row [M] and p comes back as ``P_SCALE p`` (2^8: exact, folded into the
+    exponent), l_i still adds p."""
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
@@ -100,21 +102,84 @@ def softmax_rescale(acc, l_i, m_i, s, visible, qk_scale, MASKED: tl.constexpr):
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_use = m_new
-    p = tl.math.exp2(s * qk_scale - m_use[:, None])
-    alpha = tl.math.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    if ROW_SCALED:
+        p = tl.math.exp2(s * qk_scale[:, None] - (m_use - 8.0)[:, None])  # 256 p: log2(P_SCALE) = 8
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1) * (1.0 / 256.0)
+    else:
+        p = tl.math.exp2(s * qk_scale - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     return acc, l_i, m_new, p
 
 
+#: FP8_MMA values: 0 off (the dots take q's dtype), 1 e4m3 tensor-core dots (q, P and K/V
+#: e4m3), 2 the same quantization emulated in fp32 for the CPU interpreter (its fp8 conversion and
+#: fp8 dot are wrong): values rounded to the e4m3 grid by :func:`e4m3_round`, dots in fp32 (exact
+#: for e4m3 products), so it checks the scheme's arithmetic but not the fp8 instructions.
+FP8_MMA_OFF = 0
+FP8_MMA_HW = 1
+FP8_MMA_EMULATED = 2
+
+#: P is rounded as fp8(P_SCALE p) for the P V dot (cpattn.quant.FP8_P_SCALE).
+P_SCALE = tl.constexpr(256.0)
+
+
+@triton.jit
+def e4m3_round(x):
+    """fp32 ``x`` rounded to the nearest e4m3 value (ties to even, subnormals down to 2^-9),
+    finite values saturated to +-448, NaN kept: what ``x.to(float8e4nv).to(float32)`` is on the
+    GPU, in fp32 arithmetic (the interpreter's conversion is wrong). Adding and subtracting
+    ``1.5 * 2^23 * u`` rounds to a multiple of the e4m3 step ``u`` of x's binade."""
+    e = (x.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e = tl.minimum(tl.maximum(e, 127 - 6), 127 + 9)  # below 2^-6: the subnormal step; past 2^9 saturates
+    u = ((e - 3) << 23).to(tl.float32, bitcast=True)
+    c = u * 12582912.0
+    r = (x + c) - c
+    r = tl.where(r > 448.0, 448.0, r)
+    return tl.where(r < -448.0, -448.0, r)
+
+
+@triton.jit
+def to_e4m3(x, FP8_MMA: tl.constexpr):
+    """fp32 ``x`` as the P V / q K dots take it: e4m3 (FP8_MMA 1) or its fp32 emulation (2)."""
+    return e4m3_round(x) if FP8_MMA == 2 else x.to(tl.float8e4nv)  # 2: FP8_MMA_EMULATED
+
+
+@triton.jit
+def quantize_query_rows(q1, q2, qk_scale, BLOCK_D2: tl.constexpr, FP8_MMA: tl.constexpr):
+    """Per-row FP8 query quantization (cpattn.quant.quantize_fp8_rows): the row scale
+    ``amax / 448`` over the whole head dim (both parts of a split one; 1 for a row of zeros, NaN
+    for a row holding NaN or inf) -> (q1 e4m3, q2 e4m3, qk_scale [M] = qk_scale * row scale)."""
+    x1 = q1.to(tl.float32)
+    x2 = q2.to(tl.float32)
+    amax = tl.max(tl.abs(x1), 1)
+    bad = tl.sum(x1 * 0.0, 1)  # 0, or NaN when the row holds NaN or +-inf (max would drop a NaN)
+    if BLOCK_D2 > 0:
+        amax = tl.maximum(amax, tl.max(tl.abs(x2), 1))
+        bad += tl.sum(x2 * 0.0, 1)
+    scale = tl.where(amax == 0.0, 1.0, amax / 448.0) + bad
+    q1 = to_e4m3(x1 / scale[:, None], FP8_MMA)
+    if BLOCK_D2 > 0:
+        q2 = to_e4m3(x2 / scale[:, None], FP8_MMA)
+    else:
+        q2 = q1
+    return q1, q2, qk_scale * scale
+
+
 @triton.jit
 def add_values(acc, p, v, tile_scale, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-               KV_TILE: tl.constexpr):
+               KV_TILE: tl.constexpr, FP8_MMA: tl.constexpr = 0):
     """``acc + p @ v`` (fp32) for probabilities ``p`` [M, N] fp32 (rounded to v's dtype as the
     dot takes them). KV_TILE: ``v`` holds e4m3 latent values whose ``tile_scale``
-    [N, Dv / 128] applies in fp32."""
+    [N, Dv / 128] applies in fp32. FP8_MMA: ``p`` is ``P_SCALE`` times the probabilities
+    (:func:`softmax_rescale` ROW_SCALED), ``acc + fp8(p) @ v8`` (v e4m3, or its fp32 values when
+    emulated): the caller divides by P_SCALE at the end."""
     if KV_TILE:
         acc += tile_values(p, v, tile_scale, acc.shape[0], v.shape[0], v.shape[1], DOT_PRECISION)
+    elif FP8_MMA != 0:  # p is P_SCALE p (softmax_rescale's ROW_SCALED)
+        acc = tl.dot(to_e4m3(p, FP8_MMA), v, acc, input_precision=DOT_PRECISION)
     else:
         p = p.to(v.dtype)
         if DOT_UPCAST:

@@ -118,6 +118,8 @@ class FA4Backend:
         return None if self._interface() is not None else self._import_error
 
     def unsupported_reason(self, spec: AttentionSpec, meta: CPMetadata) -> Optional[str]:
+        if spec.fp8_mma:
+            return f"fa4 does not multiply in FP8 (mma_dtype={spec.mma_dtype})"
         if spec.kv_quantized:
             return f"fa4 does not read FP8 K/V caches (kv_dtype={spec.kv_dtype})"
         if meta.has_strided_segments:

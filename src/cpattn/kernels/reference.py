@@ -11,6 +11,12 @@ FP8 caches (``spec.kv_dtype``): the rows a segment reads are dequantized (``x * 
 (``spec.kv_layout="fp8_tile"``, k and v the same uint8 cache) by
 :func:`cpattn.quant.dequantize_mla_fp8_tiles` (V: the latent, the row's first ``Dv`` values).
 
+FP8 tensor-core attention (``spec.mma_dtype``, dense plans): :func:`segment_attention_fp8` does
+the kernels' quantization exactly (queries per row by :func:`cpattn.quant.quantize_fp8_rows`, the
+K/V e4m3 values read as they are, probabilities rounded to ``fp8(256 p)``) but relative to each
+row's final max where the kernels use their running max: the two agree to a tolerance, not
+bitwise.
+
 NaN semantics: a NaN in q, in a visible key or value, or in a sink reaches exactly the rows that
 see it (their out and lse are NaN); masked keys never contribute, not even as 0 * NaN. Rows that
 see no key (pad rows) are 0 / -inf.
@@ -26,7 +32,7 @@ from torch import Tensor
 from . import AttentionSpec, IndexTopkSpec
 from ._dsa_rows import device_rows
 from ..metadata import CPMetadata
-from ..quant import dequantize_fp8, dequantize_mla_fp8_tiles
+from ..quant import FP8_P_SCALE, dequantize_fp8, dequantize_mla_fp8_tiles, quantize_fp8_rows
 from ..selection import NO_KEY, key_positions, pack_keys, top_keys
 
 _ROW_CHUNK = 512  # query rows per score matrix (bounds memory to chunk * keys * Hq floats)
@@ -108,6 +114,56 @@ def segment_attention(
     return out.reshape(n, hq, -1), lse.reshape(n, hq)
 
 
+def _per_head_scale(scale: Tensor, hkv: int, work) -> Tensor:
+    """A K/V scale ([] or [Hkv]) as [Hkv] in ``work``."""
+    return scale.to(work).reshape(-1).expand(hkv)
+
+
+def segment_attention_fp8(
+    q: Tensor, pos: Tensor, keys: Tensor, values: Tensor, k_scale: Tensor, v_scale: Tensor, key_pos: Tensor,
+    softmax_scale: float, window_left: int, sinks: Optional[Tensor],
+) -> tuple[Tensor, Tensor]:
+    """FP8 tensor-core attention of one segment (``AttentionSpec(mma_dtype=torch.float8_e4m3fn)``).
+
+    q [n, Hq, D] (bf16 / fp16 / fp32), pos [n]; keys [m, Hkv, D], values [m, Hkv, Dv] e4m3 as the
+    cache holds them, k_scale / v_scale float32 [] or [Hkv]; key_pos [m] -> (out [n, Hq, Dv],
+    lse [n, Hq]) float32. Scores ``(q8 . k8) * q_scale_row * k_scale * softmax_scale`` (q8, q_scale
+    from :func:`cpattn.quant.quantize_fp8_rows`), ``p = exp(s - row max)`` (the sink's logit joins
+    the max), the P V dot takes ``fp8(256 p) / 256``; the row sum ``l`` adds the fp32 ``p`` (and
+    ``exp(sink - max)``); out ``= (P8 V8) * v_scale / l``.
+    Visibility and NaN as :func:`segment_attention` (a NaN or inf in a query row: that row is NaN
+    where it sees a key).
+    """
+    work = torch.float32
+    n, hq, _ = q.shape
+    hkv = keys.shape[1]
+    group = hq // hkv
+    q8, qs = quantize_fp8_rows(q)
+    qg = q8.to(work).view(n, hkv, group, -1)
+    row_scale = qs.view(n, hkv, group, 1) * _per_head_scale(k_scale, hkv, work).view(1, hkv, 1, 1) * softmax_scale
+    scores = torch.einsum("nhgd,mhd->nhgm", qg, keys.to(work)) * row_scale
+    visible = key_pos[None, :] <= pos[:, None]
+    if window_left >= 0:
+        visible &= key_pos[None, :] >= pos[:, None] - window_left
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    m = scores.amax(dim=-1, keepdim=True) if scores.shape[-1] else scores.new_full((n, hkv, group, 1), -torch.inf)
+    sink = sinks.to(work).view(1, hkv, group, 1).expand(n, hkv, group, 1) if sinks is not None else None
+    if sink is not None:
+        m = torch.maximum(m, sink)
+        m = torch.where(scores.isnan().any(dim=-1, keepdim=True), float("nan"), m)  # maximum keeps NaN; amax too
+    m_use = torch.where(m == -torch.inf, 0.0, m)
+    p = torch.exp(scores - m_use)
+    p8 = (p * FP8_P_SCALE).to(torch.float8_e4m3fn).to(work) / FP8_P_SCALE
+    l = p.sum(dim=-1, keepdim=True)  # fp32 p, as the kernels' online softmax (docs/fp8.md: measured)
+    if sink is not None:
+        l = l + torch.exp(sink - m_use)
+    out = torch.einsum("nhgm,mhd->nhgd", p8, values.to(work)) * _per_head_scale(v_scale, hkv, work).view(1, hkv, 1, 1)
+    has_mass = l != 0
+    out = out * torch.where(has_mass, 1.0 / torch.where(has_mass, l, 1.0), 0.0)
+    lse = torch.where(has_mass, m_use + torch.log(torch.where(has_mass, l, 1.0)), -torch.inf)
+    return out.reshape(n, hq, -1), lse.reshape(n, hq)
+
+
 class _TorchRun:
     """The planned reference call: the host segment table of the plan, read once at plan time."""
 
@@ -118,6 +174,9 @@ class _TorchRun:
         self.num_local = meta.num_local_tokens
         self.window_left = spec.window_left
         self.tiled = spec.head_dim_v if spec.kv_tiled else None
+        #: FP8 tensor-core attention (``spec.mma_dtype``): :func:`segment_attention_fp8`
+        self.fp8_mma = spec.fp8_mma
+        self.mma_dtype = spec.mma_dtype if spec.fp8_mma else None  # plan.mma_dtype
         #: the lse dtype the plan hands out: float64 math for float64 inputs keeps a float64 lse
         self.lse_dtype = torch.float64 if spec.dtype == torch.float64 else torch.float32
 
@@ -134,10 +193,15 @@ class _TorchRun:
                 first, last = pos0 + c0 * stride, pos0 + (c1 - 1) * stride
                 lo = max(0, first - w) if w >= 0 else 0
                 keys, values = _keys_of(k, v, page_table, self.cu_kv[seq], seq, lo, last + 1)
-                keys, values = _dequantized(keys, values, k_scale, v_scale, work, self.tiled)
                 pos = torch.arange(first, last + 1, stride, device=q.device)
                 key_pos = torch.arange(lo, last + 1, device=q.device)
-                o, l = segment_attention(q[row0 + c0 : row0 + c1], pos, keys, values, key_pos, softmax_scale, w, sinks)
+                if self.fp8_mma:
+                    o, l = segment_attention_fp8(q[row0 + c0 : row0 + c1], pos, keys, values, k_scale, v_scale,
+                                                 key_pos, softmax_scale, w, sinks)
+                else:
+                    keys, values = _dequantized(keys, values, k_scale, v_scale, work, self.tiled)
+                    o, l = segment_attention(q[row0 + c0 : row0 + c1], pos, keys, values, key_pos, softmax_scale, w,
+                                             sinks)
                 out[row0 + c0 : row0 + c1] = o.to(out.dtype)
                 if lse is not None:
                     lse[row0 + c0 : row0 + c1] = l.to(lse.dtype)  # float64 buffers keep float64 math

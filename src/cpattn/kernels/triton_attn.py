@@ -17,7 +17,11 @@ K scale of the program's KV head multiplies the softmax scale and the V scale th
 loads only (no TMA). With ``KV_FP8`` False the branches compile away. Tile-scaled FP8 MLA latent
 rows (``KV_TILE``: uint8 K = V, one float32 scale per 128 latent values, bf16 rope): the e4m3
 values convert exactly and the tile scales apply in fp32 outside the dots (:mod:`._fp8_tiles`);
-V is the latent block.
+V is the latent block. FP8 tensor-core attention (``FP8_MMA``, an FP8 cache): the query rows are
+quantized to e4m3 per (token, head) after their load (:func:`._attn_steps.quantize_query_rows`),
+both dots take e4m3 operands (K and V straight from the cache), the per-row scale multiplies the
+fp32 scores, P goes to the P V dot as ``fp8(256 p)`` and the output is divided by 256; the row
+sum adds the fp32 p. With ``FP8_MMA`` 0 those branches compile away.
 
 The launch geometry (tile map, GQA packing, L2 sections) is planned by the backend
 (:mod:`.triton_backend`); this module holds the kernel and :func:`launch`, which only passes
@@ -37,7 +41,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._attn_steps import add_values, head_group_tile, normalized, row_lse, softmax_rescale
+from ._attn_steps import P_SCALE, add_values, head_group_tile, normalized, quantize_query_rows, row_lse, softmax_rescale
 from ._fp8_tiles import load_tile_rows, tile_scores
 from ._launch import PlannedLaunch
 from ._tiles import LOG2E, SM90_SMEM_PER_BLOCK, kv_strides
@@ -101,9 +105,13 @@ def _configs() -> list:
     return out
 
 
-def _heuristic(d: int, dv: int, block_m: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) used without autotuning (measured defaults on H200)."""
+def _heuristic(d: int, dv: int, block_m: int, fp8_mma: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) used without autotuning (measured defaults on H200; the
+    FP8-MMA ones are unmeasured: the bf16 choices, except D <= 64 on 8 warps, where 4 spill 304
+    bytes offline (tools/fp8_mma_offline_check.py) and 8 spill none)."""
     width = max(d, dv)
+    if fp8_mma and width <= 64:
+        return 128, 8, 3
     if width <= 64:
         return 128, 4, 3
     if width <= 128:
@@ -133,7 +141,7 @@ def _prune_configs(configs, named_args, **kwargs):
         if max(d, dv) <= 128 and bn < 64:
             continue
         kept.append(c)
-    want = _heuristic(d, dv, block_m)
+    want = _heuristic(d, dv, block_m, bool(named_args.get("FP8_MMA", kwargs.get("FP8_MMA", 0))))
     if not _autotune_enabled() or not kept:
         for c in configs:
             if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) == want:
@@ -231,11 +239,12 @@ def _block_scores(
 def _softmax_update(
     acc, l_i, m_i, s, v, start, pos, window, qk_scale, offs_n,
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    tile_scale=None, KV_TILE: tl.constexpr = False,
+    tile_scale=None, KV_TILE: tl.constexpr = False, FP8_MMA: tl.constexpr = 0,
 ):
     """One online-softmax step (base 2): fold scores ``s`` of a key block and its values ``v``
     into (acc, l_i, m_i). MASKED applies the causal / window mask by position. KV_TILE: ``v``
-    holds e4m3 latent values whose ``tile_scale`` [BLOCK_N, Dv / 128] applies in fp32."""
+    holds e4m3 latent values whose ``tile_scale`` [BLOCK_N, Dv / 128] applies in fp32. FP8_MMA:
+    ``qk_scale`` is per row [BLOCK_M] (the query rows' quantization scales folded in)."""
     if MASKED:
         kpos = start + offs_n
         visible = kpos[None, :] <= pos[:, None]
@@ -243,8 +252,8 @@ def _softmax_update(
             visible = visible & (kpos[None, :] >= pos[:, None] - window)
     else:
         visible = None
-    acc, l_i, m_new, p = softmax_rescale(acc, l_i, m_i, s, visible, qk_scale, MASKED)
-    acc = add_values(acc, p, v, tile_scale, DOT_PRECISION, DOT_UPCAST, KV_TILE)
+    acc, l_i, m_new, p = softmax_rescale(acc, l_i, m_i, s, visible, qk_scale, MASKED, FP8_MMA != 0)
+    acc = add_values(acc, p, v, tile_scale, DOT_PRECISION, DOT_UPCAST, KV_TILE, FP8_MMA)
     return acc, l_i, m_new
 
 
@@ -258,6 +267,7 @@ def _attn_key_range(
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr, KV_FP8: tl.constexpr = False, KV_TILE: tl.constexpr = False,
+    FP8_MMA: tl.constexpr = 0,
 ):
     """Online softmax over key blocks [n_lo, n_hi) (BLOCK_N-aligned); MASKED adds the causal /
     window mask and bounds loads at key_end. USE_DESC loads K/V blocks through the tensor
@@ -279,7 +289,7 @@ def _attn_key_range(
             if KV_FP8:
                 v = v.to(q1.dtype)
         acc, l_i, m_i = _softmax_update(acc, l_i, m_i, s, v, start, pos, window, qk_scale, offs_n,
-                                        MASKED, HAS_WINDOW, DOT_PRECISION, DOT_UPCAST, tsc, KV_TILE)
+                                        MASKED, HAS_WINDOW, DOT_PRECISION, DOT_UPCAST, tsc, KV_TILE, FP8_MMA)
     return acc, l_i, m_i
 
 
@@ -309,7 +319,7 @@ def _cp_attn_fwd(
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, KV_TILE: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, KV_TILE: tl.constexpr = False, FP8_MMA: tl.constexpr = 0,
 ):
     ROWS: tl.constexpr = BLOCK_M // G_PACK
     num_tiles = tl.load(NumTiles)  # from device memory: a capacity-sized grid replays for any batch
@@ -341,6 +351,8 @@ def _cp_attn_fwd(
         Q, K, V, KScale, PageTable, cu_kv_lens, seq, row, head, valid, kvh, qk_scale,
         stride_qm, stride_qh, stride_kh, stride_vh, stride_ks, stride_pt,
         BLOCK_N, BLOCK_D1, BLOCK_D2, HEAD_DIM_V, PAGED, DOT_UPCAST, KV_FP8)
+    if FP8_MMA != 0:  # q rows to e4m3, their scales into the per-row softmax scale
+        q1, q2, qk_scale = quantize_query_rows(q1, q2, qk_scale, BLOCK_D2, FP8_MMA)
     if USE_TMA:  # packed K/V of this KV head as [num_kv_rows, D] row-strided matrices
         k_desc1 = tl.make_tensor_descriptor(k_base, shape=[num_kv_rows, BLOCK_D1], strides=[stride_kn, 1],
                                             block_shape=[BLOCK_N, BLOCK_D1])
@@ -380,7 +392,7 @@ def _cp_attn_fwd(
             k_desc1, k_desc2, v_desc, n_lo, f_lo, key_end, window, qk_scale,
             stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2, offs_dv,
             True, HAS_WINDOW, PAGED, PAGE_SIZE, BLOCK_D1, BLOCK_D2, DOT_PRECISION, DOT_UPCAST, BLOCK_N,
-            False, KV_FP8, KV_TILE,
+            False, KV_FP8, KV_TILE, FP8_MMA,
         )
     # interior: every key visible to every row of the tile
     acc, l_i, m_i = _attn_key_range(
@@ -388,7 +400,7 @@ def _cp_attn_fwd(
         k_desc1, k_desc2, v_desc, f_lo, f_hi, key_end, window, qk_scale,
         stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2, offs_dv,
         False, HAS_WINDOW, PAGED, PAGE_SIZE, BLOCK_D1, BLOCK_D2, DOT_PRECISION, DOT_UPCAST, BLOCK_N,
-        USE_TMA, KV_FP8, KV_TILE,
+        USE_TMA, KV_FP8, KV_TILE, FP8_MMA,
     )
     # the causal diagonal
     acc, l_i, m_i = _attn_key_range(
@@ -396,11 +408,13 @@ def _cp_attn_fwd(
         k_desc1, k_desc2, v_desc, f_hi, key_end, key_end, window, qk_scale,
         stride_kp, stride_kn, stride_vp, stride_vn, offs_n, offs_d1, offs_d2, offs_dv,
         True, HAS_WINDOW, PAGED, PAGE_SIZE, BLOCK_D1, BLOCK_D2, DOT_PRECISION, DOT_UPCAST, BLOCK_N,
-        False, KV_FP8, KV_TILE,
+        False, KV_FP8, KV_TILE, FP8_MMA,
     )
 
     # l_i == 0: no visible key (0 / -inf); NaN (from q, k, v or a sink) stays NaN in out and lse
     out, has_mass = normalized(acc, l_i, VScale, kvh, stride_vs, KV_FP8)
+    if FP8_MMA != 0:
+        out = out * (1.0 / P_SCALE)  # P went to the P V dot as fp8(P_SCALE p)
     o_ptrs = Out + row[:, None] * stride_om + head[:, None] * stride_oh + offs_dv[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=valid[:, None])
     if RETURN_LSE:
@@ -412,7 +426,7 @@ def _cp_attn_fwd(
 _cp_attn_fwd_tuned = triton.autotune(
     configs=_configs(),
     key=["HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "G_PACK", "PAGED", "PAGE_SIZE", "HAS_WINDOW", "USE_TMA", "KV_FP8",
-         "KV_TILE"],
+         "KV_TILE", "FP8_MMA"],
     prune_configs_by={"early_config_prune": _prune_configs},
     do_bench=_bench_config,
 )(_cp_attn_fwd)
@@ -426,11 +440,20 @@ def last_dim_contiguous(x: Tensor, name: str) -> Tensor:
     return x
 
 
-def dot_settings(dtype: torch.dtype) -> dict:
+def dot_settings(dtype: torch.dtype, fp8_mma: bool = False) -> dict:
     """DOT_PRECISION / DOT_UPCAST constexprs: fp32 is exact ("ieee"); under the interpreter bf16
-    operands are upcast (its bf16 dot is wrong; bf16 x bf16 products are exact in fp32)."""
+    operands are upcast (its bf16 dot is wrong; bf16 x bf16 products are exact in fp32), and the
+    emulated FP8 dots (``fp8_mma``, :func:`fp8_mma_mode`) run "ieee"."""
     upcast = INTERPRETED and dtype == torch.bfloat16
-    return dict(DOT_PRECISION="ieee" if dtype == torch.float32 or upcast else "tf32", DOT_UPCAST=upcast)
+    exact = dtype == torch.float32 or upcast or (INTERPRETED and fp8_mma)
+    return dict(DOT_PRECISION="ieee" if exact else "tf32", DOT_UPCAST=upcast)
+
+
+def fp8_mma_mode(fp8_mma: bool) -> int:
+    """The FP8_MMA constexpr of FP8 tensor-core attention (``AttentionSpec(mma_dtype=)``): 0 off,
+    1 e4m3 dots on the GPU, 2 their fp32 emulation under the interpreter (its fp8 conversion and
+    fp8 dot are wrong; :data:`._attn_steps.FP8_MMA_EMULATED`)."""
+    return (2 if INTERPRETED else 1) if fp8_mma else 0
 
 
 #: Per-call arguments of the portable kernel, in the order of a launch's ``values``.

@@ -140,7 +140,10 @@ DECODE_MIN_KEYS = 256
 def decode_unsupported_reason(spec: AttentionSpec, meta: CPMetadata) -> Optional[str]:
     """Why the split-KV decode family cannot take this dense plan (None if it can): it needs the
     rank's rows to be its sequences' last tokens in sequence order (C = 1), short segments and
-    long enough key ranges, and a plan sized for its batch."""
+    long enough key ranges, a plan sized for its batch, and no FP8 tensor-core mode (it
+    dequantizes FP8 K/V: a dense plan of ``mma_dtype`` FP8 runs the portable kernel's FP8 dots)."""
+    if spec.fp8_mma:
+        return f"mma_dtype={spec.mma_dtype} (the split-KV decode kernel dequantizes FP8 K/V)"
     if meta.cp_size != 1:
         return f"cp_size={meta.cp_size} (local rows are a subset of each sequence's queries)"
     if meta.is_static:
@@ -245,6 +248,8 @@ class _TritonRun:
              triton_mla.BLOCK_M),
         ):
             reason = "the CPU interpreter" if triton_attn.INTERPRETED else fam_reason
+            if reason is None and spec.fp8_mma:
+                reason = f"mma_dtype={spec.mma_dtype}: the portable kernel's FP8 dots run it"
             if reason is None and spec.kv_quantized:
                 reason = f"an FP8 cache (kv_dtype={spec.kv_dtype}): the portable kernel dequantizes it"
             if reason is None and block_m != fam_block:
@@ -287,12 +292,16 @@ class _TritonRun:
         d1, d2 = triton_attn.split_head_dim(d)
         self.portable_args = dict(
             common, HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D1=d1, BLOCK_D2=d2, BLOCK_M=block_m,
-            PAGED=spec.paged, PAGE_SIZE=spec.page_size or 1, **triton_attn.dot_settings(spec.dtype),
+            PAGED=spec.paged, PAGE_SIZE=spec.page_size or 1, **triton_attn.dot_settings(spec.dtype, spec.fp8_mma),
         )
         # always given (a planned launch records only kernels whose every argument it knows);
         # False compiles the FP8 branches away: the kernel of a bf16 plan is unchanged
         self.portable_args["KV_FP8"] = spec.kv_quantized and not spec.kv_tiled
         self.portable_args["KV_TILE"] = spec.kv_tiled  # tile-scaled latent rows: k is v, scales in the rows
+        # FP8 tensor-core attention (spec.mma_dtype); 0 compiles its branches away
+        self.portable_args["FP8_MMA"] = triton_attn.fp8_mma_mode(spec.fp8_mma)
+        #: what the kernel multiplies in when FP8 (``plan.mma_dtype``; the Hopper families refuse it)
+        self.mma_dtype = spec.mma_dtype if spec.fp8_mma else None
         planned = bool(options.get("planned_launch", True))
         from ._launch import LaunchState
 

@@ -220,6 +220,15 @@ class AttentionPlan:
         """The kernel family that runs (e.g. "sm90" or "portable" for triton; else the backend)."""
         return getattr(self._impl, "family", self.backend)
 
+    @property
+    def mma_dtype(self) -> Optional[torch.dtype]:
+        """The dtype this plan's kernel multiplies in when it is FP8 tensor-core attention
+        (``spec.mma_dtype`` where the running kernel implements it: dense plans, the portable
+        Triton kernel or the torch reference), else None: the kernel multiplies in the query
+        dtype (FP8 K/V dequantized in registers; e.g. shard / split-KV decode plans, which
+        ignore ``spec.mma_dtype``)."""
+        return getattr(self._impl, "mma_dtype", None)
+
     # ------------------------------------------------------------------ per-call checks
     def _check_call(self, q: Tensor, k: Tensor, v: Tensor, page_table: Optional[Tensor],
                     sinks: Optional[Tensor]) -> None:
