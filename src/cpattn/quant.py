@@ -43,6 +43,12 @@ FP8_E4M3_MAX = 448.0
 #: ``write_mla_cache(..., layout=FP8_TILE)``, ``gather_mla_latent(..., layout=FP8_TILE)``).
 FP8_TILE = "fp8_tile"
 
+
+def _amax_scale(amax: Tensor) -> Tensor:
+    """``amax / 448`` rounded once (IEEE division on every device: CUDA divides by a host scalar
+    through its reciprocal, which moves some scales by one ulp and every value of their tile)."""
+    return amax / torch.full((), FP8_E4M3_MAX, dtype=amax.dtype, device=amax.device)
+
 #: Latent values per scale of the tile-scaled MLA layout.
 MLA_FP8_TILE_SIZE = 128
 
@@ -121,7 +127,7 @@ def quantize_fp8_rows(x: Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> tu
         raise ValueError(f"dtype must be torch.float8_e4m3fn, got {dtype}")
     xf = x.float()
     amax = xf.abs().amax(dim=-1)  # NaN stays NaN, inf stays inf
-    scale = torch.where(amax == 0, 1.0, amax / FP8_E4M3_MAX)
+    scale = torch.where(amax == 0, 1.0, _amax_scale(amax))
     scale = torch.where(amax.isfinite(), scale, float("nan"))
     y = (xf / scale[..., None]).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     return y.to(dtype), scale
@@ -171,7 +177,7 @@ def quantize_mla_fp8_tiles(kv_c: Tensor, k_pe: Tensor) -> Tensor:
     tiles = r // MLA_FP8_TILE_SIZE
     x = kv_c.float().view(n, tiles, MLA_FP8_TILE_SIZE)
     amax = x.abs().amax(dim=-1, keepdim=True)  # NaN in a tile gives NaN
-    scale = torch.where(amax.isfinite(), amax / FP8_E4M3_MAX, float("nan"))
+    scale = torch.where(amax.isfinite(), _amax_scale(amax), float("nan"))
     y = (x / torch.where(scale == 0, 1.0, scale)).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     out = torch.empty(n, row, dtype=torch.uint8, device=kv_c.device)
     out[:, :r] = y.to(torch.float8_e4m3fn).view(torch.uint8).view(n, r)
