@@ -289,3 +289,21 @@ def test_rotation_spreads_short_sequences():
     rot = cpattn.ZigzagStrategy(8).build_metadata([2] * 4096, rank=0)
     assert plain.num_local_tokens_per_rank == (4096, 4096, 0, 0, 0, 0, 0, 0)
     assert rot.num_local_tokens_per_rank == (1024,) * 8 and rot.num_physical_tokens == 1024
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["zigzag", "interleave", "contiguous", "replicated"]), st.integers(1, 4),
+       st.lists(st.integers(0, 9), min_size=1, max_size=5), st.data())
+def test_rows_without_collective_are_logical_and_copy_only_pad_layouts(name, cp_size, ext, data):
+    """C = 1 or the replicated placement: ``all_gather_rows`` returns the logical rows with no
+    collective; a dynamic plan with no pad row hands back the inputs themselves (no copy), a plan
+    with pad rows (or a static one) a reordered copy."""
+    c = cp_size if name == "replicated" else 1
+    pre = data.draw(st.lists(st.integers(0, 5), min_size=len(ext), max_size=len(ext)))
+    meta = cpattn.get_strategy(name, c).build_metadata(ext, pre, rank=data.draw(st.integers(0, c - 1)))
+    phys = meta.num_physical_tokens
+    x = torch.arange(phys * 3, dtype=torch.float32).view(phys, 3)
+    (rows,) = all_gather_rows([x], meta)
+    assert torch.equal(rows, x.index_select(0, meta.gather_index))
+    assert rows.shape[0] == meta.num_tokens
+    assert (rows is x) == (phys == meta.num_tokens)

@@ -261,7 +261,8 @@ def all_gather_rows(
 
     Returns:
         ``[T, ...]`` tensors in logical order, pad rows dropped, identical on every rank. They are
-        views into one buffer (last dim contiguous, rows strided).
+        views into one buffer (last dim contiguous, rows strided); at C = 1 or under the
+        replicated placement, ``parts`` themselves when a dynamic plan has no pad row (no copy).
     """
     parts = list(parts)
     offsets, widths, row_bytes = _part_layout(parts)
@@ -269,7 +270,10 @@ def all_gather_rows(
     device = parts[0].device
     if meta.cp_size == 1 or meta.replicated:  # every rank has every row: no collective, no byte packing
         layout = tuple((p.dtype, tuple(p.shape[1:]), o, w) for p, o, w in zip(parts, offsets, widths))
-        rows = [p.index_select(0, meta.gather_index) for p in parts]
+        if phys == meta.num_tokens and not meta.is_static:  # no pad row: physical order is logical order
+            rows = parts
+        else:
+            rows = [p.index_select(0, meta.gather_index) for p in parts]
         pending = PendingGather(None, parts[0], meta, layout, rows)
         return pending if async_op else rows
     packed = torch.empty((phys, row_bytes), dtype=torch.uint8, device=device)
