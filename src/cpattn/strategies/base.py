@@ -420,17 +420,30 @@ class CPStrategy(ABC):
     def _cached_plan(self, q, k, v, meta, call: dict, backend: str, *, window_size=(-1, -1),
                      idx: Optional[Tensor] = None) -> AttentionPlan:
         """The plan of a convenience call (its spec read from the tensors; ``idx``: sparse),
-        cached beside ``meta``."""
+        cached beside ``meta`` under the raw facts it is built from, so a repeated call does
+        one dict lookup here (the plan's own per-call checks still run); the first call of a
+        key validates everything and builds the spec."""
         self.check_metadata(meta)
         self._check_replicated_cache(meta)
         paged = call.get("page_table") is not None
-        hq, hkv = check_qkv(q, k, v, paged)
-        topk = None if idx is None else check_index(idx, meta.num_physical_tokens)
-        spec = AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=q.shape[-1], head_dim_v=v.shape[-1],
-                             dtype=q.dtype, window_size=window_size, page_size=k.shape[1] if paged else None,
-                             has_sinks=call.get("sinks") is not None, topk=topk,
-                             kv_dtype=k.dtype if k.dtype in FP8_KV_DTYPES else None)
-        return cached_plan(meta, (spec, backend), lambda: plan_attention(meta, spec, backend=backend))
+        try:
+            key = ("convenience", backend, tuple(window_size), paged, call.get("sinks") is not None,
+                   None if idx is None else tuple(idx.shape), tuple(q.shape), tuple(k.shape[1:]), tuple(v.shape[1:]),
+                   q.dtype, k.dtype, v.dtype)
+            hash(key)
+        except (AttributeError, TypeError):  # not tensors / an odd window: the full checks raise
+            key = None
+
+        def build() -> AttentionPlan:
+            hq, hkv = check_qkv(q, k, v, paged)
+            topk = None if idx is None else check_index(idx, meta.num_physical_tokens)
+            spec = AttentionSpec(num_q_heads=hq, num_kv_heads=hkv, head_dim=q.shape[-1], head_dim_v=v.shape[-1],
+                                 dtype=q.dtype, window_size=window_size, page_size=k.shape[1] if paged else None,
+                                 has_sinks=call.get("sinks") is not None, topk=topk,
+                                 kv_dtype=k.dtype if k.dtype in FP8_KV_DTYPES else None)
+            return cached_plan(meta, (spec, backend), lambda: plan_attention(meta, spec, backend=backend))
+
+        return build() if key is None else cached_plan(meta, key, build)
 
     # ------------------------------------------------------------------ DSA
     def sparse_attention(self, q_local: Tensor, k: Tensor, v: Tensor, meta: CPMetadata, idx: Tensor, *,
