@@ -350,6 +350,8 @@ def _gloo_case(rank, world, il, paged):
     with CountCollectives() as bad:
         for fn in (lambda: iplan.run(q, k_idx[..., :8], w, **kw),  # wrong index head dim
                    lambda: iplan.run(q.double(), k_idx, w, **kw),  # wrong dtype
+                   lambda: iplan.run(q, k_idx, w, scale=0.25, **kw),  # not an IndexInputs keyword
+                   lambda: iplan.candidates(q, k_idx, w, groups=None, **kw),
                    lambda: aplan.run(qa, qa[:, :1], qa[:, :1, :DV], (k_lat, k_lat[..., :DV]), idx=sel[:, :3], **kw),
                    lambda: aplan.run(qa, qa[:, :1], qa[:, :1, :DV], (k_lat, k_lat[..., :DV]), idx=None, **kw)):
             try:
@@ -374,7 +376,8 @@ def test_gloo_decode_layer(world, il, paged):
         torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
         assert n_index == (2, 1)  # a one-time [2] shape check, then the one all-gather of [N, topk] candidates
         assert n_attn == [1, 2]  # merge_partials: a one-time [5] shape check, then the one data all-gather
-        assert errors == ["ValueError", "TypeError", "ValueError", "ValueError"] and bad_calls == 0
+        assert errors == ["ValueError", "TypeError", "TypeError", "TypeError", "ValueError", "ValueError"]
+        assert bad_calls == 0
 
 
 # ----------------------------------------------------------------------------- static plans

@@ -141,17 +141,30 @@ def test_run_rejects_wrong_inputs():
             _spec_plan(meta, head_dim=8, dtype=torch.float32, **kwargs)
 
 
-def test_plan_is_cached_per_meta_and_layer_kind():
+def test_plan_is_cached_per_meta_and_layer_kind(monkeypatch):
+    """strategy.attention plans once per (meta, layer kind, backend): repeated calls reuse the
+    plan, another window is another layer kind, another placement plan plans again."""
+    import cpattn.strategies.base as strategy_base
+
+    built = []
+    real = strategy_base.plan_attention
+
+    def counting(meta, spec, **kw):
+        built.append(spec.window_size)
+        return real(meta, spec, **kw)
+
+    monkeypatch.setattr(strategy_base, "plan_attention", counting)
     s = cpattn.InterleaveStrategy(2)
     meta = s.build_metadata([9], rank=1)
     q, k, v, _ = _inputs([9], [0], 2, 1, 8, 8, torch.float32)
     ql = s.shard(q, meta)
-    s.attention(ql, k, v, meta, backend="torch")
-    s.attention(ql, k, v, meta, backend="torch")
+    first = s.attention(ql, k, v, meta, backend="torch")
+    assert torch.equal(s.attention(ql, k, v, meta, backend="torch"), first)
     s.attention(ql, k, v, meta, backend="torch", window_size=(3, 0))
-    from cpattn.plan_cache import _PLANS
-
-    assert len(_PLANS[meta]) == 2
+    s.attention(ql, k, v, meta, backend="torch", window_size=[3, 0])  # the same layer kind
+    assert built == [(-1, 0), (3, 0)]
+    s.attention(ql, k, v, s.build_metadata([9], rank=1), backend="torch")
+    assert len(built) == 3
 
 
 def test_fa4_descriptors_follow_segments():

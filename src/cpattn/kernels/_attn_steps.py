@@ -1,6 +1,7 @@
 """Triton device helpers shared by the portable, split-KV and portable sparse attention kernels
-(device functions, no launch of their own): the query tile's load, the KV head's base pointers,
-the base-2 online-softmax step and the final normalization.
+and the DSA index scorers (device functions, no launch of their own): the query tile's load, the
+KV head's base pointers, key row offsets, the base-2 online-softmax step and the final
+normalization.
 
 Every helper is inlined where it is called, so a kernel compiles to the code it had with the
 helper's body written in place.
@@ -50,6 +51,35 @@ def kv_head(K, V, KScale, kvh, stride_kh, stride_vh, stride_ks, qk_scale, KV_FP8
     if KV_FP8:
         qk_scale = qk_scale * tl.load(KScale + kvh * stride_ks)
     return k_base, v_base, qk_scale
+
+
+@triton.jit
+def row_offsets(page, slot, stride_ap, stride_an, stride_bp, stride_bn, PAGED: tl.constexpr):
+    """Element offsets of the same rows in two tensors A and B (K and V, or keys and their
+    scales): paged, ``page * stride_p + slot * stride_n``; packed, ``slot`` is the row
+    (``page`` unused). ``page`` / ``slot`` int64."""
+    if PAGED:
+        a_off = page * stride_ap + slot * stride_an
+        b_off = page * stride_bp + slot * stride_bn
+    else:
+        a_off = slot * stride_an
+        b_off = slot * stride_bn
+    return a_off, b_off
+
+
+@triton.jit
+def key_offsets(pt_row, j, valid, row_base, stride_kp, stride_kn, stride_sp, stride_sn,
+                PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Element offsets (key, per-key scale) of keys ``j`` [N] of one sequence: paged, page
+    ``pt_row[j // PAGE_SIZE]`` (table reads masked by ``valid``), slot ``j % PAGE_SIZE``; packed,
+    row ``row_base + j``."""
+    if PAGED:
+        page = tl.load(pt_row + j // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        slot = (j % PAGE_SIZE).to(tl.int64)
+    else:
+        page = 0
+        slot = (row_base + j).to(tl.int64)
+    return row_offsets(page, slot, stride_kp, stride_kn, stride_sp, stride_sn, PAGED)
 
 
 @triton.jit

@@ -41,7 +41,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._attn_steps import P_SCALE, add_values, head_group_tile, normalized, quantize_query_rows, row_lse, softmax_rescale
+from ._attn_steps import (P_SCALE, add_values, head_group_tile, normalized, quantize_query_rows, row_lse, row_offsets,
+                          softmax_rescale)
 from ._fp8_tiles import load_tile_rows, tile_scores
 from ._launch import PlannedLaunch
 from ._tiles import LOG2E, SM90_SMEM_PER_BLOCK, kv_strides
@@ -189,12 +190,10 @@ def _kv_block_offsets(
             else:
                 page = tl.load(pt_row + kpos // PAGE_SIZE).to(tl.int64)
             slot = (kpos % PAGE_SIZE).to(tl.int64)
-        k_off = page * stride_kp + slot * stride_kn
-        v_off = page * stride_vp + slot * stride_vn
     else:
-        krow = (kv_row_base + kpos).to(tl.int64)
-        k_off = krow * stride_kn
-        v_off = krow * stride_vn
+        page = 0
+        slot = (kv_row_base + kpos).to(tl.int64)
+    k_off, v_off = row_offsets(page, slot, stride_kp, stride_kn, stride_vp, stride_vn, PAGED)
     return k_off, v_off, in_seq
 
 

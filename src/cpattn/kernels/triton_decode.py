@@ -50,7 +50,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._attn_steps import add_values, head_group_tile, normalized, row_lse, softmax_rescale
+from ._attn_steps import add_values, head_group_tile, normalized, row_lse, row_offsets, softmax_rescale
 from ._fp8_tiles import load_tile_rows, tile_scores
 from ._launch import LRU, LaunchState, PlannedLaunch
 from ._tiles import LOG2E, kv_strides
@@ -103,12 +103,9 @@ def _kv_offsets(start, kv_row_base, page, key_end, stride_kp, stride_kn, stride_
             slot = (start % PAGE_SIZE + offs_n).to(tl.int64)
         else:
             slot = (j % PAGE_SIZE).to(tl.int64)
-        k_off = page * stride_kp + slot * stride_kn
-        v_off = page * stride_vp + slot * stride_vn
     else:
-        row = (kv_row_base + j).to(tl.int64)
-        k_off = row * stride_kn
-        v_off = row * stride_vn
+        slot = (kv_row_base + j).to(tl.int64)
+    k_off, v_off = row_offsets(page, slot, stride_kp, stride_kn, stride_vp, stride_vn, PAGED)
     return k_off, v_off, in_range
 
 

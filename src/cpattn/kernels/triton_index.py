@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ._attn_steps import key_offsets
 from ._launch import scratch_allocator
 from ._tiles import SM90_SMEM_PER_BLOCK, index_key_strides
 
@@ -147,14 +148,8 @@ def _index_scores_fwd(
     for kb in range(k_start, c_stop, BLOCK_N):
         kpos = kb + offs_n
         in_key = kpos < c_stop
-        if PAGED:
-            page = tl.load(pt_row + kpos // PAGE_SIZE, mask=in_key, other=0).to(tl.int64)
-            slot = (kpos % PAGE_SIZE).to(tl.int64)
-            k_off = page * stride_kp + slot * stride_kn
-            s_off = page * stride_sp + slot * stride_sn
-        else:
-            k_off = (kv_start + kpos).to(tl.int64) * stride_kn
-            s_off = (kv_start + kpos).to(tl.int64) * stride_sn
+        k_off, s_off = key_offsets(pt_row, kpos, in_key, kv_start, stride_kp, stride_kn, stride_sp, stride_sn,
+                                   PAGED, PAGE_SIZE)
         if USE_K_DESC:  # one [BLOCK_N, D] box of consecutive key rows (keys past the range are masked below)
             if PAGED:
                 first = (tl.load(pt_row + kb // PAGE_SIZE).to(tl.int64) * PAGE_SIZE + kb % PAGE_SIZE).to(tl.int32)

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ._attn_steps import key_offsets
 from ._tiles import index_key_strides
 
 #: True when the kernels were built for the CPU interpreter (TRITON_INTERPRET=1 at import).
@@ -64,15 +65,7 @@ def _shard_index_scores(
         in_chunk = cols < width
         j = j0 + cols  # local key indices
         valid = in_chunk & (j < visible)
-        if PAGED:
-            page = tl.load(pt_row + j // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-            slot = (j % PAGE_SIZE).to(tl.int64)
-            k_off = page * stride_kp + slot * stride_kn
-            s_off = page * stride_sp + slot * stride_sn
-        else:
-            key_row = start + j
-            k_off = key_row * stride_kn
-            s_off = key_row * stride_sn
+        k_off, s_off = key_offsets(pt_row, j, valid, start, stride_kp, stride_kn, stride_sp, stride_sn, PAGED, PAGE_SIZE)
         k = tl.load(K + k_off[:, None] + offs_d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
         if DOT_UPCAST:
             k = k.to(tl.float32)

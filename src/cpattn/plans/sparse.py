@@ -17,7 +17,7 @@ without a causal mask (e.g. every key of a sequence shorter than top-k) stays ca
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional, TypedDict
 
 import torch
 from torch import Tensor
@@ -27,6 +27,29 @@ from ..kernels import IndexTopkSpec, select_backend
 from ..metadata import CPMetadata
 from ..selection import key_positions, top_keys
 from .base import AttentionPlan, check_group_rank
+
+if TYPE_CHECKING:  # annotations only (typing.Unpack: Python >= 3.11)
+    from typing_extensions import Unpack
+
+
+class IndexInputs(TypedDict, total=False):
+    """The keyword inputs of :meth:`IndexTopkPlan.run` and :meth:`IndexTopkPlan.candidates` (an
+    unknown one is a TypeError before any collective):
+
+    k_scale: float32 per index key ([rows] packed / [num_pages, page_size] paged) when the plan
+    has ``has_k_scale``. page_table: [B, max_pages] int32/int64 of a paged plan. softmax_scale:
+    float > 0 (default D_i ** -0.5). out: the result buffer (``run``: int32 [P, topk];
+    ``candidates``: int64 [N, topk]).
+    """
+
+    k_scale: Optional[Tensor]
+    page_table: Optional[Tensor]
+    softmax_scale: Optional[float]
+    out: Optional[Tensor]
+
+
+#: the keywords of :class:`IndexInputs`
+INDEX_INPUTS = frozenset(IndexInputs.__annotations__)
 
 __all__ = ["IndexTopkPlan", "check_index", "check_plan_index", "make_index_spec", "plan_index_topk", "select_candidates"]
 
@@ -192,6 +215,15 @@ class IndexTopkPlan(AttentionPlan):
             if t is not None:
                 _check_device(t, name, device)
 
+    def _index_inputs(self, inputs: dict, method: str) -> tuple:
+        """(k_scale, page_table, softmax_scale, out) of a call's keywords (absent: None);
+        TypeError naming any keyword :class:`IndexInputs` does not list."""
+        if not inputs.keys() <= INDEX_INPUTS:
+            raise TypeError(f"IndexTopkPlan.{method}() got unexpected keyword argument(s) "
+                            f"{sorted(inputs.keys() - INDEX_INPUTS)}")
+        get = inputs.get
+        return get("k_scale"), get("page_table"), get("softmax_scale"), get("out")
+
     def _check_out(self, out, shape, dtype, what: str) -> Tensor:
         if out is None:
             return torch.empty(shape, dtype=dtype, device=self._device)
@@ -201,17 +233,7 @@ class IndexTopkPlan(AttentionPlan):
                              f"{out.dtype} {list(out.shape)} on {out.device}")
         return out
 
-    def candidates(
-        self,
-        q_idx: Tensor,
-        k_idx: Tensor,
-        weights: Tensor,
-        *,
-        k_scale: Optional[Tensor] = None,
-        page_table: Optional[Tensor] = None,
-        softmax_scale: Optional[float] = None,
-        out: Optional[Tensor] = None,
-    ) -> Tensor:
+    def candidates(self, q_idx: Tensor, k_idx: Tensor, weights: Tensor, **inputs: Unpack[IndexInputs]) -> Tensor:
         """"shard_merge" only: this rank's top-k candidates, no collective (device-only).
 
         Args:
@@ -220,7 +242,8 @@ class IndexTopkPlan(AttentionPlan):
                 sequence b at row ``cu_local_kv_lens[b] + j``) or paged [num_pages, page_size,
                 D_i] with ``page_table`` [B, max_pages] (this rank's pages); ``k_scale``
                 float32 per key ([rows] / [num_pages, page_size]) when the plan has it.
-            out: an int64 [N, topk] buffer.
+            **inputs: :class:`IndexInputs` (``k_scale``, ``page_table``, ``softmax_scale``,
+                ``out``: an int64 [N, topk] buffer).
 
         Returns:
             int64 [N, topk] packed (score, global position) keys (:mod:`cpattn.selection`): the
@@ -230,26 +253,17 @@ class IndexTopkPlan(AttentionPlan):
         if not self._sharded:
             raise ValueError(f"candidates() is for a plan over a sharded cache (algorithm 'shard_merge'); "
                              f"this plan's algorithm is {self.algorithm!r}: call run()")
+        k_scale, page_table, softmax_scale, out = self._index_inputs(inputs, "candidates")
         self._check_inputs(q_idx, k_idx, weights, k_scale, page_table)
         out = self._check_out(out, self._out_shape, torch.int64, "int64 [N, topk] =")
         scale = self._softmax_scale(softmax_scale)
         self._impl(q_idx, k_idx, weights, k_scale, page_table, scale, out)
         return out
 
-    def run(
-        self,
-        q_idx: Tensor,
-        k_idx: Tensor,
-        weights: Tensor,
-        *,
-        k_scale: Optional[Tensor] = None,
-        page_table: Optional[Tensor] = None,
-        softmax_scale: Optional[float] = None,
-        out: Optional[Tensor] = None,
-        group=None,
-    ) -> Tensor:
+    def run(self, q_idx: Tensor, k_idx: Tensor, weights: Tensor, *, group=None,
+            **inputs: Unpack[IndexInputs]) -> Tensor:
         """Top-k key positions per row (see :func:`cpattn.dsa.index_topk` for the arguments);
-        ``out``: an int32 [P, topk] buffer to write.
+        ``**inputs``: :class:`IndexInputs` (``out``: an int32 [P, topk] buffer to write).
 
         "local": the keys of every sequence are given (``k_idx`` packed like K/V or paged);
         device work plus a host loop over the plan's score chunks (no host sync).
@@ -263,6 +277,7 @@ class IndexTopkPlan(AttentionPlan):
         all-gather), else a ValueError from a tiny [2] int64 all-gather that this plan's first
         run over a group runs first (:attr:`candidates_agreed`; its later runs skip it).
         """
+        k_scale, page_table, softmax_scale, out = self._index_inputs(inputs, "run")
         if not self._sharded and group is not None:
             raise ValueError("group= is for a plan over a sharded cache (algorithm 'shard_merge')")
         self._check_inputs(q_idx, k_idx, weights, k_scale, page_table)
