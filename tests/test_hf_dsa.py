@@ -22,6 +22,7 @@ from dist_utils import CountCollectives, run_distributed  # noqa: E402
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 sys.path.insert(0, EXAMPLES)
 import hf_cp_prefill  # noqa: E402
+from test_hf_integration import returned_cache  # noqa: E402
 
 DSA_MODELS = ("glm_moe_dsa", "deepseek_v32")
 LENS = [37, 1, 20, 9]  # top-k 8: below three of them, above one; top-k 64: above all
@@ -87,7 +88,7 @@ def test_single_rank_and_the_selection_matters(name):
 
 def _plain_cache(model, ids):
     with torch.no_grad():
-        return model(input_ids=ids, use_cache=True).cache
+        return returned_cache(model(input_ids=ids, use_cache=True))
 
 
 def _generate_worker(rank: int, world: int) -> dict:
@@ -109,16 +110,16 @@ def _generate_worker(rank: int, world: int) -> dict:
                 out = model(**cphf.shard_inputs(s, meta, input_ids=ids, use_cache=True))
             logits = cphf.gather_outputs(s, meta, out.logits)
             diff = 0.0
-            for la, lb in zip(out.cache.layers, ref_cache.layers):
+            for la, lb in zip(returned_cache(out).layers, ref_cache.layers):
                 for a, b in ((la.keys, lb.keys), (la.values, lb.values), (la.indexer_keys, lb.indexer_keys)):
                     if a is None or b is None:
                         assert a is None and b is None
                         continue
                     diff = max(diff, float((a - b).abs().max()))
-            cached = out.cache.get_seq_length()
+            cached = returned_cache(out).get_seq_length()
             first = logits[:, -1:].argmax(-1)
             model.set_attn_implementation(plain_impl)  # decode WITHOUT CP, from the CP prefill's cache
-            gen = model.generate(torch.cat([ids, first], 1), cache=out.cache, max_new_tokens=4, do_sample=False)
+            gen = model.generate(torch.cat([ids, first], 1), **{cphf.cache_keyword(model): returned_cache(out)}, max_new_tokens=4, do_sample=False)
         results[name] = (plain[0, 23:].tolist(), gen[0, 23:].tolist(), diff, cached)
     return results
 
@@ -140,6 +141,6 @@ def test_errors():
         inputs = cphf.shard_inputs(s, meta, input_ids=ids, use_cache=True)
         full = _plain_cache(hf_cp_prefill.build_model("deepseek_v32", 0), ids)
         with pytest.raises(ValueError, match="empty transformers.DynamicCache"):
-            model(**inputs, cache=full)
+            model(**inputs, **{cphf.cache_keyword(model): full})
         with pytest.raises(ValueError, match="with use_cache=False"):
-            model(**{**inputs, "use_cache": False}, cache=full)
+            model(**{**inputs, "use_cache": False}, **{cphf.cache_keyword(model): full})

@@ -21,6 +21,13 @@ SCRIPT = os.path.join(EXAMPLES, "hf_cp_prefill.py")
 sys.path.insert(0, EXAMPLES)
 import hf_cp_prefill  # noqa: E402
 
+
+def returned_cache(out):
+    """The cache a transformers forward returned (``out.cache``; ``past_key_values`` in releases
+    before the rename)."""
+    return out.cache if hasattr(out, "cache") else out.past_key_values
+
+
 MODELS = ("llama", "qwen3", "deepseek_v3", "gpt_oss", "mimo_v2_flash")
 
 
@@ -243,7 +250,7 @@ def test_model_not_prepared_by_enable_is_refused():
 # ---------------------------------------------------------------------------------------- use_cache
 def _plain_cache(model, ids):
     with torch.no_grad():
-        return model(input_ids=ids, use_cache=True).cache
+        return returned_cache(model(input_ids=ids, use_cache=True))
 
 
 def _max_cache_diff(a, b) -> float:
@@ -267,8 +274,8 @@ def test_use_cache_holds_the_logical_kv_single_rank(name):
     meta = s.build_metadata([19], rank=0)
     with torch.no_grad(), cphf.cp_context(s, meta):
         out = model(**cphf.shard_inputs(s, meta, input_ids=ids, use_cache=True))
-    assert out.cache.get_seq_length() == 19
-    assert _max_cache_diff(out.cache, ref) < 1e-5
+    assert returned_cache(out).get_seq_length() == 19
+    assert _max_cache_diff(returned_cache(out), ref) < 1e-5
 
 
 def test_use_cache_errors():
@@ -289,9 +296,9 @@ def test_use_cache_errors():
     full = _plain_cache(_llama(), ids)
     with torch.no_grad(), cphf.cp_context(s, one):
         with pytest.raises(ValueError, match="already holds 5 tokens"):
-            model(**inputs, cache=full)
+            model(**inputs, **{cphf.cache_keyword(model): full})
         with pytest.raises(ValueError, match="with use_cache=False"):
-            model(**{**inputs, "use_cache": False}, cache=full)
+            model(**{**inputs, "use_cache": False}, **{cphf.cache_keyword(model): full})
 
 
 GENERATE_MODELS = ("llama", "qwen3", "mimo_v2_flash")
@@ -314,10 +321,10 @@ def _generate_worker(rank: int, world: int) -> dict:
             with cphf.cp_context(s, meta):
                 out = model(**cphf.shard_inputs(s, meta, input_ids=ids, use_cache=True))
             logits = cphf.gather_outputs(s, meta, out.logits)
-            kv_diff = _max_cache_diff(out.cache, ref_cache)
+            kv_diff = _max_cache_diff(returned_cache(out), ref_cache)
             first = logits[:, -1:].argmax(-1)
             model.set_attn_implementation(plain_impl)  # decode WITHOUT CP, from the CP prefill's cache
-            gen = model.generate(torch.cat([ids, first], 1), cache=out.cache, max_new_tokens=5, do_sample=False)
+            gen = model.generate(torch.cat([ids, first], 1), **{cphf.cache_keyword(model): returned_cache(out)}, max_new_tokens=5, do_sample=False)
         results[name] = (plain[0, 21:].tolist(), gen[0, 21:].tolist(), kv_diff)
     return results
 

@@ -596,6 +596,7 @@ def cpattn_attention_forward(
     elif cache is not None:  # the model cached its rank-local rows: replace them by the logical K/V
         layer = cache.layers[_layer_index(module)]
         layer.reset()
+        layer.is_initialized = False  # older releases' reset zeroes the rows in place; update would extend them
         layer.update(k_all.transpose(0, 1).unsqueeze(0), v_all.transpose(0, 1).unsqueeze(0))
     out = ctx.strategy.attention(
         q,

@@ -135,8 +135,9 @@ def finish_forward(ctx, output: Any) -> None:
     """Decoder post-hook: the forward's output holds the real cache (or none), not the gathering one."""
     if "dsa_mask" not in ctx._forward or output is None:
         return
-    if isinstance(getattr(output, "cache", None), _GatheringCache):
-        output.cache = ctx._forward.get("dsa_cache")
+    for name in ("cache", "past_key_values"):  # the output's field (renamed in newer transformers)
+        if isinstance(getattr(output, name, None), _GatheringCache):
+            setattr(output, name, ctx._forward.get("dsa_cache"))
 
 
 def sparse_attention_forward(ctx, module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
