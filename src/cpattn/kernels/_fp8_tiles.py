@@ -61,3 +61,15 @@ def tile_values(p, x, sc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1
     x3 = tl.permute(tl.reshape(x, (BLOCK_N, TILES, TILE)), (1, 0, 2))  # [T, N, 128]
     o3 = tl.dot(ps, x3, input_precision=DOT_PRECISION)  # [T, M, 128]
     return tl.reshape(tl.permute(o3, (1, 0, 2)), (BLOCK_M, BLOCK_D1))
+
+
+@triton.jit
+def tile_block_scores(q1, q2, base, off, in_range, offs_d1, offs_d2, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One block of tile-scaled latent rows (:func:`load_tile_rows`) scored against the query
+    parts ``q1`` (latent) and ``q2`` (rope): (scores [BLOCK_M, BLOCK_N] fp32, the latent values
+    in q's dtype [BLOCK_N, BLOCK_D1] (V of absorbed MLA), their tile scales [BLOCK_N, tiles])."""
+    x, sc, rope = load_tile_rows(base, off, in_range, offs_d1, offs_d2, MASKED, BLOCK_D1, q1.dtype)
+    s = tile_scores(q1, x, sc, BLOCK_M, BLOCK_N, BLOCK_D1, DOT_PRECISION)
+    s = tl.dot(q2, tl.trans(rope), s, input_precision=DOT_PRECISION)
+    return s, x, sc

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from ._attn_steps import (P_SCALE, add_values, head_group_tile, normalized, quantize_query_rows, row_lse, row_offsets,
                           softmax_rescale)
-from ._fp8_tiles import load_tile_rows, tile_scores
+from ._fp8_tiles import tile_block_scores
 from ._launch import PlannedLaunch
 from ._tiles import LOG2E, SM90_SMEM_PER_BLOCK, kv_strides
 
@@ -277,9 +277,8 @@ def _attn_key_range(
                                                  stride_vp, stride_vn, offs_n, MASKED, PAGED, PAGE_SIZE, BLOCK_N)
         desc_row = (kv_row_base + start).to(tl.int32)
         if KV_TILE:  # tile-scaled latent rows: tile scales applied in fp32 outside the dots; V is the latent
-            v, tsc, k2 = load_tile_rows(k_base, k_off, in_seq, offs_d1, offs_d2, MASKED, BLOCK_D1, q1.dtype)
-            s = tile_scores(q1, v, tsc, q1.shape[0], BLOCK_N, BLOCK_D1, DOT_PRECISION)
-            s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
+            s, v, tsc = tile_block_scores(q1, q2, k_base, k_off, in_seq, offs_d1, offs_d2, MASKED, q1.shape[0],
+                                          BLOCK_N, BLOCK_D1, DOT_PRECISION)
         else:
             tsc = None
             s = _block_scores(q1, q2, k_base, k_off, in_seq, k_desc1, k_desc2, desc_row, offs_d1, offs_d2,

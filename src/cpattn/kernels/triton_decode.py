@@ -51,7 +51,7 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._attn_steps import add_values, head_group_tile, normalized, row_lse, row_offsets, softmax_rescale
-from ._fp8_tiles import load_tile_rows, tile_scores
+from ._fp8_tiles import tile_block_scores
 from ._launch import LRU, LaunchState, PlannedLaunch
 from ._tiles import LOG2E, kv_strides
 
@@ -145,9 +145,8 @@ def _key_range(
         k_off, v_off, in_range = _kv_offsets(start, kv_row_base, page, key_end, stride_kp, stride_kn,
                                              stride_vp, stride_vn, offs_n, PAGED, PAGE_SIZE, BLOCK_N)
         if KV_TILE:  # tile-scaled latent rows: tile scales applied in fp32 outside the dots; V is the latent
-            k1, tsc, k2 = load_tile_rows(k_base, k_off, in_range, offs_d1, offs_d2, MASKED, BLOCK_D1, q1.dtype)
-            s = tile_scores(q1, k1, tsc, q1.shape[0], BLOCK_N, BLOCK_D1, DOT_PRECISION)
-            s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
+            s, k1, tsc = tile_block_scores(q1, q2, k_base, k_off, in_range, offs_d1, offs_d2, MASKED, q1.shape[0],
+                                           BLOCK_N, BLOCK_D1, DOT_PRECISION)
         else:
             tsc = None
             k1 = _load_block(k_base, k_off, in_range, offs_d1, MASKED, DOT_UPCAST)

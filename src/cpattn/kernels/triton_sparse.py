@@ -35,7 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ._attn_steps import add_values, kv_head, load_query, normalized, row_lse, softmax_rescale
-from ._fp8_tiles import load_tile_rows, tile_scores
+from ._fp8_tiles import tile_block_scores
 from ._tiles import LOG2E, SM90_SMEM_PER_BLOCK, kv_strides
 
 #: True when the kernels were built for the CPU interpreter (TRITON_INTERPRET=1 at import).
@@ -174,9 +174,8 @@ def _sparse_attn_fwd(
             k_off = (kv_start.to(e.dtype) + p_sel) * stride_kn
             v_off = (kv_start.to(e.dtype) + p_sel) * stride_vn
         if KV_TILE:  # tile-scaled latent rows: tile scales applied in fp32 outside the dots; V is the latent
-            k1, tsc, k2 = load_tile_rows(k_base, k_off, valid, offs_d1, offs_d2, True, BLOCK_D1, q1.dtype)
-            s = tile_scores(q1, k1, tsc, BLOCK_H, BLOCK_N, BLOCK_D1, DOT_PRECISION)
-            s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
+            s, k1, tsc = tile_block_scores(q1, q2, k_base, k_off, valid, offs_d1, offs_d2, True, BLOCK_H, BLOCK_N,
+                                           BLOCK_D1, DOT_PRECISION)
         else:
             tsc = None
             k1 = tl.load(k_base + k_off[:, None] + offs_d1[None, :], mask=valid[:, None] & d1_ok[None, :],
