@@ -4,7 +4,7 @@
     python -m benchmarks FAMILY ...                           # from the repository root
     torchrun --nproc_per_node C benchmarks/run.py FAMILY ...  # the multi-GPU families (cp, mla, decode --distributed)
 
-Families: metadata, kernel, plan, mla, cp, scaling, decode, sparse, placement, hfgen, dsa_decode (below). Each lives in
+Families: metadata, kernel, plan, mla, cp, scaling, decode, sparse, placement, hfgen, dsa_decode, plan_algorithms (below). Each lives in
 ``benchmarks/FAMILY.py`` exposing ``add_arguments(parser)`` and ``main(args)``; only the chosen
 family's module is imported. Without ``--out`` every family writes into ``bench-out/`` at the
 repository root (git-ignored), whatever the working directory; CPU smoke runs (tiny shapes on the
@@ -44,6 +44,7 @@ FAMILIES = {
     "placement": "CP per batch: choose_placement's predicted vs measured time, break-even length (GPU)",
     "hfgen": "HF generate with cpattn's sharded KV cache vs transformers' own, one GPU at C = 1 (GPU)",
     "dsa_decode": "DSA decode over a sharded cache: one rank's step (exact top-k + sparse attention) vs C = 1 (GPU)",
+    "plan_algorithms": "host cost of one plan.run per attention algorithm, collectives counted (gloo, CPU)",
 }
 
 
