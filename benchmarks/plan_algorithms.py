@@ -58,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="q/k/v and cache dtype")
     p.add_argument("--algorithms", default=",".join(ALGORITHM_ORDER), help="comma list of algorithms")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (tests): 2 heads/1, D 16, short sequences")
+    p.add_argument("--dump", default=None, help="folder: each rank's output and caches after one call per "
+                   "algorithm (rank<r>.pt), to compare with another code version")
     p.add_argument("--label", default="new", help="label of this code version in the JSON")
     p.add_argument("--out", default=default_out("plan-algorithms-cpu"), help="output path without extension")
 
@@ -104,7 +106,7 @@ def paged_cache(keys: torch.Tensor, vals: torch.Tensor, stored: list[int], room:
     return kc, vc, table
 
 
-def _rows(full: list[int], lo: list[int], hi: list[int]) -> torch.Tensor:
+def packed_rows(full: list[int], lo: list[int], hi: list[int]) -> torch.Tensor:
     """Packed row indices of positions [lo[b], hi[b]) of sequences of ``full`` keys."""
     out, off = [], 0
     for n, a, b in zip(full, lo, hi):
@@ -113,24 +115,34 @@ def _rows(full: list[int], lo: list[int], hi: list[int]) -> torch.Tensor:
     return torch.cat(out)
 
 
-def build_case(algorithm: str, rank: int, c: int, w: dict, dtype: torch.dtype, group) -> tuple[Callable, object]:
-    """The call of ``algorithm`` on this rank: (a no-argument function running one ``plan.run``,
-    the plan). The same logical tensors on every rank (seeded)."""
-    import cpattn
-
+def case_tensors(algorithm: str, w: dict, dtype: torch.dtype) -> dict:
+    """The logical tensors of ``algorithm``'s workload, the same on every rank (seeded): lengths
+    (``q_lens`` new tokens after ``cached`` keys, ``full`` keys after the call), ``keys`` /
+    ``vals`` [sum(full), Hkv, D] packed per sequence, ``q`` [sum(q_lens), Hq, D], and the packed
+    row indices of the cached (``old``) and new (``new``) keys."""
     g = torch.Generator().manual_seed(0)
-    hq, hkv, d, ps = w["hq"], w["hkv"], w["d"], w["ps"]
     if algorithm in ("local", "shard_merge"):
         cached = w["decode_cached"]
         q_lens = [1] * len(cached)
     else:
         q_lens, cached = w["extend"], (w["prefix"] if algorithm in ("pass_kv", "pass_q") else [0] * len(w["extend"]))
     full = [a + b for a, b in zip(cached, q_lens)]
-    keys = torch.randn(sum(full), hkv, d, generator=g).to(dtype)
-    vals = torch.randn(sum(full), hkv, d, generator=g).to(dtype)
-    q = torch.randn(sum(q_lens), hq, d, generator=g).to(dtype)
-    old = _rows(full, [0] * len(full), cached)
-    new = _rows(full, cached, full)
+    keys = torch.randn(sum(full), w["hkv"], w["d"], generator=g).to(dtype)
+    vals = torch.randn(sum(full), w["hkv"], w["d"], generator=g).to(dtype)
+    q = torch.randn(sum(q_lens), w["hq"], w["d"], generator=g).to(dtype)
+    return dict(q_lens=q_lens, cached=cached, full=full, keys=keys, vals=vals, q=q,
+                old=packed_rows(full, [0] * len(full), cached), new=packed_rows(full, cached, full))
+
+
+def build_case(algorithm: str, rank: int, c: int, w: dict, dtype: torch.dtype, group) -> dict:
+    """The call of ``algorithm`` on this rank: ``fn`` (no arguments: one ``plan.run``), ``plan``
+    and ``cache`` (this rank's (k_cache, v_cache), written by every call)."""
+    import cpattn
+
+    hq, hkv, d, ps = w["hq"], w["hkv"], w["d"], w["ps"]
+    t = case_tensors(algorithm, w, dtype)
+    q_lens, cached, full, keys, vals, q, old, new = (t[k] for k in ("q_lens", "cached", "full", "keys", "vals", "q",
+                                                                    "old", "new"))
     sharded = algorithm in ("pass_kv", "pass_q", "shard_merge")
     cs, rs = (c, rank) if sharded else (1, 0)
     kc, vc, table = paged_cache(keys[old], vals[old], cached, full, cs, rs, ps)
@@ -155,7 +167,7 @@ def build_case(algorithm: str, rank: int, c: int, w: dict, dtype: torch.dtype, g
         fn = lambda: plan.run(ql, kl, vl, (kc, vc), writes=writes, group=group, page_table=table)  # noqa: E731
     if plan.algorithm != algorithm:
         raise RuntimeError(f"planned {plan.algorithm!r} for the {algorithm!r} workload")
-    return fn, plan
+    return dict(fn=fn, plan=plan, cache=(kc, vc))
 
 
 # -------------------------------------------------------------------------------------- counting
@@ -198,11 +210,15 @@ def _worker_body(rank: int, c: int, opts: dict) -> dict:
     group = dist.group.WORLD
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[opts["dtype"]]
     w = workload(opts["tiny"])
-    cases = {a: build_case(a, rank, c, w, dtype, group)[0] for a in opts["algorithms"]}
+    built = {a: build_case(a, rank, c, w, dtype, group) for a in opts["algorithms"]}
+    cases = {a: b["fn"] for a, b in built.items()}
     result: dict = {}
+    dumped = {}
     for a, fn in cases.items():
         with CountTorchCollectives() as first:
-            fn()  # the first call: may run one-time checks (e.g. the merge's header agreement)
+            out = fn()  # the first call: may run one-time checks (e.g. the merge's header agreement)
+        if opts.get("dump"):  # this rank's output and caches after one call (comparisons across versions)
+            dumped[a] = dict(out=out.clone(), k_cache=built[a]["cache"][0].clone(), v_cache=built[a]["cache"][1].clone())
         for _ in range(opts["warmup"]):
             fn()
         with CountTorchCollectives() as steady:
@@ -210,6 +226,9 @@ def _worker_body(rank: int, c: int, opts: dict) -> dict:
                 fn()
         result[a] = dict(first_call=first.counts, per_call={k: v / opts["count_calls"] for k, v in steady.counts.items()},
                          rounds=[])
+    if opts.get("dump"):
+        os.makedirs(opts["dump"], exist_ok=True)
+        torch.save(dumped, os.path.join(opts["dump"], f"rank{rank}.pt"))
     for _ in range(opts["rounds"]):
         for a, fn in cases.items():
             dist.barrier()
@@ -290,7 +309,7 @@ def main(args: argparse.Namespace) -> int:
     if args.cp < 2:
         raise SystemExit("--cp must be at least 2")
     opts = dict(dtype=args.dtype, tiny=args.tiny, algorithms=algorithms, calls=args.calls, rounds=args.rounds,
-                warmup=args.warmup, count_calls=3)
+                warmup=args.warmup, count_calls=3, dump=args.dump)
     info = header(f"benchmarks/run.py plan_algorithms --cp {args.cp} --calls {args.calls} --rounds {args.rounds} "
                   f"--dtype {args.dtype}" + (" --tiny" if args.tiny else ""))
     info.update(label=args.label, cpattn=getattr(cpattn, "__version__", "?"), cp=args.cp, dtype=args.dtype,
