@@ -218,14 +218,15 @@ def _worker_body(rank: int, c: int, opts: dict) -> dict:
         with CountTorchCollectives() as first:
             out = fn()  # the first call: may run one-time checks (e.g. the merge's header agreement)
         if opts.get("dump"):  # this rank's output and caches after one call (comparisons across versions)
-            dumped[a] = dict(out=out.clone(), k_cache=built[a]["cache"][0].clone(), v_cache=built[a]["cache"][1].clone())
+            k_cache, v_cache = built[a]["cache"]
+            dumped[a] = dict(out=out.clone(), k_cache=k_cache.clone(), v_cache=v_cache.clone())
         for _ in range(opts["warmup"]):
             fn()
         with CountTorchCollectives() as steady:
             for _ in range(opts["count_calls"]):
                 fn()
-        result[a] = dict(first_call=first.counts, per_call={k: v / opts["count_calls"] for k, v in steady.counts.items()},
-                         rounds=[])
+        per_call = {k: v / opts["count_calls"] for k, v in steady.counts.items()}
+        result[a] = dict(first_call=first.counts, per_call=per_call, rounds=[])
     if opts.get("dump"):
         os.makedirs(opts["dump"], exist_ok=True)
         torch.save(dumped, os.path.join(opts["dump"], f"rank{rank}.pt"))

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 
+import torch
+
 import cpattn
 from benchmarks.plan_algorithms import ALGORITHM_ORDER, owned_positions, paged_cache
 from benchmarks.run import main
@@ -26,9 +28,9 @@ def test_every_algorithm_is_benchmarked():
 
 
 def test_plan_algorithms_tiny(tmp_path, capsys):
-    out = os.path.join(tmp_path, "plan-algorithms")
+    out, dump = os.path.join(tmp_path, "plan-algorithms"), os.path.join(tmp_path, "dump")
     assert main(["plan_algorithms", "--tiny", "--cp", "2", "--calls", "3", "--rounds", "2", "--warmup", "1",
-                 "--out", out]) == 0
+                 "--out", out, "--dump", dump]) == 0
     payload = json.load(open(out + ".json"))
     assert payload["cp"] == 2 and payload["backend"] == "torch" and payload["cpattn"] == cpattn.__version__
     rows = {r["algorithm"]: r for r in payload["rows"]}
@@ -41,6 +43,13 @@ def test_plan_algorithms_tiny(tmp_path, capsys):
         assert r["same_counts_on_every_rank"] is True
     # the first shard_merge call also checks the partials header over the group (one tiny all-gather)
     assert rows["shard_merge"]["first_call_collectives"] == {"all_gather_single": 2}
+    # --dump: each rank's output and caches after one call, every algorithm, finite
+    for rank in range(2):
+        saved = torch.load(os.path.join(dump, f"rank{rank}.pt"))
+        assert list(saved) == list(ALGORITHM_ORDER)
+        for name, d in saved.items():
+            assert d["out"].shape[-2:] == (2, 16) and torch.isfinite(d["out"]).all(), name
+            assert d["k_cache"].shape[1:] == (4, 1, 16) == d["v_cache"].shape[1:], name
     printed = capsys.readouterr().out
     assert all(name in printed for name in ALGORITHM_ORDER)
 
@@ -48,8 +57,6 @@ def test_plan_algorithms_tiny(tmp_path, capsys):
 def test_paged_cache_holds_this_ranks_positions():
     """Rank r of c stores positions p with p % c == r, at consecutive local indices through its
     page table; pages for ``room`` positions."""
-    import torch
-
     keys = torch.arange(2 * 7 * 1 * 2, dtype=torch.float32).view(14, 1, 2)
     stored, room, c, ps = [5, 9], [6, 12], 2, 2
     for r in range(c):
