@@ -297,6 +297,43 @@ def test_rows_without_owned_keys_and_empty_sequences():
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
 
 
+def _user_selection(lens, qs, topk, gen):
+    """A user-given selection [N, topk] int64: per row distinct positions drawn from -1 .. past the
+    sequence's end (negative, future and past-the-sequence entries included), unsorted."""
+    rows = []
+    for b, _ in _rows(lens, qs):
+        pool = torch.randperm(lens[b] + 6, generator=gen)[:topk] - 1
+        rows.append(torch.cat([pool, torch.full((topk - pool.numel(),), -1, dtype=torch.int64)]))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("c,il", [(2, 1), (3, 2), (4, 1)])
+@pytest.mark.parametrize("paged", [False, True])
+def test_future_positions_in_a_given_selection_are_ignored(c, il, paged):
+    """Entries of a user-given ``idx`` larger than the row's position (future, or past its
+    sequence) are ignored on every rank, as single-GPU sparse attention ignores them: merged
+    partials equal fp64 attention over each row's entries in 0..position."""
+    lens, qs, topk = [37, 5, 20], [2, 1, 4], 12
+    gen = torch.Generator().manual_seed(11)
+    sel = _user_selection(lens, qs, topk, gen)
+    ka, qa = _attn_inputs(lens, qs, gen)
+    out, _ = _simulate_sparse(c, il, lens, qs, sel, ka, qa, 0.2, paged, gen)
+    want = sparse_oracle(qa, ka, [k[..., :DV] for k in ka], sel.tolist(), lens, qs, 0.2)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_future_positions_ignored_triton_interpreter(dsa_interp, paged):
+    """As above through the Triton sparse kernel over a shard."""
+    lens, qs, topk = [37, 5, 20], [2, 1, 4], 12
+    gen = torch.Generator().manual_seed(12)
+    sel = _user_selection(lens, qs, topk, gen)
+    ka, qa = _attn_inputs(lens, qs, gen)
+    out, _ = _simulate_sparse(3, 2, lens, qs, sel, ka, qa, 0.2, paged, gen, backend="triton")
+    want = sparse_oracle(qa, ka, [k[..., :DV] for k in ka], sel.tolist(), lens, qs, 0.2)
+    torch.testing.assert_close(out.double(), want, atol=2e-4, rtol=2e-4)
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_sparse_shard_triton_interpreter(dsa_interp, paged):
     """The Triton sparse kernel over a shard (local view of the packed rows / the page table)."""
