@@ -633,3 +633,43 @@ def test_nan_index_key_is_selected_by_the_rows_that_see_it(request, backend):
     got = _simulate_topk(3, 1, lens, qs, topk, keys, q, w, 0.25, False, gen, backend=backend)
     for t, (b, p) in enumerate(_rows(lens, qs)):
         assert (nan_pos in got[t].tolist()) == (b == 0 and p >= nan_pos), (t, b, p, got[t].tolist())
+
+
+def test_bench_dsa_decode_graph_step_eagerly():
+    """``dsa_decode --graph``'s captured step, run eagerly on the CPU (all but the capture): from
+    StaticPlanner plans it selects as the batch-sized plans do, its attention over this rank's
+    keys equals an fp64 oracle, the merge of C equal partials keeps ``out`` and adds log C to
+    ``lse``; a second call gives the same result; ``--graph`` on the CPU is refused."""
+    import argparse
+    import math
+
+    from benchmarks import dsa_decode
+    from benchmarks.sparse import dsa_shapes
+
+    c, rank, ctx, b, q_len = 3, 1, 200, 2, 2
+    shp = dsa_shapes(True)
+    step, bufs = dsa_decode.graph_step_fn(c, rank, ctx, b, q_len, shp, torch.device("cpu"), "gemm")
+    assert bufs["iplan"].meta.is_static and bufs["aplan"].meta.is_static
+    agreed, out, lse, merged, merged_lse = [x.clone() for x in step()]
+    again = step()
+    assert all(torch.equal(x, y) for x, y in zip((agreed, out, lse, merged, merged_lse), again))
+    meta = _meta(c, 1, [ctx] * b, [q_len] * b, rank)
+    iplan = cpattn.plan_index_topk(meta, num_heads=shp["index_heads"], head_dim=shp["index_dim"],
+                                   q_dtype=torch.float32, k_dtype=torch.float32, topk=shp["topk"], backend="gemm")
+    cand = iplan.candidates(bufs["q_idx"], bufs["k_idx"], bufs["w"])
+    want_sel = select_candidates(cand[None].expand(c, -1, -1).contiguous(), shp["topk"])
+    assert torch.equal(agreed.sort(-1).values, want_sel.sort(-1).values)  # order inside a row is unspecified
+    dv, lat, sel = shp["latent"], bufs["latent"], bufs["sel"]
+    want = torch.zeros(out.shape, dtype=torch.float64)
+    for t, (seq, p) in enumerate(_rows([ctx] * b, [q_len] * b)):  # sequence seq's local keys from row seq * ctx / C
+        rows = [seq * len(range(rank, ctx, c)) + j // c for j in sel[t].tolist() if 0 <= j <= p and j % c == rank]
+        if rows:
+            s = (bufs["q"][t].double() @ lat[rows, 0].double().T) * 192**-0.5
+            want[t] = torch.softmax(s, -1) @ lat[rows, 0, :dv].double()
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(merged, out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(merged_lse, lse + math.log(c), atol=1e-5, rtol=1e-5)
+    parser = argparse.ArgumentParser()
+    dsa_decode.add_arguments(parser)
+    with pytest.raises(SystemExit, match="--graph"):
+        dsa_decode.main(parser.parse_args(["--small", "--device", "cpu", "--graph"]))
