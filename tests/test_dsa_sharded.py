@@ -673,3 +673,34 @@ def test_bench_dsa_decode_graph_step_eagerly():
     dsa_decode.add_arguments(parser)
     with pytest.raises(SystemExit, match="--graph"):
         dsa_decode.main(parser.parse_args(["--small", "--device", "cpu", "--graph"]))
+
+
+def test_static_index_plan_reads_the_current_batch():
+    """A static index plan keeps no per-batch state of its own: called after its planner planned
+    the next batch (what a CUDA-graph replay of its step does), it selects that batch's top-k
+    (the fp64 oracle's set), as the plan of that batch does."""
+    c, il, r, topk = 2, 1, 0, 8
+    planner = cpattn.StaticPlanner(cpattn.get_strategy("replicated", c), max_tokens=8, max_seqs=3,
+                                   max_kv_tokens=900, max_q_len=4, kv=cpattn.KVSharding(c, il), device="cpu")
+
+    def plan(lens, qs):
+        meta = planner.plan(qs, [length - k for length, k in zip(lens, qs)], rank=r)
+        return cpattn.plan_index_topk(meta, num_heads=H_I, head_dim=D_I, q_dtype=torch.float32,
+                                      k_dtype=torch.float32, topk=topk)
+
+    first = plan([300, 7], [1, 3])
+    lens, qs = [90, 500, 2], [4, 2, 1]
+    second = plan(lens, qs)
+    keys, q, w = _int_inputs(lens, qs, torch.Generator().manual_seed(3))
+    n = sum(qs)
+    qp, wp = torch.cat([q, q.new_zeros(8 - n, H_I, D_I)]), torch.cat([w, w.new_zeros(8 - n, H_I)])
+    cands = [p.candidates(qp, _shard_packed(keys, c, il, r), wp, softmax_scale=0.25) for p in (first, second)]
+    assert torch.equal(cands[0], cands[1])
+    # rank 0's candidates are the top-k of its own keys: the oracle over keys it owns
+    sel = select_candidates(cands[0][None], topk)[:n]
+    for t, (b, p) in enumerate(_rows(lens, qs)):
+        mine = [j for j in range(p + 1) if (j // il) % c == r]
+        s = {j: float((w[t].double()[:, None] * torch.relu(0.25 * (q[t].double() @ keys[b][mine].double().T)))
+                      .sum(0)[i]) for i, j in enumerate(mine)}
+        want = sorted(sorted(mine, key=lambda j: (-s[j], j))[:topk])
+        assert sorted(x for x in sel[t].tolist() if x >= 0) == want
