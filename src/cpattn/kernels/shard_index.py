@@ -173,13 +173,12 @@ class _ShardIndexRun:
         work = torch.float64 if torch.float64 in (q_idx.dtype, k_idx.dtype) else torch.float32
         c, il, r = self.cp_size, self.interleave, self.rank
         seq, visible, start = self.rows
-        best = torch.full(out.shape, NO_KEY, dtype=torch.int64, device=dev)
         num_keys = self.num_keys if k_idx.shape[0] else 0  # an empty shard holds no candidate
         if self.family == "triton":
             self._triton(q_idx, k_idx, weights, k_scale, page_table, softmax_scale, seq, visible, start, num_keys,
-                         best)
-            out.copy_(best)
+                         out)
             return
+        best = torch.full(out.shape, NO_KEY, dtype=torch.int64, device=dev)
         ww = weights.to(work)
         q_half = q_idx if self.half_gemm else None
         qw = None if self.half_gemm else q_idx.to(work)
@@ -214,18 +213,23 @@ class _ShardIndexRun:
         out.copy_(best)
 
     def _triton(self, q_idx, k_idx, weights, k_scale, page_table, softmax_scale, seq, visible, start, num_keys,
-                best) -> None:
-        """The running top-k over key chunks scored by the Triton kernel (in place on ``best``)."""
+                out) -> None:
+        """The running top-k over key chunks scored by the Triton kernel, written to ``out``. One
+        [N, topk + width] buffer holds the running best (its first topk columns) and the chunk's
+        packed keys the kernel writes (the rest): each merge is one ``torch.topk`` over it."""
         c, il, r = self.cp_size, self.interleave, self.rank
         dev = q_idx.device
         q = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
         k = k_idx if k_idx.stride(-1) == 1 else k_idx.contiguous()
-        topk = best.shape[1]
-        packed = torch.empty(best.shape[0], self.width, dtype=torch.int64, device=dev)
+        topk = out.shape[1]
+        buf = torch.empty(out.shape[0], topk + self.width, dtype=torch.int64, device=dev)
+        best, packed = buf[:, :topk], buf[:, topk:]
+        best.fill_(NO_KEY)
         for j0 in range(0, num_keys, self.width):
             self._launch(q, k, weights, k_scale, packed, page_table, seq, visible, start, j0, softmax_scale, (c, il, r),
                          plan_args=self.plan_args)
-            best.copy_(top_keys(torch.cat([best, packed], dim=1), topk))
+            best.copy_(top_keys(buf, topk))
+        out.copy_(best)
 
 
 class GemmShardIndexBackend:
