@@ -20,17 +20,25 @@ time is index + select + attend + merge + both charges; the ratio is step(C) / s
 <= 0.2 at B >= 8, ideal 1 / C). A C = 1 workload whose cache does not fit the free GPU memory is
 skipped with a note. Timing: CUDA events around back-to-back calls (median of 3 repeats).
 
+``--graph`` (CUDA only) also captures one whole step of the same work (index candidates,
+select, attend, merge: ``graph_step_fn``, from ``StaticPlanner`` plans sized for the workload)
+in a CUDA graph and times its replays: ``c{C}_graph_ms`` per step without the host work of the
+eager calls, ``c{C}_graph_step_ms`` with both collectives' charges added, next to the eager
+``c{C}_step_ms``.
+
     python benchmarks/run.py dsa_decode                               # the GPU run (C = 8, 128k and 1M)
+    python benchmarks/run.py dsa_decode --graph                       # plus CUDA-graph replays of a step
     python benchmarks/run.py dsa_decode --small --device cpu          # CPU smoke run
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 import torch
 
-from .common import default_out, device_timer, header, progress, smoke_notice, write_json
+from .common import default_out, device_timer, header, progress, smoke_notice, time_cuda_graph, write_json
 from .sparse import dsa_shapes
 
 #: step(C) / step(1) at B >= 8 (ideal 1 / C = 0.125) and the index scoring over a shard (TF/s).
@@ -51,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # 450 GB/s: H100 SXM NVLink 4 per GPU and direction (18 links x 25 GB/s), the nominal rate; a
     # charge at it is a lower bound of the collectives' time (no latency term)
     p.add_argument("--link-gbs", type=float, default=450.0, help="GB/s at which collective bytes are charged")
+    p.add_argument("--graph", action="store_true",
+                   help="also time CUDA-graph replays of one static step (StaticPlanner plans; CUDA only)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=None, help="output path without extension (default bench-out/dsa_decode; "
@@ -66,6 +76,69 @@ def _fits(device: torch.device, keys: int, shp: dict) -> bool:
         return True
     free, _ = torch.cuda.mem_get_info()
     return _cache_bytes(keys, shp) * 1.3 < free
+
+
+def graph_step_fn(c: int, rank: int, ctx: int, b: int, q_len: int, shp: dict, device: torch.device,
+                  index_backend: str = "auto") -> tuple[Callable[[], tuple], dict]:
+    """One rank's whole decode step (the work ``_step`` times part by part) over plans of a
+    ``StaticPlanner`` sized for this workload, with every input and output in a fixed buffer: the
+    callable a CUDA graph captures (it allocates nothing the replay needs and reads no host
+    result). The agreement's all-gather is stood in for by a copy of this rank's candidates into
+    the [C, N, topk] buffer ``select_candidates`` reads; attention runs over the fixed spread
+    selection ``sel`` (as ``_step``'s attend), the merge over C copies of this rank's partial.
+
+    Args:
+        c, rank: ranks and this rank. ctx: tokens per sequence after the step. b: sequences.
+        q_len: new tokens per sequence. shp: :func:`benchmarks.sparse.dsa_shapes`. device: where
+            it runs (any device: the CPU test calls it eagerly). index_backend: as ``--index-backend``.
+
+    Returns:
+        (step, bufs): ``step()`` -> (sel [N, topk] int64 agreed from the candidates, out [N, H, Dv],
+        lse [N, H] float32, merged out [N, H, Dv], merged lse [N, H]); ``bufs`` the fixed inputs
+        (``q_idx``, ``w``, ``k_idx``, ``sel``, ``q``, ``latent``) and plans (``iplan``, ``aplan``).
+    """
+    import cpattn
+    from cpattn.merge import merge_states
+    from cpattn.plans.sparse import select_candidates
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hi, di, topk = shp["index_heads"], shp["index_dim"], shp["topk"]
+    h, d, dv = shp["heads"], shp["latent"] + shp["rope"], shp["latent"]
+    planner = cpattn.StaticPlanner(cpattn.get_strategy("replicated", c), max_tokens=b * q_len, max_seqs=b,
+                                   max_kv_tokens=b * ctx, max_q_len=q_len, kv=cpattn.KVSharding(c), device=device)
+    meta = planner.plan([q_len] * b, [ctx - q_len] * b, rank=rank, index_topk=topk)
+    n, local = meta.num_physical_tokens, meta.num_local_kv_tokens
+    g = torch.Generator(device=device).manual_seed(0)
+    bufs = dict(q_idx=torch.randn(n, hi, di, generator=g, device=device, dtype=dtype),
+                w=torch.randn(n, hi, generator=g, device=device) * hi**-0.5,
+                k_idx=torch.randn(local, di, generator=g, device=device, dtype=dtype))
+    sel = (torch.randperm(ctx - q_len + 1, generator=g, device=device)[:topk]).to(torch.int32)
+    bufs["sel"] = sel[None].expand(n, -1).contiguous()
+    bufs["q"] = torch.randn(n, h, d, generator=g, device=device, dtype=dtype)
+    bufs["latent"] = torch.randn(local, 1, d, generator=g, device=device, dtype=dtype)
+    iplan = cpattn.plan_index_topk(meta, num_heads=hi, head_dim=di, q_dtype=dtype, k_dtype=dtype, topk=topk,
+                                   backend=index_backend)
+    spec = cpattn.AttentionSpec(num_q_heads=h, num_kv_heads=1, head_dim=d, head_dim_v=dv, dtype=dtype, topk=topk)
+    aplan = cpattn.plan_attention(meta, spec)
+    bufs.update(iplan=iplan, aplan=aplan)
+    cand = torch.empty(n, topk, dtype=torch.int64, device=device)
+    gathered = torch.empty(c, n, topk, dtype=torch.int64, device=device)
+    out = torch.empty(n, h, dv, dtype=dtype, device=device)
+    lse = torch.empty(n, h, dtype=torch.float32, device=device)
+    parts = torch.empty(c, n, h, dv, dtype=dtype, device=device)
+    lses = torch.empty(c, n, h, dtype=torch.float32, device=device)
+
+    def step() -> tuple:
+        iplan.candidates(bufs["q_idx"], bufs["k_idx"], bufs["w"], out=cand)
+        gathered.copy_(cand[None].expand(c, -1, -1))  # what the agreement's all-gather writes
+        agreed = select_candidates(gathered, topk)
+        aplan.attend(bufs["q"], bufs["latent"], bufs["latent"][..., :dv], bufs["sel"], softmax_scale=192**-0.5,
+                     out=out, lse=lse)
+        parts.copy_(out[None].expand(c, -1, -1, -1))  # what the merge's all-gather writes
+        lses.copy_(lse[None].expand(c, -1, -1))
+        return (agreed, out, lse, *merge_states(parts, lses))
+
+    return step, bufs
 
 
 def _step(c: int, rank: int, ctx: int, b: int, q_len: int, shp: dict, device: torch.device, timer,
@@ -128,6 +201,11 @@ def _run_workload(ctx: int, b: int, q_len: int, args, shp: dict, device: torch.d
     row.update({f"c{c}_{k}": v for k, v in part.items()})
     step = sum(part[k] for k in ("index_ms", "select_ms", "attend_ms", "merge_ms"))
     row[f"c{c}_step_ms"] = step + row["topk_ms_charged"] + row["merge_ms_charged"]
+    if args.graph:
+        progress(f"{name}: C={c} rank {args.rank}, CUDA graph of one static step")
+        fn, _ = graph_step_fn(c, args.rank, ctx, b, q_len, shp, device, args.index_backend)
+        row[f"c{c}_graph_ms"] = time_cuda_graph(fn, warmup=args.warmup, iters=args.iters)
+        row[f"c{c}_graph_step_ms"] = row[f"c{c}_graph_ms"] + row["topk_ms_charged"] + row["merge_ms_charged"]
     if _fits(device, b * ctx, shp):
         progress(f"{name}: C=1")
         one = _step(1, 0, ctx, b, q_len, shp, device, timer, args.index_backend)
@@ -146,6 +224,8 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("--device cuda needs a CUDA device (use --small --device cpu for a smoke run)")
     if not 0 <= args.rank < args.cp:
         raise SystemExit(f"--rank must be in [0, --cp={args.cp})")
+    if args.graph and device.type != "cuda":
+        raise SystemExit("--graph captures a CUDA graph: it needs --device cuda")
     smoke = device.type == "cpu"
     if smoke:
         smoke_notice("dsa_decode")
@@ -166,6 +246,11 @@ def main(args: argparse.Namespace) -> int:
               f"{r[f'c{c}_select_ms']:8.3f} {r[f'c{c}_attend_ms']:8.3f} {r[f'c{c}_merge_ms']:8.3f} "
               f"{r['topk_bytes'] / 1e6:8.2f} {r['merge_bytes'] / 1e6:9.2f} "
               f"{r['topk_ms_charged'] + r['merge_ms_charged']:8.3f} {r[f'c{c}_index_tflops']:9.1f}")
+    if args.graph:  # the same step from CUDA-graph replays, next to the eager sum
+        print(f"{'workload':26s} {'eager step':>11s} {'graph':>10s} {'graph step':>11s}  (steps: with comm charges)")
+        for r in rows:
+            print(f"{r['workload']:26s} {r[f'c{c}_step_ms']:11.3f} {r[f'c{c}_graph_ms']:10.3f} "
+                  f"{r[f'c{c}_graph_step_ms']:11.3f}")
     if not smoke:  # the targets: ratio at B >= 8, index TF/s over the shard
         for r in rows:
             verdicts = [f"index {r[f'c{c}_index_tflops']:.0f} TF/s (target >= {TARGETS['index_tflops']:.0f}): "

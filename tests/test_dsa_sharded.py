@@ -297,6 +297,43 @@ def test_rows_without_owned_keys_and_empty_sequences():
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
 
 
+def _user_selection(lens, qs, topk, gen):
+    """A user-given selection [N, topk] int64: per row distinct positions drawn from -1 .. past the
+    sequence's end (negative, future and past-the-sequence entries included), unsorted."""
+    rows = []
+    for b, _ in _rows(lens, qs):
+        pool = torch.randperm(lens[b] + 6, generator=gen)[:topk] - 1
+        rows.append(torch.cat([pool, torch.full((topk - pool.numel(),), -1, dtype=torch.int64)]))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("c,il", [(2, 1), (3, 2), (4, 1)])
+@pytest.mark.parametrize("paged", [False, True])
+def test_future_positions_in_a_given_selection_are_ignored(c, il, paged):
+    """Entries of a user-given ``idx`` larger than the row's position (future, or past its
+    sequence) are ignored on every rank, as single-GPU sparse attention ignores them: merged
+    partials equal fp64 attention over each row's entries in 0..position."""
+    lens, qs, topk = [37, 5, 20], [2, 1, 4], 12
+    gen = torch.Generator().manual_seed(11)
+    sel = _user_selection(lens, qs, topk, gen)
+    ka, qa = _attn_inputs(lens, qs, gen)
+    out, _ = _simulate_sparse(c, il, lens, qs, sel, ka, qa, 0.2, paged, gen)
+    want = sparse_oracle(qa, ka, [k[..., :DV] for k in ka], sel.tolist(), lens, qs, 0.2)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_future_positions_ignored_triton_interpreter(dsa_interp, paged):
+    """As above through the Triton sparse kernel over a shard."""
+    lens, qs, topk = [37, 5, 20], [2, 1, 4], 12
+    gen = torch.Generator().manual_seed(12)
+    sel = _user_selection(lens, qs, topk, gen)
+    ka, qa = _attn_inputs(lens, qs, gen)
+    out, _ = _simulate_sparse(3, 2, lens, qs, sel, ka, qa, 0.2, paged, gen, backend="triton")
+    want = sparse_oracle(qa, ka, [k[..., :DV] for k in ka], sel.tolist(), lens, qs, 0.2)
+    torch.testing.assert_close(out.double(), want, atol=2e-4, rtol=2e-4)
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_sparse_shard_triton_interpreter(dsa_interp, paged):
     """The Triton sparse kernel over a shard (local view of the packed rows / the page table)."""
@@ -596,3 +633,74 @@ def test_nan_index_key_is_selected_by_the_rows_that_see_it(request, backend):
     got = _simulate_topk(3, 1, lens, qs, topk, keys, q, w, 0.25, False, gen, backend=backend)
     for t, (b, p) in enumerate(_rows(lens, qs)):
         assert (nan_pos in got[t].tolist()) == (b == 0 and p >= nan_pos), (t, b, p, got[t].tolist())
+
+
+def test_bench_dsa_decode_graph_step_eagerly():
+    """``dsa_decode --graph``'s captured step, run eagerly on the CPU (all but the capture): from
+    StaticPlanner plans it selects as the batch-sized plans do, its attention over this rank's
+    keys equals an fp64 oracle, the merge of C equal partials keeps ``out`` and adds log C to
+    ``lse``; a second call gives the same result; ``--graph`` on the CPU is refused."""
+    import argparse
+    import math
+
+    from benchmarks import dsa_decode
+    from benchmarks.sparse import dsa_shapes
+
+    c, rank, ctx, b, q_len = 3, 1, 200, 2, 2
+    shp = dsa_shapes(True)
+    step, bufs = dsa_decode.graph_step_fn(c, rank, ctx, b, q_len, shp, torch.device("cpu"), "gemm")
+    assert bufs["iplan"].meta.is_static and bufs["aplan"].meta.is_static
+    agreed, out, lse, merged, merged_lse = [x.clone() for x in step()]
+    again = step()
+    assert all(torch.equal(x, y) for x, y in zip((agreed, out, lse, merged, merged_lse), again))
+    meta = _meta(c, 1, [ctx] * b, [q_len] * b, rank)
+    iplan = cpattn.plan_index_topk(meta, num_heads=shp["index_heads"], head_dim=shp["index_dim"],
+                                   q_dtype=torch.float32, k_dtype=torch.float32, topk=shp["topk"], backend="gemm")
+    cand = iplan.candidates(bufs["q_idx"], bufs["k_idx"], bufs["w"])
+    want_sel = select_candidates(cand[None].expand(c, -1, -1).contiguous(), shp["topk"])
+    assert torch.equal(agreed.sort(-1).values, want_sel.sort(-1).values)  # order inside a row is unspecified
+    dv, lat, sel = shp["latent"], bufs["latent"], bufs["sel"]
+    want = torch.zeros(out.shape, dtype=torch.float64)
+    for t, (seq, p) in enumerate(_rows([ctx] * b, [q_len] * b)):  # sequence seq's local keys from row seq * ctx / C
+        rows = [seq * len(range(rank, ctx, c)) + j // c for j in sel[t].tolist() if 0 <= j <= p and j % c == rank]
+        if rows:
+            s = (bufs["q"][t].double() @ lat[rows, 0].double().T) * 192**-0.5
+            want[t] = torch.softmax(s, -1) @ lat[rows, 0, :dv].double()
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(merged, out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(merged_lse, lse + math.log(c), atol=1e-5, rtol=1e-5)
+    parser = argparse.ArgumentParser()
+    dsa_decode.add_arguments(parser)
+    with pytest.raises(SystemExit, match="--graph"):
+        dsa_decode.main(parser.parse_args(["--small", "--device", "cpu", "--graph"]))
+
+
+def test_static_index_plan_reads_the_current_batch():
+    """A static index plan keeps no per-batch state of its own: called after its planner planned
+    the next batch (what a CUDA-graph replay of its step does), it selects that batch's top-k
+    (the fp64 oracle's set), as the plan of that batch does."""
+    c, il, r, topk = 2, 1, 0, 8
+    planner = cpattn.StaticPlanner(cpattn.get_strategy("replicated", c), max_tokens=8, max_seqs=3,
+                                   max_kv_tokens=900, max_q_len=4, kv=cpattn.KVSharding(c, il), device="cpu")
+
+    def plan(lens, qs):
+        meta = planner.plan(qs, [length - k for length, k in zip(lens, qs)], rank=r)
+        return cpattn.plan_index_topk(meta, num_heads=H_I, head_dim=D_I, q_dtype=torch.float32,
+                                      k_dtype=torch.float32, topk=topk)
+
+    first = plan([300, 7], [1, 3])
+    lens, qs = [90, 500, 2], [4, 2, 1]
+    second = plan(lens, qs)
+    keys, q, w = _int_inputs(lens, qs, torch.Generator().manual_seed(3))
+    n = sum(qs)
+    qp, wp = torch.cat([q, q.new_zeros(8 - n, H_I, D_I)]), torch.cat([w, w.new_zeros(8 - n, H_I)])
+    cands = [p.candidates(qp, _shard_packed(keys, c, il, r), wp, softmax_scale=0.25) for p in (first, second)]
+    assert torch.equal(cands[0], cands[1])
+    # rank 0's candidates are the top-k of its own keys: the oracle over keys it owns
+    sel = select_candidates(cands[0][None], topk)[:n]
+    for t, (b, p) in enumerate(_rows(lens, qs)):
+        mine = [j for j in range(p + 1) if (j // il) % c == r]
+        s = {j: float((w[t].double()[:, None] * torch.relu(0.25 * (q[t].double() @ keys[b][mine].double().T)))
+                      .sum(0)[i]) for i, j in enumerate(mine)}
+        want = sorted(sorted(mine, key=lambda j: (-s[j], j))[:topk])
+        assert sorted(x for x in sel[t].tolist() if x >= 0) == want

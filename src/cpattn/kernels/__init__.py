@@ -39,6 +39,7 @@ __all__ = [
     "available_backends",
     "get_backend",
     "register_backend",
+    "row_positions",
     "select_backend",
 ]
 
@@ -294,6 +295,15 @@ def triton_unsupported_reason(spec: "AttentionSpec", device, kernel_module: str,
     if reason is None and spec.dtype == torch.float32 and device.type == "cuda":
         reason = "fp32 runs only under the interpreter (use bf16/fp16 on the GPU)"
     return reason
+
+
+def row_positions(meta: CPMetadata) -> Tensor:
+    """The global position of every physical row of ``meta``: int32 [P] on ``meta.device``, pad
+    rows -1. The DSA kernels' per-row table (uploaded once per plan and cached on it; a static
+    plan's sits in its arena at a fixed address, so a captured graph reads the current plan's)."""
+    from ._dsa_rows import device_rows
+
+    return device_rows(meta)["row_pos"]
 
 
 def module_available(name: str) -> bool:

@@ -33,6 +33,7 @@ from typing import Mapping, Optional
 import torch
 from torch import Tensor
 
+from .. import _buffers
 from . import IndexTopkSpec, triton_available, triton_device_reason
 from ..kv_sharding import local_key_counts
 from ..metadata import CPMetadata
@@ -89,6 +90,25 @@ def _row_positions(meta: CPMetadata) -> tuple[Tensor, Tensor]:
     return seq, pos
 
 
+def _row_tables(spec: IndexTopkSpec, meta: CPMetadata) -> tuple[Tensor, Tensor, Tensor]:
+    """(seq, visible, start) [N] each on ``meta.device`` (plan time, device-only): each query
+    row's sequence, its count of this rank's keys at global positions <= its position, and the
+    packed row of its sequence's first local key (0 for a paged cache). A static plan's are
+    copied into its arena's fixed tensors."""
+    sh = meta.kv
+    seq, pos = _row_positions(meta)
+    visible = local_key_counts(pos + 1, meta.rank, sh.cp_size, sh.interleave)
+    start = torch.zeros_like(seq) if spec.paged else meta.cu_local_kv_lens[seq]
+    if not meta.is_static:
+        return seq, visible, start
+    fixed = []
+    for name, t in (("seq", seq), ("visible", visible), ("start", start)):
+        buf = _buffers.scratch(meta, ("shard-index-rows", name), tuple(t.shape), t.dtype)
+        buf.copy_(t)
+        fixed.append(buf)
+    return fixed[0], fixed[1], fixed[2]
+
+
 class _ShardIndexRun:
     """A planned index top-k over one key shard (see the module docstring); called per layer.
     ``family``: "triton" (:mod:`.triton_shard_index` scores) or "gemm" (torch matmuls)."""
@@ -111,6 +131,10 @@ class _ShardIndexRun:
         per_key = max(1, n) * (1 if family == "triton" else max(spec.num_heads, spec.head_dim))
         self.width = max(16, min(budget // per_key, max(self.num_keys, 1)))
         self.half_gemm = False
+        #: per-row tables (sequence, local keys visible, first packed local key row), built once
+        #: at plan time; a static plan's sit in its arena at fixed addresses (graph replays read
+        #: the current plan's)
+        self.rows = _row_tables(spec, meta)
         if family == "triton":
             from . import triton_index, triton_shard_index as kern
 
@@ -148,16 +172,13 @@ class _ShardIndexRun:
         dev = q_idx.device
         work = torch.float64 if torch.float64 in (q_idx.dtype, k_idx.dtype) else torch.float32
         c, il, r = self.cp_size, self.interleave, self.rank
-        seq, pos = _row_positions(meta)
-        visible = local_key_counts(pos + 1, r, c, il)  # [N] local keys at global positions <= pos
-        best = torch.full(out.shape, NO_KEY, dtype=torch.int64, device=dev)
+        seq, visible, start = self.rows
         num_keys = self.num_keys if k_idx.shape[0] else 0  # an empty shard holds no candidate
-        start = torch.zeros_like(seq) if spec.paged else meta.cu_local_kv_lens[seq]
         if self.family == "triton":
             self._triton(q_idx, k_idx, weights, k_scale, page_table, softmax_scale, seq, visible, start, num_keys,
-                         best)
-            out.copy_(best)
+                         out)
             return
+        best = torch.full(out.shape, NO_KEY, dtype=torch.int64, device=dev)
         ww = weights.to(work)
         q_half = q_idx if self.half_gemm else None
         qw = None if self.half_gemm else q_idx.to(work)
@@ -192,18 +213,23 @@ class _ShardIndexRun:
         out.copy_(best)
 
     def _triton(self, q_idx, k_idx, weights, k_scale, page_table, softmax_scale, seq, visible, start, num_keys,
-                best) -> None:
-        """The running top-k over key chunks scored by the Triton kernel (in place on ``best``)."""
+                out) -> None:
+        """The running top-k over key chunks scored by the Triton kernel, written to ``out``. One
+        [N, topk + width] buffer holds the running best (its first topk columns) and the chunk's
+        packed keys the kernel writes (the rest): each merge is one ``torch.topk`` over it."""
         c, il, r = self.cp_size, self.interleave, self.rank
         dev = q_idx.device
         q = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
         k = k_idx if k_idx.stride(-1) == 1 else k_idx.contiguous()
-        topk = best.shape[1]
-        packed = torch.empty(best.shape[0], self.width, dtype=torch.int64, device=dev)
+        topk = out.shape[1]
+        buf = torch.empty(out.shape[0], topk + self.width, dtype=torch.int64, device=dev)
+        best, packed = buf[:, :topk], buf[:, topk:]
+        best.fill_(NO_KEY)
         for j0 in range(0, num_keys, self.width):
             self._launch(q, k, weights, k_scale, packed, page_table, seq, visible, start, j0, softmax_scale, (c, il, r),
                          plan_args=self.plan_args)
-            best.copy_(top_keys(torch.cat([best, packed], dim=1), topk))
+            best.copy_(top_keys(buf, topk))
+        out.copy_(best)
 
 
 class GemmShardIndexBackend:

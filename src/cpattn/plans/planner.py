@@ -116,7 +116,7 @@ def plan_attention(
     if allowed == ("shard_merge",) and spec.sparse:
         view = local_key_view(meta)
         chosen = select_backend(spec, view, backend, kind="sparse")
-        return SparseShardMergePlan(meta, spec, chosen.name, chosen.plan(spec, view, options))
+        return SparseShardMergePlan(meta, spec, chosen.name, chosen.plan(spec, view, options), view)
     if allowed == ("shard_merge",):
         chosen = select_backend(spec, meta, backend, kind="shard")
         return ShardMergePlan(meta, spec, chosen.name, chosen.plan(spec, meta, options))

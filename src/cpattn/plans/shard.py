@@ -30,6 +30,7 @@ from torch import Tensor
 from .._validation import check_bool
 from ..cache import CacheWritePlan, check_kv_writes, check_mla_tile_writes, write_kv_cache, write_mla_cache
 from ..collectives import check_group
+from ..kernels import row_positions
 from ..merge import merge_partials, partials_header
 from ..metadata import CPMetadata
 from ..quant import FP8_TILE
@@ -210,20 +211,30 @@ class SparseShardMergePlan(ShardMergePlan):
     not own are masked) with the sparse kernel, and the partials merge exactly in ONE collective.
     """
 
-    def __init__(self, meta, spec, backend: str, run_impl) -> None:
+    def __init__(self, meta, spec, backend: str, run_impl, view: Optional[CPMetadata] = None) -> None:
+        """``view``: the :func:`local_key_view` of ``meta`` the kernel was planned over (None:
+        made here); the row positions come from its per-row table (the kernel's own upload)."""
         super().__init__(meta, spec, backend, run_impl)
         self._idx_shape = (meta.num_physical_tokens, spec.topk)
         sh = meta.kv
         self._cp, self._interleave = sh.cp_size, sh.interleave
+        #: [Nq, 1] int32 global position of each row (pad rows -1): the causal bound of its entries
+        self._row_pos = row_positions(local_key_view(meta) if view is None else view)[:, None]
 
     def local_index(self, idx: Tensor) -> Tensor:
-        """Global positions [N, topk] -> this rank's local key indices (int64; -1 where the
-        position is not this rank's, or negative). Device-only."""
+        """Global positions [Nq, topk] -> this rank's local key indices (idx's dtype; -1 where the
+        position is negative, past the row's position (future, or past its sequence) or not this
+        rank's). Device-only (graph-safe: the row positions sit in the plan's table)."""
         c, il, r = self._cp, self._interleave, self.meta.rank
-        e = idx.long()
-        owned = (e >= 0) & ((e // il) % c == r)
-        local = (e // (c * il)) * il + e % il
-        return torch.where(owned, local, torch.full((), -1, dtype=torch.int64, device=e.device))
+        visible = (idx >= 0) & (idx <= self._row_pos)
+        if il == 1:
+            owned = visible & (idx % c == r)
+            local = idx // c
+        else:
+            block = idx // il
+            owned = visible & (block % c == r)
+            local = (block // c) * il + idx % il
+        return local.masked_fill_(~owned, -1)
 
     def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, idx: Optional[Tensor] = None,
                **call: Unpack[KernelCall]) -> tuple[Tensor, Tensor]:
