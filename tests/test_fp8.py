@@ -509,6 +509,41 @@ def test_split_kv_kernel_reads_fp8_caches(interp, dtype, per_head, paged):
     assert (lse.double() - ref_lse).abs().max().item() < tol
 
 
+def test_split_kv_kernel_fp8_block_wider_than_the_key_alignment(interp):
+    """A BLOCK_N wider than the key alignment (the interpreter's: 16) moves split starts to block
+    bounds: several splits of 32 keys per sequence, the combine, and the oracle's result."""
+    out, lse, ref, ref_lse, plan = _fp8_shard_case(torch.float32, False, True, "triton",
+                                                   {"num_sms": 64, "min_split": 32, "config": (32, 4, 1)})
+    assert plan.launch.config == (32, 4, 1) and plan.launch.num_ws > 0 and plan.launch.split % 32 == 0
+    assert (out.double() - ref).abs().max().item() < TOLERANCE[torch.float32]
+    assert (lse.double() - ref_lse).abs().max().item() < TOLERANCE[torch.float32]
+
+
+def test_fp8_plans_take_the_fp8_split_defaults(interp, monkeypatch):
+    """Without backend_options, an FP8 plan takes its split policy from ``FP8_DEFAULTS`` and a
+    bf16 plan from ``BF16_DEFAULTS``; on the GPU the FP8 config comes from the FP8 defaults."""
+    from cpattn.kernels import decode_backend as db
+
+    assert db.split_defaults(True) is db.FP8_DEFAULTS and db.split_defaults(False) is db.BF16_DEFAULTS
+    fp8 = db.SplitDefaults(config_d128=(128, 8, 3), config_d256=(64, 4, 2), config_wide=(16, 4, 2),
+                           block_m_wide=16, programs_per_sm=1)
+    monkeypatch.setattr(db, "FP8_DEFAULTS", fp8)
+    assert db.default_config(128, 128, False, kv_quantized=True) == (128, 8, 3)
+    assert db.default_config(576, 512, False, kv_quantized=True) == (16, 4, 2)
+    assert db.default_config(128, 128, False) == db.BF16_DEFAULTS.config_d128
+    assert db.tile_geometry(128, 1, 576, 1, False, kv_quantized=True)[2] == 16
+    assert db.tile_geometry(128, 1, 576, 1, False)[2] == 32
+    # one program per SM for FP8 (4 SMs: at most 4 + tiles items), twelve for bf16
+    out, _, ref, _, plan = _fp8_shard_case(torch.float32, False, True, "triton", {"num_sms": 4})
+    assert plan.launch.num_items <= 4 + 4
+    assert (out.double() - ref).abs().max().item() < TOLERANCE[torch.float32]
+    meta = cpattn.get_strategy("replicated", 1).build_metadata([1, 3, 1, 2], [40, 70, 0, 33], rank=0,
+                                                               kv=cpattn.KVSharding(1))
+    spec = cpattn.AttentionSpec(num_q_heads=8, num_kv_heads=2, head_dim=32, dtype=torch.float32, page_size=16)
+    bf16_plan = cpattn.plan_attention(meta, spec, backend="triton", backend_options={"num_sms": 4})
+    assert bf16_plan.launch.num_items > plan.launch.num_items
+
+
 def test_split_kv_kernel_fp8_window_and_sinks(interp):
     out, lse, ref, ref_lse, _ = _fp8_shard_case(torch.float32, True, True, "triton", {"num_sms": 64, "min_split": 16},
                                                 window=20, sinks=True)

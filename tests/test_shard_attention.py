@@ -334,6 +334,8 @@ def test_triton_shard_plan_validates_its_options(interp):
     cases = [({"pair": 1}, "backend_options pair must be a bool, got 1"),
              ({"min_split": 3}, "min_split must be a positive multiple of 16"),
              ({"num_sms": 0}, "num_sms must be an int >= 1"),
+             ({"config": (96, 4, 1)}, "config BLOCK_N must be a power of two, got 96"),
+             ({"config": (32, 4, 1), "min_split": 16}, "min_split must be a positive multiple of 32"),
              ({"split": 2}, r"unknown triton shard backend_options \['split'\]")]
     for options, match in cases:
         with pytest.raises(ValueError, match=match):

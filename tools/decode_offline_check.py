@@ -42,8 +42,8 @@ def _split_sig(name, hq, hkv, d, dv, q_len, c, i, paged, page, window, sinks, v_
     from cpattn.kernels.triton_attn import split_head_dim  # noqa: F401 (host helper only)
 
     fn = td._shard_attn_split
-    rows, g_pack, block_m = tile_geometry(hq, hkv, d, q_len, False)
-    block_n, warps, stages = default_config(d, dv, False)
+    rows, g_pack, block_m = tile_geometry(hq, hkv, d, q_len, False, kv_quantized=kv_fp8)
+    block_n, warps, stages = default_config(d, dv, False, kv_quantized=kv_fp8)
     d1 = 1 << (d.bit_length() - 1)
     d2 = d - d1
     elem = f"*{dtype}"

@@ -20,13 +20,17 @@ split kernel runs and waiting inside for its end; False: ordinary launches), ``c
 ((BLOCK_N, num_warps, num_stages)), ``block_m`` (most query rows x heads per program: 16, 32,
 64 or 128; default 64, 32 for head dims > 256), ``min_split`` (fewest keys per split, a
 multiple of the key alignment), ``programs_per_sm`` (split target; default 12, 1 for the
-MLA kernel), ``num_sms`` (override the device's SM count; e.g. to force splits in tests). The
+MLA kernel), ``num_sms`` (override the device's SM count; e.g. to force splits in tests). Where
+``config``, ``block_m``, ``min_split`` or ``programs_per_sm`` is not given, the portable kernel
+takes it from the :class:`SplitDefaults` of the plan's cache kind (:func:`split_defaults`:
+:data:`BF16_DEFAULTS` for bf16 / fp16 / fp32 caches, :data:`FP8_DEFAULTS` for FP8 ones). The
 split, combine (and MLA) kernels are planned launches: after the first call the compiled kernel
 is called directly (:mod:`._launch`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping, Optional
 
 import numpy as np
@@ -47,8 +51,8 @@ FAMILIES = ("auto", "portable", "mla")
 #: L = 4k q1 434 vs 354 TF/s, B = 8 L = 32k q1 395 vs 373, graph replay; fewer partials to combine).
 MLA_PROGRAMS_PER_SM = 1
 
-#: Split starts are multiples of this many keys (every BLOCK_N divides it); on the GPU also the
-#: granularity of split sizes.
+#: Split starts are multiples of this many keys (every BLOCK_N up to it divides it; a wider
+#: BLOCK_N, a multiple of it, takes its place); on the GPU also the granularity of split sizes.
 KEY_ALIGN = 128
 KEY_ALIGN_INTERPRETED = 16
 #: Programs the split target aims for, per SM: 12 splits the batch into equal programs whose
@@ -63,13 +67,53 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+@dataclass(frozen=True)
+class SplitDefaults:
+    """Launch defaults of the portable split kernel for one kind of KV cache, used where
+    ``backend_options`` give none. ``config_*``: (BLOCK_N, num_warps, num_stages) by the widest
+    head dim (D or Dv: <= 128, <= 256, wider); ``block_m_wide``: the most query rows x heads per
+    program for head dims > 256 (narrower head dims: 64); ``programs_per_sm`` and ``min_split``:
+    the split policy (the split target in programs per SM and the fewest keys per split, a
+    multiple of :data:`KEY_ALIGN`). The CPU interpreter runs (16, 4, 1) and its own split sizes."""
+
+    config_d128: tuple[int, int, int]
+    config_d256: tuple[int, int, int]
+    config_wide: tuple[int, int, int]
+    block_m_wide: int = 32
+    programs_per_sm: int = PROGRAMS_PER_SM
+    min_split: int = MIN_SPLIT
+
+    def config(self, head_dim: int, head_dim_v: int) -> tuple[int, int, int]:
+        """(BLOCK_N, num_warps, num_stages) for head dims ``head_dim`` / ``head_dim_v``."""
+        width = max(head_dim, head_dim_v)
+        if width <= 128:
+            return self.config_d128
+        if width <= 256:
+            return self.config_d256
+        return self.config_wide
+
+
+#: bf16 / fp16 / fp32 caches (2- and 4-byte rows).
+BF16_DEFAULTS = SplitDefaults(config_d128=(64, 4, 3), config_d256=(64, 8, 2), config_wide=(32, 8, 2))
+#: FP8 caches (e4m3 K/V with per-tensor or per-KV-head scales, and the tile-scaled MLA latent):
+#: 1-byte rows, so a block of BLOCK_N keys moves half the bytes of a bf16 block. The bf16 values
+#: until a measurement on the target GPU picks others.
+FP8_DEFAULTS = SplitDefaults(config_d128=(64, 4, 3), config_d256=(64, 8, 2), config_wide=(32, 8, 2))
+
+
+def split_defaults(kv_quantized: bool) -> SplitDefaults:
+    """The :class:`SplitDefaults` of a cache kind: FP8 (``AttentionSpec.kv_quantized``) or not."""
+    return FP8_DEFAULTS if kv_quantized else BF16_DEFAULTS
+
+
 def tile_geometry(num_q_heads: int, num_kv_heads: int, head_dim: int, q_len: int, interpreted: bool,
-                  block_m: Optional[int] = None):
+                  block_m: Optional[int] = None, kv_quantized: bool = False):
     """(ROWS, G_PACK, BLOCK_M): query rows per tile, query heads packed per program, M size.
-    ``block_m``: the most M rows per program (default 64; 32 for head dims > 256, where a
-    [64, Dv] accumulator would not fit the registers next to the Q tile)."""
+    ``block_m``: the most M rows per program (default 64; for head dims > 256, where a
+    [64, Dv] accumulator would not fit the registers next to the Q tile, the cache kind's
+    :attr:`SplitDefaults.block_m_wide`: 32 for bf16)."""
     group = num_q_heads // num_kv_heads
-    m_max = block_m or (32 if head_dim > 256 else 64)
+    m_max = block_m or (split_defaults(kv_quantized).block_m_wide if head_dim > 256 else 64)
     g_pack = 1
     while group % (g_pack * 2) == 0 and g_pack * 2 <= m_max:
         g_pack *= 2
@@ -77,16 +121,13 @@ def tile_geometry(num_q_heads: int, num_kv_heads: int, head_dim: int, q_len: int
     return rows, g_pack, max(16, rows * g_pack)
 
 
-def default_config(head_dim: int, head_dim_v: int, interpreted: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) without an explicit config."""
+def default_config(head_dim: int, head_dim_v: int, interpreted: bool,
+                   kv_quantized: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) without an explicit config, for a bf16 / fp16 / fp32
+    cache or (``kv_quantized``) an FP8 one."""
     if interpreted:
         return 16, 4, 1
-    width = max(head_dim, head_dim_v)
-    if width <= 128:
-        return 64, 4, 3
-    if width <= 256:
-        return 64, 8, 2
-    return 32, 8, 2
+    return split_defaults(kv_quantized).config(head_dim, head_dim_v)
 
 
 def plan_work(host, spec: AttentionSpec, *, rows: int, num_head_groups: int, align: int, num_sms: int,
@@ -196,21 +237,27 @@ class _TritonShardRun:
         block_m_opt = options.get("block_m")
         if block_m_opt is not None and block_m_opt not in (16, 32, 64, 128):
             raise ValueError(f"backend_options block_m must be 16, 32, 64 or 128, got {block_m_opt!r}")
-        rows, g_pack, block_m = tile_geometry(hq, hkv, d, dmeta.tile_q_len, interpreted, block_m_opt)
-        self.config = tuple(options.get("config") or default_config(d, dv, interpreted))
+        defaults = split_defaults(spec.kv_quantized)
+        rows, g_pack, block_m = tile_geometry(hq, hkv, d, dmeta.tile_q_len, interpreted, block_m_opt,
+                                              spec.kv_quantized)
+        self.config = tuple(options.get("config") or default_config(d, dv, interpreted, spec.kv_quantized))
         if len(self.config) != 3 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in self.config):
             raise ValueError(f"backend_options config must be (BLOCK_N, num_warps, num_stages) ints, got {self.config}")
         align = KEY_ALIGN_INTERPRETED if interpreted else KEY_ALIGN
+        if self.config[0] & (self.config[0] - 1):
+            raise ValueError(f"backend_options config BLOCK_N must be a power of two, got {self.config[0]}")
+        if self.config[0] > align:
+            align = self.config[0]  # blocks wider than the key alignment: split starts on block bounds
         if align % self.config[0]:
             raise ValueError(f"config BLOCK_N={self.config[0]} must divide the key alignment {align}")
-        min_split = options.get("min_split", align if interpreted else MIN_SPLIT)
+        min_split = options.get("min_split", align if interpreted else defaults.min_split)
         if isinstance(min_split, bool) or not isinstance(min_split, int) or min_split < 1 or min_split % align:
             raise ValueError(f"backend_options min_split must be a positive multiple of {align}, got {min_split!r}")
         num_sms = options.get("num_sms")
         if num_sms is None:
             num_sms = (torch.cuda.get_device_properties(dmeta.device).multi_processor_count
                        if dmeta.device.type == "cuda" else 4)
-        programs_per_sm = options.get("programs_per_sm", PROGRAMS_PER_SM)
+        programs_per_sm = options.get("programs_per_sm", defaults.programs_per_sm)
         for name, value in (("num_sms", num_sms), ("programs_per_sm", programs_per_sm)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"backend_options {name} must be an int >= 1, got {value!r}")
