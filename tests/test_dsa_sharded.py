@@ -307,31 +307,30 @@ def _user_selection(lens, qs, topk, gen):
     return torch.stack(rows)
 
 
+def _check_given_selection(c, il, paged, seed, tol, backend="torch"):
+    """Merged partials over a user-given selection equal fp64 attention over each row's entries
+    in 0..position (see :func:`_user_selection`)."""
+    lens, qs, topk = [37, 5, 20], [2, 1, 4], 12
+    gen = torch.Generator().manual_seed(seed)
+    sel = _user_selection(lens, qs, topk, gen)
+    ka, qa = _attn_inputs(lens, qs, gen)
+    out, _ = _simulate_sparse(c, il, lens, qs, sel, ka, qa, 0.2, paged, gen, backend=backend)
+    want = sparse_oracle(qa, ka, [k[..., :DV] for k in ka], sel.tolist(), lens, qs, 0.2)
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("c,il", [(2, 1), (3, 2), (4, 1)])
 @pytest.mark.parametrize("paged", [False, True])
 def test_future_positions_in_a_given_selection_are_ignored(c, il, paged):
     """Entries of a user-given ``idx`` larger than the row's position (future, or past its
-    sequence) are ignored on every rank, as single-GPU sparse attention ignores them: merged
-    partials equal fp64 attention over each row's entries in 0..position."""
-    lens, qs, topk = [37, 5, 20], [2, 1, 4], 12
-    gen = torch.Generator().manual_seed(11)
-    sel = _user_selection(lens, qs, topk, gen)
-    ka, qa = _attn_inputs(lens, qs, gen)
-    out, _ = _simulate_sparse(c, il, lens, qs, sel, ka, qa, 0.2, paged, gen)
-    want = sparse_oracle(qa, ka, [k[..., :DV] for k in ka], sel.tolist(), lens, qs, 0.2)
-    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+    sequence) are ignored on every rank, as single-GPU sparse attention ignores them."""
+    _check_given_selection(c, il, paged, 11, 2e-5)
 
 
 @pytest.mark.parametrize("paged", [False, True])
 def test_future_positions_ignored_triton_interpreter(dsa_interp, paged):
     """As above through the Triton sparse kernel over a shard."""
-    lens, qs, topk = [37, 5, 20], [2, 1, 4], 12
-    gen = torch.Generator().manual_seed(12)
-    sel = _user_selection(lens, qs, topk, gen)
-    ka, qa = _attn_inputs(lens, qs, gen)
-    out, _ = _simulate_sparse(3, 2, lens, qs, sel, ka, qa, 0.2, paged, gen, backend="triton")
-    want = sparse_oracle(qa, ka, [k[..., :DV] for k in ka], sel.tolist(), lens, qs, 0.2)
-    torch.testing.assert_close(out.double(), want, atol=2e-4, rtol=2e-4)
+    _check_given_selection(3, 2, paged, 12, 2e-4, backend="triton")
 
 
 @pytest.mark.parametrize("paged", [False, True])
