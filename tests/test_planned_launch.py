@@ -577,3 +577,47 @@ def test_pdl_only_on_cuda_sm90_and_the_combine_waits_on_every_path(interp, monke
         cpattn.plan_attention(dmeta, spec, backend="triton", backend_options={"pdl": 1})
     body = inspect.getsource(td._shard_attn_combine.fn)
     assert body.index("gdc_wait()") < body.index("if ns == 1:\n        return")
+
+
+def _launch_calls(tree):
+    """Every ``kernel[grid](...)`` call of a module's syntax tree."""
+    import ast
+
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript)
+            and not (isinstance(n.func.value, ast.Name) and n.func.value.id in {"_REGISTRY", "STRATEGIES"})]
+
+
+def test_every_kernel_launch_pins_the_compile_options():
+    """Each Triton / Gluon launch in the library passes ``**COMPILE_OPTIONS`` (FP fusion on, as
+    the kernels were measured; triton 3.10 changes the default), so no launch depends on the
+    installed triton's default."""
+    import ast
+    import pathlib
+
+    import cpattn.kernels
+
+    assert _launch.COMPILE_OPTIONS == {"enable_fp_fusion": True}
+    root = pathlib.Path(cpattn.kernels.__file__).parent
+    sites, unpinned = 0, []
+    for path in sorted(root.glob("*.py")):
+        for call in _launch_calls(ast.parse(path.read_text())):
+            sites += 1
+            pinned = any(k.arg is None and isinstance(k.value, ast.Name) and k.value.id == "COMPILE_OPTIONS"
+                         for k in call.keywords)
+            if not pinned:
+                unpinned.append(f"{path.name}:{call.lineno}")
+    assert sites >= 7, sites  # the planned launch, index (3), shard index, sparse (2)
+    assert not unpinned, unpinned
+
+
+def test_planned_launch_passes_the_compile_options_to_the_jit():
+    seen = {}
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def call(**kwargs):
+                seen.update(kwargs)
+            return call
+
+    PlannedLaunch(Kernel(), {"A": 1}, ("B",), enabled=False)((1,), (2,), key=("k",))
+    assert seen == {"A": 1, "B": 2, "enable_fp_fusion": True}

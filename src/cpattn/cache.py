@@ -348,6 +348,8 @@ def _scatter(cache: Tensor, page_size: Optional[int], plan: CacheWritePlan, src:
         cache, src = cache.view(torch.uint8), src.view(torch.uint8)
     if page_size is None:
         cache.index_copy_(0, plan.slots, src)
+    elif cache.stride(0) == page_size * cache.stride(1):  # adjacent pages: one flat [num_slots, ...] view
+        cache.flatten(0, 1).index_copy_(0, plan.slots, src)
     else:
         cache.index_put_((plan.slots // page_size, plan.slots % page_size), src)
 

@@ -265,17 +265,15 @@ def all_gather_rows(
         replicated placement, ``parts`` themselves when a dynamic plan has no pad row (no copy).
     """
     parts = list(parts)
-    offsets, widths, row_bytes = _part_layout(parts)
     phys = meta.num_physical_tokens
-    device = parts[0].device
     if meta.cp_size == 1 or meta.replicated:  # every rank has every row: no collective, no byte packing
-        layout = tuple((p.dtype, tuple(p.shape[1:]), o, w) for p, o, w in zip(parts, offsets, widths))
         if phys == meta.num_tokens and not meta.is_static:  # no pad row: physical order is logical order
             rows = parts
         else:
             rows = [p.index_select(0, meta.gather_index) for p in parts]
-        pending = PendingGather(None, parts[0], meta, layout, rows)
-        return pending if async_op else rows
+        return PendingGather(None, parts[0], meta, (), rows) if async_op else rows
+    offsets, widths, row_bytes = _part_layout(parts)
+    device = parts[0].device
     packed = torch.empty((phys, row_bytes), dtype=torch.uint8, device=device)
     for part, off, width in zip(parts, offsets, widths):
         packed[:, off : off + width] = part.reshape(phys, _row_numel(part)).contiguous().view(torch.uint8)

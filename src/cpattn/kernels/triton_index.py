@@ -30,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ._attn_steps import key_offsets
-from ._launch import scratch_allocator
+from ._launch import COMPILE_OPTIONS, scratch_allocator
 from ._tiles import SM90_SMEM_PER_BLOCK, index_key_strides
 
 #: True when the kernels were built for the CPU interpreter (TRITON_INTERPRET=1 at import).
@@ -226,9 +226,9 @@ def launch(
     with scratch_allocator("cpu" if INTERPRETED else "cuda"):
         if INTERPRETED or config is not None:
             bn, warps, stages = config if config is not None else (16, 4, 1)
-            _index_scores_fwd[grid](**args, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+            _index_scores_fwd[grid](**args, BLOCK_N=bn, num_warps=warps, num_stages=stages, **COMPILE_OPTIONS)
         else:
-            _index_scores_fwd_tuned[grid](**args)
+            _index_scores_fwd_tuned[grid](**args, **COMPILE_OPTIONS)
 
 
 @triton.jit
@@ -252,7 +252,7 @@ def write_selection(keys: Tensor, out: Tensor) -> None:
         return
     block = 512 if not INTERPRETED else 64
     _write_selection[(rows, triton.cdiv(cols, block))](keys, out, cols, keys.stride(0), out.stride(0), out.stride(1),
-                                                      BLOCK=block, num_warps=4)
+                                                      BLOCK=block, num_warps=4, **COMPILE_OPTIONS)
 
 
 def k_layout_ok(k: Tensor) -> bool:

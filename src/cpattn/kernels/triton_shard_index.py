@@ -24,6 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ._attn_steps import key_offsets
+from ._launch import COMPILE_OPTIONS
 from ._tiles import index_key_strides
 
 #: True when the kernels were built for the CPU interpreter (TRITON_INTERPRET=1 at import).
@@ -109,5 +110,5 @@ def launch(q: Tensor, k: Tensor, w: Tensor, k_scale, scores: Tensor, page_table,
         q, k, w, k_scale if k_scale is not None else scores, scores, pt, row_seq, row_visible, row_start,
         j0, width, float(softmax_scale), *sharding,
         q.stride(0), q.stride(1), w.stride(0), w.stride(1), skp, skn, ssp, ssn, stride_pt, scores.stride(0),
-        KEYS_PER_PROGRAM=kpp, PAGED=paged, HAS_KSCALE=k_scale is not None, num_warps=warps, num_stages=stages, **args,
+        KEYS_PER_PROGRAM=kpp, PAGED=paged, HAS_KSCALE=k_scale is not None, num_warps=warps, num_stages=stages, **args, **COMPILE_OPTIONS,
     )

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from ._attn_steps import add_values, kv_head, load_query, normalized, row_lse, softmax_rescale
 from ._fp8_tiles import tile_block_scores
+from ._launch import COMPILE_OPTIONS
 from ._tiles import LOG2E, SM90_SMEM_PER_BLOCK, kv_strides
 
 #: True when the kernels were built for the CPU interpreter (TRITON_INTERPRET=1 at import).
@@ -270,6 +271,6 @@ def launch(
     )
     if INTERPRETED or config is not None:
         bn, warps, stages = config if config is not None else (16, 4, 1)
-        _sparse_attn_fwd[grid](**args, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        _sparse_attn_fwd[grid](**args, BLOCK_N=bn, num_warps=warps, num_stages=stages, **COMPILE_OPTIONS)
     else:
-        _sparse_attn_fwd_tuned[grid](**args)
+        _sparse_attn_fwd_tuned[grid](**args, **COMPILE_OPTIONS)
