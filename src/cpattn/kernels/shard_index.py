@@ -35,6 +35,7 @@ from torch import Tensor
 
 from .. import _buffers
 from . import IndexTopkSpec, triton_available, triton_device_reason
+from ._dsa_rows import device_rows
 from ..kv_sharding import local_key_counts
 from ..metadata import CPMetadata
 from ..selection import NO_KEY, pack_keys, top_keys
@@ -76,27 +77,14 @@ def _bmm_out_dtype_ok(device: torch.device) -> bool:
     return _BMM_OUT_DTYPE[key]
 
 
-def _row_positions(meta: CPMetadata) -> tuple[Tensor, Tensor]:
-    """Sequence and global position of every query row (pad rows: sequence 0, position -1),
-    from the plan's device fields (fixed addresses in a static plan: graph-safe)."""
-    t = meta.shard_index
-    b = meta.num_seq_rows
-    if b == 0:  # no sequence: every row is a pad row
-        return torch.zeros_like(t), torch.full_like(t, -1)
-    seq = (torch.searchsorted(meta.cu_extend_lens, t, right=True) - 1).clamp_(0, b - 1)
-    cu_kv, cu_ext = meta.cu_kv_lens, meta.cu_extend_lens  # capacity-sized ([B + 1] or [max_seqs + 1])
-    pos = cu_kv[seq + 1] - cu_kv[seq] - cu_ext[seq + 1] + t  # prefix + offset in the extend
-    pos = torch.where(meta.row_valid, pos, torch.full((), -1, dtype=pos.dtype, device=pos.device))
-    return seq, pos
-
-
 def _row_tables(spec: IndexTopkSpec, meta: CPMetadata) -> tuple[Tensor, Tensor, Tensor]:
-    """(seq, visible, start) [N] each on ``meta.device`` (plan time, device-only): each query
-    row's sequence, its count of this rank's keys at global positions <= its position, and the
-    packed row of its sequence's first local key (0 for a paged cache). A static plan's are
-    copied into its arena's fixed tensors."""
+    """(seq, visible, start) [N] each on ``meta.device`` (plan time, from the per-row table the DSA
+    kernels share: one upload per plan): each query row's sequence, its count of this rank's keys
+    at global positions <= its position, and the packed row of its sequence's first local key (0
+    for a paged cache). A static plan's are copied into its arena's fixed tensors."""
     sh = meta.kv
-    seq, pos = _row_positions(meta)
+    rows = device_rows(meta)  # the DSA kernels' per-row table (pad rows: sequence 0, position -1)
+    seq, pos = rows["row_seq"].long(), rows["row_pos"].long()
     visible = local_key_counts(pos + 1, meta.rank, sh.cp_size, sh.interleave)
     start = torch.zeros_like(seq) if spec.paged else meta.cu_local_kv_lens[seq]
     if not meta.is_static:
