@@ -128,9 +128,15 @@ def _check_positions(x: IntOrTensor, name: str) -> IntOrTensor:
 def local_key_counts(lens, rank: int, cp_size: int, interleave: int):
     """Keys ``rank`` holds of sequences of ``lens`` keys (a torch tensor or a numpy array)."""
     period = cp_size * interleave
+    if isinstance(lens, np.ndarray):  # one divmod, few ufuncs: each numpy op costs ~0.5 us on the host
+        full, rest = np.divmod(lens, period)
+        if interleave == 1:
+            return full + (rest > rank)
+        rest = rest - rank * interleave  # rank may be an array (broadcast)
+        np.maximum(rest, 0, out=rest)
+        np.minimum(rest, interleave, out=rest)
+        return full * interleave + rest
     rest = lens % period - rank * interleave
-    if isinstance(rest, np.ndarray):  # np.clip's wrapper costs more than the two ufuncs
-        return (lens // period) * interleave + np.minimum(np.maximum(rest, 0), interleave)
     return (lens // period) * interleave + rest.clip(0, interleave)
 
 
