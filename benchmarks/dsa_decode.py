@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--q-lens", default="1,2", help="new tokens per sequence (speculative verification: > 1)")
     p.add_argument("--index-backend", default="auto", choices=("auto", "triton", "gemm"),
                    help="the index scorer over a shard (auto: triton where it runs, else gemm)")
+    p.add_argument("--index-keys", choices=("model", "fp8"), default="model",
+                   help="index key dtype: the model dtype (bf16 on the GPU) or float8_e4m3fn with a float32 scale "
+                        "per key (DeepSeek-V3.2's indexer cache: 132 instead of 256 bytes per key)")
     p.add_argument("--cp", type=int, default=8)
     p.add_argument("--rank", type=int, default=0)
     # 450 GB/s: H100 SXM NVLink 4 per GPU and direction (18 links x 25 GB/s), the nominal rate; a
@@ -78,8 +81,23 @@ def _fits(device: torch.device, keys: int, shp: dict) -> bool:
     return _cache_bytes(keys, shp) * 1.3 < free
 
 
+def index_key_cache(local: int, di: int, dtype: torch.dtype, index_keys: str, g, device):
+    """This rank's index keys [local, di] and their scales: the model dtype (scales None), or
+    ``"fp8"``: e4m3 values of N(0, 1) samples with a float32 scale per key in [0.5, 1.5)."""
+    keys = torch.randn(local, di, generator=g, device=device, dtype=dtype)
+    if index_keys != "fp8":
+        return keys, None
+    scale = 0.5 + torch.rand(local, generator=g, device=device)
+    return keys.to(torch.float8_e4m3fn), scale
+
+
+def index_key_bytes(k_idx: torch.Tensor, k_scale) -> int:
+    """Bytes of one index key (and its scale)."""
+    return k_idx.shape[-1] * k_idx.element_size() + (k_scale.element_size() if k_scale is not None else 0)
+
+
 def graph_step_fn(c: int, rank: int, ctx: int, b: int, q_len: int, shp: dict, device: torch.device,
-                  index_backend: str = "auto") -> tuple[Callable[[], tuple], dict]:
+                  index_backend: str = "auto", index_keys: str = "model") -> tuple[Callable[[], tuple], dict]:
     """One rank's whole decode step (the work ``_step`` times part by part) over plans of a
     ``StaticPlanner`` sized for this workload, with every input and output in a fixed buffer: the
     callable a CUDA graph captures (it allocates nothing the replay needs and reads no host
@@ -90,7 +108,8 @@ def graph_step_fn(c: int, rank: int, ctx: int, b: int, q_len: int, shp: dict, de
     Args:
         c, rank: ranks and this rank. ctx: tokens per sequence after the step. b: sequences.
         q_len: new tokens per sequence. shp: :func:`benchmarks.sparse.dsa_shapes`. device: where
-            it runs (any device: the CPU test calls it eagerly). index_backend: as ``--index-backend``.
+            it runs (any device: the CPU test calls it eagerly). index_backend, index_keys: as
+            ``--index-backend`` / ``--index-keys``.
 
     Returns:
         (step, bufs): ``step()`` -> (sel [N, topk] int64 agreed from the candidates, out [N, H, Dv],
@@ -110,14 +129,14 @@ def graph_step_fn(c: int, rank: int, ctx: int, b: int, q_len: int, shp: dict, de
     n, local = meta.num_physical_tokens, meta.num_local_kv_tokens
     g = torch.Generator(device=device).manual_seed(0)
     bufs = dict(q_idx=torch.randn(n, hi, di, generator=g, device=device, dtype=dtype),
-                w=torch.randn(n, hi, generator=g, device=device) * hi**-0.5,
-                k_idx=torch.randn(local, di, generator=g, device=device, dtype=dtype))
+                w=torch.randn(n, hi, generator=g, device=device) * hi**-0.5)
+    bufs["k_idx"], bufs["k_scale"] = index_key_cache(local, di, dtype, index_keys, g, device)
     sel = (torch.randperm(ctx - q_len + 1, generator=g, device=device)[:topk]).to(torch.int32)
     bufs["sel"] = sel[None].expand(n, -1).contiguous()
     bufs["q"] = torch.randn(n, h, d, generator=g, device=device, dtype=dtype)
     bufs["latent"] = torch.randn(local, 1, d, generator=g, device=device, dtype=dtype)
-    iplan = cpattn.plan_index_topk(meta, num_heads=hi, head_dim=di, q_dtype=dtype, k_dtype=dtype, topk=topk,
-                                   backend=index_backend)
+    iplan = cpattn.plan_index_topk(meta, num_heads=hi, head_dim=di, q_dtype=dtype, k_dtype=bufs["k_idx"].dtype,
+                                   topk=topk, has_k_scale=bufs["k_scale"] is not None, backend=index_backend)
     spec = cpattn.AttentionSpec(num_q_heads=h, num_kv_heads=1, head_dim=d, head_dim_v=dv, dtype=dtype, topk=topk)
     aplan = cpattn.plan_attention(meta, spec)
     bufs.update(iplan=iplan, aplan=aplan)
@@ -129,7 +148,7 @@ def graph_step_fn(c: int, rank: int, ctx: int, b: int, q_len: int, shp: dict, de
     lses = torch.empty(c, n, h, dtype=torch.float32, device=device)
 
     def step() -> tuple:
-        iplan.candidates(bufs["q_idx"], bufs["k_idx"], bufs["w"], out=cand)
+        iplan.candidates(bufs["q_idx"], bufs["k_idx"], bufs["w"], k_scale=bufs["k_scale"], out=cand)
         gathered.copy_(cand[None].expand(c, -1, -1))  # what the agreement's all-gather writes
         agreed = select_candidates(gathered, topk)
         aplan.attend(bufs["q"], bufs["latent"], bufs["latent"][..., :dv], bufs["sel"], softmax_scale=192**-0.5,
@@ -142,7 +161,7 @@ def graph_step_fn(c: int, rank: int, ctx: int, b: int, q_len: int, shp: dict, de
 
 
 def _step(c: int, rank: int, ctx: int, b: int, q_len: int, shp: dict, device: torch.device, timer,
-          index_backend: str = "auto") -> dict:
+          index_backend: str = "auto", index_keys: str = "model") -> dict:
     """Time one rank's decode step compute at C ranks (C = 1: the whole cache on one GPU)."""
     import cpattn
     from cpattn.merge import merge_states
@@ -157,11 +176,11 @@ def _step(c: int, rank: int, ctx: int, b: int, q_len: int, shp: dict, device: to
     g = torch.Generator(device=device).manual_seed(0)
     q_idx = torch.randn(n, hi, di, generator=g, device=device, dtype=dtype)
     w = torch.randn(n, hi, generator=g, device=device) * hi**-0.5
-    k_idx = torch.randn(local, di, generator=g, device=device, dtype=dtype)
-    iplan = cpattn.plan_index_topk(meta, num_heads=hi, head_dim=di, q_dtype=dtype, k_dtype=dtype, topk=topk,
-                                   backend=index_backend)
+    k_idx, k_scale = index_key_cache(local, di, dtype, index_keys, g, device)
+    iplan = cpattn.plan_index_topk(meta, num_heads=hi, head_dim=di, q_dtype=dtype, k_dtype=k_idx.dtype, topk=topk,
+                                   has_k_scale=k_scale is not None, backend=index_backend)
     cand = torch.empty(n, topk, dtype=torch.int64, device=device)
-    t_index = timer(lambda: iplan.candidates(q_idx, k_idx, w, out=cand))
+    t_index = timer(lambda: iplan.candidates(q_idx, k_idx, w, k_scale=k_scale, out=cand))
     gathered = cand[None].expand(c, n, topk).contiguous()
     t_select = timer(lambda: select_candidates(gathered, topk))
     # the selection: topk distinct positions per row spread over its visible context
@@ -182,6 +201,8 @@ def _step(c: int, rank: int, ctx: int, b: int, q_len: int, shp: dict, device: to
     visible = int(meta.local_kv_lens.sum()) * q_len  # every row sees (about) all its local keys
     return dict(index_ms=t_index, select_ms=t_select, attend_ms=t_attend, merge_ms=t_merge,
                 index_tflops=2.0 * hi * di * visible / t_index / 1e9 if t_index else 0.0, local_keys=local,
+                # every local key's bytes read once per step (rows of one sequence share them)
+                index_gbps=local * index_key_bytes(k_idx, k_scale) / t_index / 1e6 if t_index else 0.0,
                 rows=n, backend_index=f"{iplan.backend}/{iplan.family}", backend_attend=f"{aplan.backend}/{aplan.family}")
 
 
@@ -197,18 +218,18 @@ def _run_workload(ctx: int, b: int, q_len: int, args, shp: dict, device: torch.d
     row.update(topk_bytes=topk_bytes, merge_bytes=merge_bytes, topk_ms_charged=topk_bytes / rate,
                merge_ms_charged=merge_bytes / rate)
     progress(f"{name}: C={c} rank {args.rank}")
-    part = _step(c, args.rank, ctx, b, q_len, shp, device, timer, args.index_backend)
+    part = _step(c, args.rank, ctx, b, q_len, shp, device, timer, args.index_backend, args.index_keys)
     row.update({f"c{c}_{k}": v for k, v in part.items()})
     step = sum(part[k] for k in ("index_ms", "select_ms", "attend_ms", "merge_ms"))
     row[f"c{c}_step_ms"] = step + row["topk_ms_charged"] + row["merge_ms_charged"]
     if args.graph:
         progress(f"{name}: C={c} rank {args.rank}, CUDA graph of one static step")
-        fn, _ = graph_step_fn(c, args.rank, ctx, b, q_len, shp, device, args.index_backend)
+        fn, _ = graph_step_fn(c, args.rank, ctx, b, q_len, shp, device, args.index_backend, args.index_keys)
         row[f"c{c}_graph_ms"] = time_cuda_graph(fn, warmup=args.warmup, iters=args.iters)
         row[f"c{c}_graph_step_ms"] = row[f"c{c}_graph_ms"] + row["topk_ms_charged"] + row["merge_ms_charged"]
     if _fits(device, b * ctx, shp):
         progress(f"{name}: C=1")
-        one = _step(1, 0, ctx, b, q_len, shp, device, timer, args.index_backend)
+        one = _step(1, 0, ctx, b, q_len, shp, device, timer, args.index_backend, args.index_keys)
         row.update({f"c1_{k}": v for k, v in one.items()})
         row["c1_step_ms"] = sum(one[k] for k in ("index_ms", "select_ms", "attend_ms", "merge_ms"))
         row["ratio"] = row[f"c{c}_step_ms"] / row["c1_step_ms"]
@@ -238,14 +259,15 @@ def main(args: argparse.Namespace) -> int:
     c = args.cp
     print(f"{'workload':26s} {'C=' + str(c) + ' ms':>10s} {'C=1 ms':>10s} {'ratio':>7s} {'index':>8s} "
           f"{'select':>8s} {'attend':>8s} {'merge':>8s} {'topk MB':>8s} {'merge MB':>9s} {'comm ms':>8s} "
-          f"{'idx TF/s':>9s}")
+          f"{'idx TF/s':>9s} {'idx GB/s':>9s}")
     for r in rows:
         one = f"{r['c1_step_ms']:10.3f}" if "c1_step_ms" in r else f"{'-':>10s}"
         ratio = f"{r['ratio']:7.3f}" if "ratio" in r else f"{'-':>7s}"
         print(f"{r['workload']:26s} {r[f'c{c}_step_ms']:10.3f} {one} {ratio} {r[f'c{c}_index_ms']:8.3f} "
               f"{r[f'c{c}_select_ms']:8.3f} {r[f'c{c}_attend_ms']:8.3f} {r[f'c{c}_merge_ms']:8.3f} "
               f"{r['topk_bytes'] / 1e6:8.2f} {r['merge_bytes'] / 1e6:9.2f} "
-              f"{r['topk_ms_charged'] + r['merge_ms_charged']:8.3f} {r[f'c{c}_index_tflops']:9.1f}")
+              f"{r['topk_ms_charged'] + r['merge_ms_charged']:8.3f} {r[f'c{c}_index_tflops']:9.1f} "
+              f"{r[f'c{c}_index_gbps']:9.0f}")
     if args.graph:  # the same step from CUDA-graph replays, next to the eager sum
         print(f"{'workload':26s} {'eager step':>11s} {'graph':>10s} {'graph step':>11s}  (steps: with comm charges)")
         for r in rows:
@@ -260,7 +282,8 @@ def main(args: argparse.Namespace) -> int:
                                 f"{'met' if r['ratio'] <= TARGETS['ratio'] else 'missed'}")
             print(f"{r['workload']:26s} " + "; ".join(verdicts))
     out = args.out or default_out("dsa_decode", smoke=smoke)
-    payload = {**header("benchmarks/run.py dsa_decode", smoke=smoke), "shapes": shp, "cp": c, "rank": args.rank,
+    payload = {**header("benchmarks/run.py dsa_decode", smoke=smoke), "shapes": shp, "index_keys": args.index_keys,
+               "cp": c, "rank": args.rank,
                "link_gbs": args.link_gbs, **({} if smoke else {"targets": TARGETS}), "rows": rows}
     write_json(out + ".json", payload)
     return 0
