@@ -5,7 +5,8 @@ For query row ``t`` (sequence ``b``) and this rank's local key ``j`` of ``b`` th
 packed with the key's global position as :mod:`cpattn.selection` packs them (one int64:
 ``(ordered(score) << 32) | (2^32 - 1 - position)``), into column ``j - j0`` of row ``t`` of an
 int64 block ``[N, width]`` (one key chunk); "no key" (int64 min) where ``j >= visible[t]`` (the
-causal rule by global position: a row sees a prefix of its sequence's local keys). A decode step has few rows (1..4 per sequence), so the indexer
+causal rule by global position: a row sees a prefix of its sequence's local keys). A decode step
+has few rows (1..4 per sequence), so the indexer
 heads are the M dimension of the dot (``[H_i, D_i] x [D_i, BLOCK_N]``, H_i = 64 for
 DeepSeek-V3.2): one program per (row, ``KEYS_PER_PROGRAM`` keys) keeps the row's queries in
 registers and reads each key of its range once. Keys are packed (``start[t] + j``) or paged
@@ -110,5 +111,6 @@ def launch(q: Tensor, k: Tensor, w: Tensor, k_scale, scores: Tensor, page_table,
         q, k, w, k_scale if k_scale is not None else scores, scores, pt, row_seq, row_visible, row_start,
         j0, width, float(softmax_scale), *sharding,
         q.stride(0), q.stride(1), w.stride(0), w.stride(1), skp, skn, ssp, ssn, stride_pt, scores.stride(0),
-        KEYS_PER_PROGRAM=kpp, PAGED=paged, HAS_KSCALE=k_scale is not None, num_warps=warps, num_stages=stages, **args, **COMPILE_OPTIONS,
+        KEYS_PER_PROGRAM=kpp, PAGED=paged, HAS_KSCALE=k_scale is not None, num_warps=warps, num_stages=stages, **args,
+        **COMPILE_OPTIONS,
     )
