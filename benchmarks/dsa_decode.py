@@ -28,6 +28,7 @@ eager calls, ``c{C}_graph_step_ms`` with both collectives' charges added, next t
 
     python benchmarks/run.py dsa_decode                               # the GPU run (C = 8, 128k and 1M)
     python benchmarks/run.py dsa_decode --graph                       # plus CUDA-graph replays of a step
+    python benchmarks/run.py dsa_decode --index-keys fp8              # the indexer's FP8 keys + scales
     python benchmarks/run.py dsa_decode --small --device cpu          # CPU smoke run
 """
 
