@@ -10,9 +10,9 @@ has few rows (1..4 per sequence), so the indexer heads are the M dimension of th
 D_i] x [D_i, BLOCK_N]``, H_i = 64 for DeepSeek-V3.2): one program per (row, ``KEYS_PER_PROGRAM``
 keys) keeps the row's queries in registers and reads each key of its range once. Keys are
 packed (``start[t] + j``) or paged (``page_table[b, j // page_size]``, slot ``j % page_size``);
-bf16 / fp16 (fp32 in the interpreter), fp8 e4m3 keys with a float32 scale (converted to the queries' dtype in registers,
-or an fp8 dot with fp8 queries; the dot settings are the prefill index kernel's,
-``triton_index.dot_settings``). Every count is read from device memory: a CUDA graph replays.
+bf16 / fp16 (fp32 in the interpreter), fp8 e4m3 keys with a float32 scale (converted to the
+queries' dtype in registers, or an fp8 dot with fp8 queries; the dot settings are the prefill
+index kernel's, ``triton_index.dot_settings``). Every count is read from device memory: a CUDA graph replays.
 """
 
 from __future__ import annotations

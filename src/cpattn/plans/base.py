@@ -427,7 +427,8 @@ class AttentionPlan:
             if self.algorithm != "local" or scales is not None or not self._cache_matches(k_cache, v_cache):
                 # before the collective / the quantization. "local" without scales over caches that
                 # match the plan moves and changes nothing before write_kv_cache, whose own checks
-                # (the same) still come before any write: checking twice cost ~35 µs per call
+                # (the same) still come before any write; checking twice was part of a CPU decode
+                # step's 1.06x host time against 0.3.15 (0.99x without it and the flat page write)
                 k_scale, v_scale = scales if scales is not None else (None, None)  # FP8: the cache must be FP8
                 check_kv_writes(writes, k_cache, v_cache, meta.num_token_rows, k_local, v_local, k_scale=k_scale,
                                 v_scale=v_scale)
