@@ -123,6 +123,27 @@ class LaunchState:
         self.launchers: dict = {}
         self.kv = LRU(cache_size)
 
+    def launcher(self, name: str, kernel, make_fixed: Callable[[], dict], names: Sequence[str]) -> "PlannedLaunch":
+        """The :class:`PlannedLaunch` ``name`` of ``kernel``, created on first use with the fixed
+        keyword arguments ``make_fixed()`` returns and the per-call argument ``names``."""
+        launcher = self.launchers.get(name)
+        if launcher is None:
+            launcher = self.launchers[name] = PlannedLaunch(kernel, make_fixed(), names, enabled=self.enabled,
+                                                            cache_size=self.cache_size)
+        return launcher
+
+
+def align_key(*tensors) -> tuple:
+    """What the JIT specializes a tensor argument on: its dtype and 16-byte alignment."""
+    return tuple([(t.dtype, t.data_ptr() & 15) for t in tensors])
+
+
+def int_key(x: int) -> tuple:
+    """What the JIT specializes an int argument on (triton 3.5 - 3.9): equal to 1 (a constant),
+    divisible by 16, and whether it fits int32 (its type). For ints that vary between calls of
+    one plan (e.g. a chunk offset), where the exact value would make every call a new key."""
+    return (x == 1, x % 16 == 0, -(2**31) <= x < 2**31)
+
 
 def _hooks_idle(hooks) -> bool:
     """No launch enter / exit hook registered (None, or an empty triton 3.5+ ``HookChain``)."""

@@ -36,6 +36,7 @@ from torch import Tensor
 from .. import _buffers
 from . import IndexTopkSpec, triton_available, triton_device_reason
 from ._dsa_rows import device_rows
+from ._launch import LaunchState
 from ..kv_sharding import local_key_counts
 from ..metadata import CPMetadata
 from ..selection import NO_KEY, pack_keys, top_keys
@@ -145,6 +146,7 @@ class _ShardIndexRun:
                                   PAGE_SIZE=spec.page_size or 1,
                                   **triton_index.dot_settings(spec.q_dtype, spec.k_dtype))
             self._launch = kern.launch
+            self._state = LaunchState()  # the score kernel's pre-bound launch (one per plan)
             self.family = "triton"
         else:
             #: bf16 / fp16 index queries on CUDA: scores by a tensor-core bmm with float32 output
@@ -215,7 +217,7 @@ class _ShardIndexRun:
         best.fill_(NO_KEY)
         for j0 in range(0, num_keys, self.width):
             self._launch(q, k, weights, k_scale, packed, page_table, seq, visible, start, j0, softmax_scale, (c, il, r),
-                         plan_args=self.plan_args)
+                         plan_args=self.plan_args, state=self._state)
             best.copy_(top_keys(buf, topk))
         out.copy_(best)
 

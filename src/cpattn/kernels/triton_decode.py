@@ -52,7 +52,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._attn_steps import add_values, head_group_tile, normalized, row_lse, row_offsets, softmax_rescale
 from ._fp8_tiles import tile_block_scores
-from ._launch import LRU, LaunchState, PlannedLaunch
+from ._launch import LRU, LaunchState, align_key
 from ._tiles import LOG2E, kv_strides
 
 #: True when this module's kernels were built for the CPU interpreter (TRITON_INTERPRET=1 at
@@ -428,11 +428,6 @@ _COMBINE_PER_CALL = ("Out", "Lse", "Sinks", "WsO", "WsLse", "num_heads", "stride
                      "stride_lh", "stride_sink", "stride_wi", "stride_wr", "stride_wh", "stride_li", "stride_lr")
 
 
-def _align_key(*tensors) -> tuple:
-    """What the JIT specializes a tensor argument on: dtype and 16-byte alignment."""
-    return tuple([(t.dtype, t.data_ptr() & 15) for t in tensors])
-
-
 def pdl_capable(device: torch.device) -> bool:
     """Whether kernels on ``device`` can use programmatic dependent launch (``griddepcontrol``: a
     CUDA device of compute capability >= 9.0; never the CPU interpreter)."""
@@ -446,17 +441,6 @@ def pdl_launch(enabled: bool) -> dict:
     return dict(PDL=True, launch_pdl=True) if enabled else {}
 
 
-def _planned(state, name, kernel, make_fixed, names: tuple):
-    """The plan's :class:`PlannedLaunch` ``name`` of ``kernel``; ``make_fixed()`` (the fixed
-    keyword arguments) runs only when it is created."""
-
-    launcher = state.launchers.get(name)
-    if launcher is None:
-        launcher = state.launchers[name] = PlannedLaunch(kernel, make_fixed(), names, enabled=state.enabled,
-                                                         cache_size=state.cache_size)
-    return launcher
-
-
 class Workspace:
     """A split-KV workspace: the fp32 partials ``o`` [slots, rows, Hq, Dv] of multi-split tiles and
     their LSEs ``lse`` [slots, rows, Hq], with the stride ints and alignment key part every launch
@@ -467,7 +451,7 @@ class Workspace:
     def __init__(self, o: Tensor, lse: Tensor) -> None:
         self.o, self.lse = o, lse
         self.strides = (o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1))
-        self.key = _align_key(o, lse)
+        self.key = align_key(o, lse)
 
 
 def launch_split(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sinks: Optional[Tensor],
@@ -491,11 +475,11 @@ def launch_split(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sink
     values = (q, k, v, out, lse, sk, pt, ws.o, ws.lse, ks, vs, float(softmax_scale) * LOG2E, qs[0], qs[1],
               sinks.stride(0) if sinks is not None else 0, skp, skn, skh, svp, svn, svh, os_[0], os_[1], ls[0], ls[1],
               stride_pt) + ws.strides + (_scale_stride(k_scale), _scale_stride(v_scale), paged, v_from_k)
-    key = _align_key(q, k, v, out, lse, sk, pt, ks, vs) + ws.key + values[12:]
+    key = align_key(q, k, v, out, lse, sk, pt, ks, vs) + ws.key + values[12:]
     block_n, warps, stages = config
-    launcher = _planned(state or LaunchState(enabled=False), "split", _shard_attn_split,
-                        lambda: dict(plan_args, BLOCK_N=block_n, num_warps=warps, num_stages=stages),
-                        _SPLIT_PER_CALL)
+    launcher = (state or LaunchState(enabled=False)).launcher(
+        "split", _shard_attn_split, lambda: dict(plan_args, BLOCK_N=block_n, num_warps=warps, num_stages=stages),
+        _SPLIT_PER_CALL)
     launcher(grid, values, key)
 
 
@@ -558,9 +542,9 @@ def launch_combine(out: Tensor, lse: Tensor, sinks: Optional[Tensor], ws: Worksp
     os_, ls = out.stride(), lse.stride()
     values = (out, lse, sk, ws.o, ws.lse, out.shape[1], os_[0], os_[1], ls[0], ls[1],
               sinks.stride(0) if sinks is not None else 0) + ws.strides
-    key = _align_key(out, lse, sk) + ws.key + values[5:]
-    launcher = _planned(state or LaunchState(enabled=False), "combine", _shard_attn_combine,
-                        lambda: {"num_warps": 4, **combine_args}, _COMBINE_PER_CALL)
+    key = align_key(out, lse, sk) + ws.key + values[5:]
+    launcher = (state or LaunchState(enabled=False)).launcher(
+        "combine", _shard_attn_combine, lambda: {"num_warps": 4, **combine_args}, _COMBINE_PER_CALL)
     launcher(grid, values, key)
 
 
@@ -608,9 +592,9 @@ def launch_pad_rows(out: Tensor, lse: Optional[Tensor], row0: int, *, grid: tupl
     os_ = out.stride()
     ls = lse.stride() if has_lse else (0, 0)
     values = (out, lt, out.shape[1], os_[0], os_[1], ls[0], ls[1], has_lse)
-    key = _align_key(out, lt) + values[2:]
-    launcher = _planned(state or LaunchState(enabled=False), "pad", _pad_rows,
-                        lambda: {"row0": row0, "num_warps": 4, **pad_args}, _PAD_PER_CALL)
+    key = align_key(out, lt) + values[2:]
+    launcher = (state or LaunchState(enabled=False)).launcher(
+        "pad", _pad_rows, lambda: {"row0": row0, "num_warps": 4, **pad_args}, _PAD_PER_CALL)
     launcher(grid, values, key)
 
 
@@ -644,13 +628,13 @@ def merge_parts(parts: Tensor, part_lse: Tensor, out: Tensor, lse: Tensor, *, nu
         grid = (n, -(-h // block_h), -(-dv // block_dv))
         one_pass = c <= block_s
         warps = merge_warps((block_s, block_h, block_dv), parts.element_size())
-        launcher = _planned(_MERGE_LAUNCHES, ("merge", parts.device.index, dv, block_s, block_h, block_dv, one_pass,
-                                              parts.element_size()), _merge_parts,
-                            lambda: dict(HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv,
-                                         ONE_PASS=one_pass, num_warps=warps),
-                            _MERGE_PER_CALL)
+        launcher = _MERGE_LAUNCHES.launcher(
+            ("merge", parts.device.index, dv, block_s, block_h, block_dv, one_pass, parts.element_size()), _merge_parts,
+            lambda: dict(HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_DV=block_dv, ONE_PASS=one_pass,
+                         num_warps=warps),
+            _MERGE_PER_CALL)
         found = _MERGE_GEOMETRIES.put(geometry, (grid, launcher))
     grid, launcher = found
     ps, ls, os_, ms = parts.stride(), part_lse.stride(), out.stride(), lse.stride()
     values = (out, lse, parts, part_lse, c, h, ps[0], ps[1], ps[2], ls[0], ls[1], ls[2], os_[0], os_[1], ms[0], ms[1])
-    launcher(grid, values, _align_key(out, lse, parts, part_lse) + values[4:])
+    launcher(grid, values, align_key(out, lse, parts, part_lse) + values[4:])

@@ -18,13 +18,14 @@ index kernel's, ``triton_index.dot_settings``). Every count is read from device 
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from ._attn_steps import key_offsets
-from ._launch import COMPILE_OPTIONS
+from ._launch import LaunchState, align_key, int_key
 from ._tiles import index_key_strides
 
 #: True when the kernels were built for the CPU interpreter (TRITON_INTERPRET=1 at import).
@@ -90,26 +91,36 @@ def _shard_index_scores(
         tl.store(Scores + row * stride_om + cols, tl.where(valid, key, no_key), mask=in_chunk)
 
 
+#: Per-call arguments of the score kernel, in the order of a launch's ``values`` (the constexprs and
+#: launch options of the plan are fixed at its first call).
+_PER_CALL = ("Q", "K", "W", "KScale", "Scores", "PageTable", "row_seq", "row_visible", "row_start", "j0", "width",
+             "softmax_scale", "cp_size", "interleave", "rank", "stride_qm", "stride_qh", "stride_wm", "stride_wh",
+             "stride_kp", "stride_kn", "stride_sp", "stride_sn", "stride_pt", "stride_om", "PAGED", "HAS_KSCALE")
+
+
 def launch(q: Tensor, k: Tensor, w: Tensor, k_scale, scores: Tensor, page_table, row_seq: Tensor,
            row_visible: Tensor, row_start: Tensor, j0: int, softmax_scale: float, sharding: tuple[int, int, int], *,
-           plan_args: dict) -> None:
+           plan_args: dict, state: Optional[LaunchState] = None) -> None:
     """Packed keys of one key chunk ``[j0, j0 + width)`` into ``scores`` [N, width] int64
     (contiguous rows). ``row_seq`` / ``row_visible`` / ``row_start`` [N]: sequence, visible local
     keys and packed start of every row; ``sharding``: (C, I, rank) (local key -> global
     position). ``plan_args``: the constexprs and ``KEYS_PER_PROGRAM``, ``num_warps``,
-    ``num_stages``."""
+    ``num_stages``. ``state``: the plan's :class:`~cpattn.kernels._launch.LaunchState` (after the
+    first call of a kind, the compiled kernel is called directly; None: every call through the
+    JIT)."""
     n, width = scores.shape
     if n == 0 or width == 0:
         return
-    args = dict(plan_args)
-    kpp, warps, stages = args.pop("KEYS_PER_PROGRAM"), args.pop("num_warps"), args.pop("num_stages")
     paged = page_table is not None
     skp, skn, ssp, ssn, pt, stride_pt = index_key_strides(k, k_scale, page_table, row_seq)
-    grid = (n, triton.cdiv(width, kpp))
-    _shard_index_scores[grid](
-        q, k, w, k_scale if k_scale is not None else scores, scores, pt, row_seq, row_visible, row_start,
-        j0, width, float(softmax_scale), *sharding,
-        q.stride(0), q.stride(1), w.stride(0), w.stride(1), skp, skn, ssp, ssn, stride_pt, scores.stride(0),
-        KEYS_PER_PROGRAM=kpp, PAGED=paged, HAS_KSCALE=k_scale is not None, num_warps=warps, num_stages=stages, **args,
-        **COMPILE_OPTIONS,
-    )
+    ks = k_scale if k_scale is not None else scores  # never read without HAS_KSCALE
+    values = (q, k, w, ks, scores, pt, row_seq, row_visible, row_start, j0, width, float(softmax_scale), *sharding,
+              q.stride(0), q.stride(1), w.stride(0), w.stride(1), skp, skn, ssp, ssn, stride_pt, scores.stride(0),
+              paged, k_scale is not None)
+    # j0 steps through the chunks of a call: keyed on what the JIT specializes, not its value
+    key = align_key(q, k, w, ks, scores, pt, row_seq, row_visible, row_start) + int_key(j0) + values[10:11] \
+        + values[12:]
+    launcher = (state or LaunchState(enabled=False)).launcher("scores", _shard_index_scores, lambda: plan_args,
+                                                              _PER_CALL)
+    kpp = plan_args["KEYS_PER_PROGRAM"]
+    launcher((n, triton.cdiv(width, kpp)), values, key)
