@@ -621,3 +621,23 @@ def test_planned_launch_passes_the_compile_options_to_the_jit():
 
     PlannedLaunch(Kernel(), {"A": 1}, ("B",), enabled=False)((1,), (2,), key=("k",))
     assert seen == {"A": 1, "B": 2, "enable_fp_fusion": True}
+
+
+def test_launch_state_keeps_one_launcher_per_name_and_int_keys_follow_the_jit():
+    """``LaunchState.launcher`` builds a name's launch once (its fixed arguments made once);
+    ``int_key`` tells apart exactly what the JIT specializes an int on (1, multiples of 16, int32)."""
+    made = []
+
+    def fixed():
+        made.append(1)
+        return {"A": 1}
+
+    state = _launch.LaunchState(enabled=False)
+    first = state.launcher("k", object(), fixed, ("B",))
+    assert state.launcher("k", object(), fixed, ("B",)) is first and made == [1]
+    assert state.launcher("other", object(), fixed, ("B",)) is not first and made == [1, 1]
+    key = _launch.int_key
+    assert key(0) == key(16) == key(4096) and key(3) == key(17)
+    assert len({key(1), key(16), key(17), key(2**31), key(2**31 + 1)}) == 5 and key(2**31) == key(2**31 + 16)
+    t = torch.zeros(8)
+    assert _launch.align_key(t, t[1:]) == ((torch.float32, t.data_ptr() & 15), (torch.float32, (t.data_ptr() + 4) & 15))
