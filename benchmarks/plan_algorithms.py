@@ -25,21 +25,16 @@ the time, the same for any code version that runs the same kernel), not a smoke 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import pickle
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from .common import default_out, header, progress, write_json
+from .common import REPO_ROOT, default_out, header, progress, write_json
 
 #: The algorithms timed, in the order of the table.
 ALGORITHM_ORDER = ("local", "gather_kv", "pass_kv", "pass_q", "shard_merge")
@@ -242,41 +237,18 @@ def _worker_body(rank: int, c: int, opts: dict) -> dict:
     return result
 
 
-def _worker(rank: int, c: int, init_file: str, out_dir: str, opts: dict) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=c,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        result = ("ok", _worker_body(rank, c, opts))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        result = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-    try:
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown while gloo threads may still hold work
+def _rank_main(rank: int, world_size: int, device: torch.device, opts: dict) -> dict:
+    return _worker_body(rank, world_size, opts)
 
 
 def run_ranks(c: int, opts: dict) -> list[dict]:
-    """Run :func:`_worker_body` on ``c`` spawned gloo ranks; every rank's result (a rank's error
-    is raised here as RuntimeError with its traceback)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        ctx = mp.start_processes(_worker, args=(c, init_file, tmp, opts), nprocs=c, join=False,
-                                 start_method="spawn")
-        while not ctx.join(timeout=600):
-            pass
-        out = []
-        for r in range(c):
-            with open(os.path.join(tmp, f"{r}.pkl"), "rb") as f:
-                status, value = pickle.load(f)
-            if status != "ok":
-                raise RuntimeError(value)
-            out.append(value)
-        return out
+    """Run :func:`_worker_body` on ``c`` spawned gloo ranks (the examples' launcher); every rank's
+    result (a rank's error is raised here as RuntimeError with its traceback)."""
+    if os.path.join(REPO_ROOT, "examples") not in sys.path:
+        sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))
+    from _launch import launch
+
+    return launch(_rank_main, c, opts, use_cuda=False)
 
 
 def _quantile(xs: list[float], q: float) -> float:

@@ -145,7 +145,7 @@ class _ShardIndexRun:
                                   BLOCK_N=block_n, KEYS_PER_PROGRAM=kpp, num_warps=warps, num_stages=stages,
                                   PAGE_SIZE=spec.page_size or 1,
                                   **triton_index.dot_settings(spec.q_dtype, spec.k_dtype))
-            self._launch = kern.launch
+            self._bind = kern.bind
             self._state = LaunchState()  # the score kernel's pre-bound launch (one per plan)
             self.family = "triton"
         else:
@@ -215,9 +215,10 @@ class _ShardIndexRun:
         buf = torch.empty(out.shape[0], topk + self.width, dtype=torch.int64, device=dev)
         best, packed = buf[:, :topk], buf[:, topk:]
         best.fill_(NO_KEY)
+        score_chunk = self._bind(q, k, weights, k_scale, packed, page_table, seq, visible, start, softmax_scale,
+                                 (c, il, r), plan_args=self.plan_args, state=self._state)
         for j0 in range(0, num_keys, self.width):
-            self._launch(q, k, weights, k_scale, packed, page_table, seq, visible, start, j0, softmax_scale, (c, il, r),
-                         plan_args=self.plan_args, state=self._state)
+            score_chunk(j0)
             best.copy_(top_keys(buf, topk))
         out.copy_(best)
 

@@ -18,7 +18,7 @@ index kernel's, ``triton_index.dot_settings``). Every count is read from device 
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import triton
 import triton.language as tl
@@ -98,29 +98,34 @@ _PER_CALL = ("Q", "K", "W", "KScale", "Scores", "PageTable", "row_seq", "row_vis
              "stride_kp", "stride_kn", "stride_sp", "stride_sn", "stride_pt", "stride_om", "PAGED", "HAS_KSCALE")
 
 
-def launch(q: Tensor, k: Tensor, w: Tensor, k_scale, scores: Tensor, page_table, row_seq: Tensor,
-           row_visible: Tensor, row_start: Tensor, j0: int, softmax_scale: float, sharding: tuple[int, int, int], *,
-           plan_args: dict, state: Optional[LaunchState] = None) -> None:
-    """Packed keys of one key chunk ``[j0, j0 + width)`` into ``scores`` [N, width] int64
-    (contiguous rows). ``row_seq`` / ``row_visible`` / ``row_start`` [N]: sequence, visible local
-    keys and packed start of every row; ``sharding``: (C, I, rank) (local key -> global
+def bind(q: Tensor, k: Tensor, w: Tensor, k_scale, scores: Tensor, page_table, row_seq: Tensor,
+         row_visible: Tensor, row_start: Tensor, softmax_scale: float, sharding: tuple[int, int, int], *,
+         plan_args: dict, state: Optional[LaunchState] = None) -> Callable[[int], None]:
+    """One call's score launches: ``bind(...)(j0)`` writes the packed keys of the key chunk
+    ``[j0, j0 + width)`` into ``scores`` [N, width] int64 (contiguous rows). Everything but ``j0``
+    is bound once per call. ``row_seq`` / ``row_visible`` / ``row_start`` [N]: sequence, visible
+    local keys and packed start of every row; ``sharding``: (C, I, rank) (local key -> global
     position). ``plan_args``: the constexprs and ``KEYS_PER_PROGRAM``, ``num_warps``,
     ``num_stages``. ``state``: the plan's :class:`~cpattn.kernels._launch.LaunchState` (after the
     first call of a kind, the compiled kernel is called directly; None: every call through the
     JIT)."""
     n, width = scores.shape
     if n == 0 or width == 0:
-        return
+        return lambda j0: None
     paged = page_table is not None
     skp, skn, ssp, ssn, pt, stride_pt = index_key_strides(k, k_scale, page_table, row_seq)
     ks = k_scale if k_scale is not None else scores  # never read without HAS_KSCALE
-    values = (q, k, w, ks, scores, pt, row_seq, row_visible, row_start, j0, width, float(softmax_scale), *sharding,
-              q.stride(0), q.stride(1), w.stride(0), w.stride(1), skp, skn, ssp, ssn, stride_pt, scores.stride(0),
-              paged, k_scale is not None)
-    # j0 steps through the chunks of a call: keyed on what the JIT specializes, not its value
-    key = align_key(q, k, w, ks, scores, pt, row_seq, row_visible, row_start) + int_key(j0) + values[10:11] \
-        + values[12:]
+    head = (q, k, w, ks, scores, pt, row_seq, row_visible, row_start)
+    tail = (width, float(softmax_scale), *sharding, q.stride(0), q.stride(1), w.stride(0), w.stride(1), skp, skn, ssp,
+            ssn, stride_pt, scores.stride(0), paged, k_scale is not None)
+    # j0 steps through the chunks: keyed on what the JIT specializes, not its value (softmax_scale,
+    # a float, is not specialized)
+    key_head, key_tail = align_key(*head), (width,) + tail[2:]
     launcher = (state or LaunchState(enabled=False)).launcher("scores", _shard_index_scores, lambda: plan_args,
                                                               _PER_CALL)
-    kpp = plan_args["KEYS_PER_PROGRAM"]
-    launcher((n, triton.cdiv(width, kpp)), values, key)
+    grid = (n, triton.cdiv(width, plan_args["KEYS_PER_PROGRAM"]))
+
+    def score_chunk(j0: int) -> None:
+        launcher(grid, head + (j0,) + tail, key_head + int_key(j0) + key_tail)
+
+    return score_chunk
