@@ -7,8 +7,8 @@ work of rank ``--rank`` of C = ``--cp`` ranks holding 1/C of every sequence's ca
 
 * ``index``: this rank's index scores over its keys and its top-k candidates
   (``IndexTopkPlan.candidates``); TF/s on the score FLOPs ``2 H_i D_i (visible local keys)``;
-* ``select``: the exact global top-k from the C ranks' candidates (``select_candidates`` over a
-  [C, N, topk] buffer, what the all-gather delivers);
+* ``select``: the exact global top-k from the C ranks' candidates (``IndexTopkPlan.select`` over
+  a [C, N, topk] buffer, what the all-gather delivers);
 * ``attend``: sparse attention over the selected keys this rank owns (``plan.attend``; the
   selection: 2048 distinct positions per row spread over the context, ~1/C of them owned);
 * ``merge``: the exact merge of C partials (``merge_states`` over [C, N, 128, 512]).
@@ -24,7 +24,8 @@ skipped with a note. Timing: CUDA events around back-to-back calls (median of 3 
 select, attend, merge: ``graph_step_fn``, from ``StaticPlanner`` plans sized for the workload)
 in a CUDA graph and times its replays: ``c{C}_graph_ms`` per step without the host work of the
 eager calls, ``c{C}_graph_step_ms`` with both collectives' charges added, next to the eager
-``c{C}_step_ms``.
+``c{C}_step_ms``; the same for C = 1 (``c1_graph_ms``, no merge) and ``graph_ratio`` =
+``c{C}_graph_step_ms / c1_graph_ms`` (how an engine replays decode steps).
 
     python benchmarks/run.py dsa_decode                               # the GPU run (C = 8, 128k and 1M)
     python benchmarks/run.py dsa_decode --graph                       # plus CUDA-graph replays of a step
@@ -103,7 +104,7 @@ def graph_step_fn(c: int, rank: int, ctx: int, b: int, q_len: int, shp: dict, de
     ``StaticPlanner`` sized for this workload, with every input and output in a fixed buffer: the
     callable a CUDA graph captures (it allocates nothing the replay needs and reads no host
     result). The agreement's all-gather is stood in for by a copy of this rank's candidates into
-    the [C, N, topk] buffer ``select_candidates`` reads; attention runs over the fixed spread
+    the [C, N, topk] buffer ``IndexTopkPlan.select`` reads; attention runs over the fixed spread
     selection ``sel`` (as ``_step``'s attend), the merge over C copies of this rank's partial.
 
     Args:
@@ -119,7 +120,6 @@ def graph_step_fn(c: int, rank: int, ctx: int, b: int, q_len: int, shp: dict, de
     """
     import cpattn
     from cpattn.merge import merge_states
-    from cpattn.plans.sparse import select_candidates
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hi, di, topk = shp["index_heads"], shp["index_dim"], shp["topk"]
@@ -143,6 +143,7 @@ def graph_step_fn(c: int, rank: int, ctx: int, b: int, q_len: int, shp: dict, de
     bufs.update(iplan=iplan, aplan=aplan)
     cand = torch.empty(n, topk, dtype=torch.int64, device=device)
     gathered = torch.empty(c, n, topk, dtype=torch.int64, device=device)
+    agreed = torch.empty(n, topk, dtype=torch.int32, device=device)
     out = torch.empty(n, h, dv, dtype=dtype, device=device)
     lse = torch.empty(n, h, dtype=torch.float32, device=device)
     parts = torch.empty(c, n, h, dv, dtype=dtype, device=device)
@@ -151,9 +152,11 @@ def graph_step_fn(c: int, rank: int, ctx: int, b: int, q_len: int, shp: dict, de
     def step() -> tuple:
         iplan.candidates(bufs["q_idx"], bufs["k_idx"], bufs["w"], k_scale=bufs["k_scale"], out=cand)
         gathered.copy_(cand[None].expand(c, -1, -1))  # what the agreement's all-gather writes
-        agreed = select_candidates(gathered, topk)
+        iplan.select(gathered, out=agreed)
         aplan.attend(bufs["q"], bufs["latent"], bufs["latent"][..., :dv], bufs["sel"], softmax_scale=192**-0.5,
                      out=out, lse=lse)
+        if c == 1:  # one GPU holds every key: nothing to merge
+            return agreed, out, lse, out, lse
         parts.copy_(out[None].expand(c, -1, -1, -1))  # what the merge's all-gather writes
         lses.copy_(lse[None].expand(c, -1, -1))
         return (agreed, out, lse, *merge_states(parts, lses))
@@ -166,7 +169,6 @@ def _step(c: int, rank: int, ctx: int, b: int, q_len: int, shp: dict, device: to
     """Time one rank's decode step compute at C ranks (C = 1: the whole cache on one GPU)."""
     import cpattn
     from cpattn.merge import merge_states
-    from cpattn.plans.sparse import select_candidates
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hi, di, topk = shp["index_heads"], shp["index_dim"], shp["topk"]
@@ -183,7 +185,8 @@ def _step(c: int, rank: int, ctx: int, b: int, q_len: int, shp: dict, device: to
     cand = torch.empty(n, topk, dtype=torch.int64, device=device)
     t_index = timer(lambda: iplan.candidates(q_idx, k_idx, w, k_scale=k_scale, out=cand))
     gathered = cand[None].expand(c, n, topk).contiguous()
-    t_select = timer(lambda: select_candidates(gathered, topk))
+    agreed = torch.empty(n, topk, dtype=torch.int32, device=device)
+    t_select = timer(lambda: iplan.select(gathered, out=agreed))
     # the selection: topk distinct positions per row spread over its visible context
     sel = (torch.randperm(ctx - q_len + 1, generator=g, device=device)[:topk]).to(torch.int32)
     sel = sel[None].expand(n, -1).contiguous()
@@ -234,6 +237,11 @@ def _run_workload(ctx: int, b: int, q_len: int, args, shp: dict, device: torch.d
         row.update({f"c1_{k}": v for k, v in one.items()})
         row["c1_step_ms"] = sum(one[k] for k in ("index_ms", "select_ms", "attend_ms", "merge_ms"))
         row["ratio"] = row[f"c{c}_step_ms"] / row["c1_step_ms"]
+        if args.graph:
+            progress(f"{name}: C=1, CUDA graph of one static step")
+            fn, _ = graph_step_fn(1, 0, ctx, b, q_len, shp, device, args.index_backend, args.index_keys)
+            row["c1_graph_ms"] = time_cuda_graph(fn, warmup=args.warmup, iters=args.iters)
+            row["graph_ratio"] = row[f"c{c}_graph_step_ms"] / row["c1_graph_ms"]
     else:
         row["note"] = f"C=1 skipped: {b * ctx} cached tokens ({_cache_bytes(b * ctx, shp) / 2**30:.1f} GiB) do not fit"
         progress(f"{name}: {row['note']}")
@@ -270,17 +278,20 @@ def main(args: argparse.Namespace) -> int:
               f"{r['topk_ms_charged'] + r['merge_ms_charged']:8.3f} {r[f'c{c}_index_tflops']:9.1f} "
               f"{r[f'c{c}_index_gbps']:9.0f}")
     if args.graph:  # the same step from CUDA-graph replays, next to the eager sum
-        print(f"{'workload':26s} {'eager step':>11s} {'graph':>10s} {'graph step':>11s}  (steps: with comm charges)")
+        print(f"{'workload':26s} {'eager step':>11s} {'graph':>10s} {'graph step':>11s} {'C=1 graph':>10s} "
+              f"{'ratio':>7s}  (steps: with comm charges)")
         for r in rows:
+            one = f"{r['c1_graph_ms']:10.3f} {r['graph_ratio']:7.3f}" if "c1_graph_ms" in r else f"{'-':>10s} {'-':>7s}"
             print(f"{r['workload']:26s} {r[f'c{c}_step_ms']:11.3f} {r[f'c{c}_graph_ms']:10.3f} "
-                  f"{r[f'c{c}_graph_step_ms']:11.3f}")
+                  f"{r[f'c{c}_graph_step_ms']:11.3f} {one}")
     if not smoke:  # the targets: ratio at B >= 8, index TF/s over the shard
         for r in rows:
             verdicts = [f"index {r[f'c{c}_index_tflops']:.0f} TF/s (target >= {TARGETS['index_tflops']:.0f}): "
                         f"{'met' if r[f'c{c}_index_tflops'] >= TARGETS['index_tflops'] else 'missed'}"]
-            if r["batch"] >= 8 and "ratio" in r:
-                verdicts.append(f"ratio {r['ratio']:.3f} (target <= {TARGETS['ratio']}, ideal {1 / c:.3f}): "
-                                f"{'met' if r['ratio'] <= TARGETS['ratio'] else 'missed'}")
+            for key, what in (("ratio", "eager ratio"), ("graph_ratio", "graph ratio")):
+                if r["batch"] >= 8 and key in r:
+                    verdicts.append(f"{what} {r[key]:.3f} (target <= {TARGETS['ratio']}, ideal {1 / c:.3f}): "
+                                    f"{'met' if r[key] <= TARGETS['ratio'] else 'missed'}")
             print(f"{r['workload']:26s} " + "; ".join(verdicts))
     out = args.out or default_out("dsa_decode", smoke=smoke)
     payload = {**header("benchmarks/run.py dsa_decode", smoke=smoke), "shapes": shp, "index_keys": args.index_keys,

@@ -15,6 +15,7 @@ import cpattn
 from cpattn import dsa
 from cpattn.merge import merge_states
 from cpattn.plans.sparse import select_candidates
+from cpattn.selection import pack_keys
 from dist_utils import CountCollectives, run_distributed
 
 H_I, D_I = 2, 16
@@ -599,6 +600,93 @@ def test_triton_shard_scores_select_the_oracle_set(dsa_interp, batch, paged, see
     assert _sorted_sel(got) == topk_oracle(keys, q, w, lens, qs, topk, 0.25)
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 3), st.integers(0, 300), st.integers(1, 70), st.sampled_from(["normal", "ties", "huge"]),
+       st.floats(0.0, 0.5), st.booleans(), st.integers(0, 99))
+def test_top_columns_kernel_is_torch_topk_over_packed_keys(dsa_interp, n, width, topk, kind, no_key_frac, nan, seed):
+    """The Triton top-k of a score chunk (radix selection over the 32-bit score order, several
+    score blocks per row) selects exactly the set ``torch.topk`` selects over the packed (score,
+    global position) keys: ties at the threshold go to the lower position, "no key" entries
+    only where fewer scores than k exist, a NaN first, NO_KEY padding past a narrow chunk."""
+    from cpattn.kernels import triton_shard_index
+    from cpattn.selection import NO_KEY, pack_keys, top_keys
+
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "normal":
+        s = torch.randn(n, width, generator=gen)
+    elif kind == "ties":  # few distinct values: long runs of equal scores, -0.0 next to +0.0
+        s = torch.randint(-2, 3, (n, width), generator=gen).float() * 0.5
+        s[s == 0] = torch.where(torch.rand(int((s == 0).sum()), generator=gen) < 0.5, -0.0, 0.0)
+    else:  # +-inf and values near the float32 range
+        s = torch.tensor([float("-inf"), -3e38, 3e38, float("inf"), 1.0])[torch.randint(0, 5, (n, width), generator=gen)]
+    if nan and width:
+        s[0, int(torch.randint(0, width, (1,), generator=gen))] = float("nan")
+    valid = torch.rand(n, width, generator=gen) >= no_key_frac
+    c, il, r, j0 = 3, 2, 1, int(torch.randint(0, 50, (1,), generator=gen))
+    j = torch.arange(j0, j0 + width)
+    gpos = (j // il) * (c * il) + r * il + j % il
+    packed = pack_keys(s, gpos[None, :], valid)
+    ordered = torch.where(packed == NO_KEY, torch.full((), -(2**31)), packed >> 32).to(torch.int32)
+    out = torch.full((n, topk), 7, dtype=torch.int64)
+    triton_shard_index.top_columns(ordered, out, (c, il, r), select_args=dict(BLOCK=32, num_warps=4, num_stages=1))(j0)
+    assert torch.equal(out.sort(1).values, top_keys(packed, topk).sort(1).values)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 40), st.integers(1, 70), st.floats(0.0, 1.0),
+       st.integers(0, 3), st.integers(0, 99))
+def test_top_candidates_kernel_is_select_candidates(dsa_interp, c, n, m, topk, no_key_frac, levels, seed):
+    """The Triton agreement's top-k (radix selection over 64-bit packed keys, read in place from
+    the all-gather's [C, N, m] layout) returns the positions :func:`select_candidates` returns:
+    equal scores across ranks broken by the lower position, -1 padding where fewer than topk."""
+    from cpattn.kernels import triton_shard_index
+    from cpattn.selection import pack_keys
+
+    gen = torch.Generator().manual_seed(seed)
+    s = (torch.randint(0, levels + 1, (c, n, m), generator=gen).float() - 1.0) if levels else \
+        torch.randn(c, n, m, generator=gen)
+    pos = torch.randperm(c * n * m * 3, generator=gen)[: c * n * m].view(c, n, m)  # distinct positions per row
+    valid = torch.rand(c, n, m, generator=gen) >= no_key_frac
+    packed = pack_keys(s, pos, valid)
+    out = torch.full((n, topk), 7, dtype=torch.int32)
+    triton_shard_index.top_candidates(packed, out, select_args=dict(BLOCK=16, num_warps=4, num_stages=1))
+    want = select_candidates(packed, topk)
+    assert torch.equal(out.sort(1).values, want.sort(1).values)
+
+
+@pytest.mark.parametrize("backend", ["gemm", "triton"])
+def test_plan_select_is_select_candidates_and_checks_its_input(request, backend):
+    """``IndexTopkPlan.select`` (what ``run`` does after its all-gather) returns the set
+    :func:`select_candidates` returns, into ``out`` when given; a wrong shape / dtype / layout, a
+    wrong ``out`` or a "local" plan raise before anything is written."""
+    if backend == "triton":
+        request.getfixturevalue("dsa_interp")
+    c, topk = 3, 8
+    meta = cpattn.get_strategy("replicated", c).build_metadata([2, 1], [40, 17], rank=1, kv=cpattn.KVSharding(c))
+    plan = cpattn.plan_index_topk(meta, num_heads=H_I, head_dim=D_I, q_dtype=torch.float32, k_dtype=torch.float32,
+                                  topk=topk, backend=backend)
+    n = meta.num_physical_tokens
+    gen = torch.Generator().manual_seed(5)
+    scores = torch.randint(0, 3, (c, n, topk), generator=gen).float()
+    pos = torch.randperm(c * n * topk, generator=gen).view(c, n, topk)
+    cand = pack_keys(scores, pos, torch.rand(c, n, topk, generator=gen) > 0.3)
+    want = select_candidates(cand, topk).sort(1).values
+    assert torch.equal(plan.select(cand).sort(1).values, want)
+    out = torch.full((n, topk), 9, dtype=torch.int32)
+    assert plan.select(cand, out=out) is out and torch.equal(out.sort(1).values, want)
+    for bad in (cand[:2], cand.int(), cand.transpose(1, 2).contiguous().transpose(1, 2), cand[..., :4]):
+        with pytest.raises(ValueError, match="candidates must be int64"):
+            plan.select(bad)
+    before = out.clone()
+    with pytest.raises(ValueError, match="out must be"):
+        plan.select(cand, out=torch.zeros(n, topk, dtype=torch.int64))
+    assert torch.equal(out, before)
+    local = cpattn.plan_index_topk(cpattn.InterleaveStrategy(2).build_metadata([9], [3], rank=0), num_heads=H_I,
+                                   head_dim=D_I, q_dtype=torch.float32, k_dtype=torch.float32, topk=4, backend="torch")
+    with pytest.raises(ValueError, match="sharded cache"):
+        local.select(cand)
+
+
 @pytest.mark.parametrize("backend", ["gemm", "triton"])
 @pytest.mark.parametrize("paged", [False, True])
 def test_fp8_index_keys_with_scales(request, backend, paged):
@@ -638,7 +726,7 @@ def test_bench_dsa_decode_graph_step_eagerly():
     """``dsa_decode --graph``'s captured step, run eagerly on the CPU (all but the capture): from
     StaticPlanner plans it selects as the batch-sized plans do, its attention over this rank's
     keys equals an fp64 oracle, the merge of C equal partials keeps ``out`` and adds log C to
-    ``lse``; a second call gives the same result; ``--graph`` on the CPU is refused."""
+    ``lse`` (at C = 1 nothing is merged); a second call gives the same result; ``--graph`` on the CPU is refused."""
     import argparse
     import math
 
@@ -668,6 +756,11 @@ def test_bench_dsa_decode_graph_step_eagerly():
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(merged, out, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(merged_lse, lse + math.log(c), atol=1e-5, rtol=1e-5)
+    # C = 1 (the graph ratio's baseline): one rank holds every key, nothing is merged
+    step1, bufs1 = dsa_decode.graph_step_fn(1, 0, ctx, b, q_len, shp, torch.device("cpu"), "gemm")
+    agreed1, out1, lse1, merged1, merged_lse1 = step1()
+    assert merged1 is out1 and merged_lse1 is lse1
+    assert bufs1["k_idx"].shape[0] == b * ctx and bool((agreed1 >= 0).all())
     parser = argparse.ArgumentParser()
     dsa_decode.add_arguments(parser)
     with pytest.raises(SystemExit, match="--graph"):

@@ -11,19 +11,25 @@ layer the plan loops over fixed key chunks of ``width`` local keys (the count is
 time: from the longest local sequence, or from the capacity of a static plan, so a CUDA graph of
 the step replays for any batch within it) and scores each chunk:
 
-* ``triton`` (:mod:`.triton_shard_index`): one kernel writes the chunk's ``[N, width]`` packed
-  keys (scores and global positions, :mod:`cpattn.selection`), the indexer heads as the dot's M
-  dimension (decode rows are few), each key read once per row;
+* ``triton`` (:mod:`.triton_shard_index`): one kernel writes the chunk's ``[N, width]`` scores
+  (4 bytes each, in the order of :mod:`cpattn.selection`), the indexer heads as the dot's M
+  dimension (decode rows are few), each key read once per row; a second kernel selects each
+  row's top-k of the chunk by radix selection and writes them as packed (score, global position)
+  keys. Chunks after the first merge into the running top-k by one ``torch.topk`` over [N, 2
+  topk];
 * ``gemm``: gathers each row's chunk of keys (packed rows ``cu_local_kv_lens[seq] + j`` or
   through the page table) and scores them with two matmuls (bf16 / fp16 queries on CUDA: a
-  tensor-core ``bmm`` with float32 output; else float32, float64 for float64 inputs).
+  tensor-core ``bmm`` with float32 output; else float32, float64 for float64 inputs), packs
+  (score, global position) into int64 keys (:mod:`cpattn.selection`) and keeps a running
+  ``torch.topk`` of ``topk`` packed keys per row.
 
-``gemm`` then packs (score, global position) into int64 keys (:mod:`cpattn.selection`); both keep
-a running ``torch.topk`` of ``topk`` packed keys per row. Device-only: no host sync, no host-to-device copy.
+Both select the same set (the tie rule of :mod:`cpattn.selection`). Device-only: no host sync, no
+host-to-device copy.
 
 ``backend_options``: ``max_score_elems`` (score values per chunk, default 2**24 = 64 MiB of
 float32); triton: ``keys_per_program`` (default 1024, fewer for few rows), ``block_n`` (64),
-``num_warps`` (4), ``num_stages`` (2).
+``num_warps`` (4), ``num_stages`` (2) of the score kernel, ``select_block`` (scores per step of
+the top-k kernel, default 2048).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from ._dsa_rows import device_rows
 from ._launch import LaunchState
 from ..kv_sharding import local_key_counts
 from ..metadata import CPMetadata
-from ..selection import NO_KEY, pack_keys, top_keys
+from ..selection import NO_KEY, key_positions, pack_keys, top_keys
 
 __all__ = ["GemmShardIndexBackend", "TritonShardIndexBackend", "max_local_keys"]
 
@@ -103,7 +109,7 @@ class _ShardIndexRun:
     ``family``: "triton" (:mod:`.triton_shard_index` scores) or "gemm" (torch matmuls)."""
 
     def __init__(self, spec: IndexTopkSpec, meta: CPMetadata, options: Mapping, family: str) -> None:
-        known = {"max_score_elems"} | ({"keys_per_program", "block_n", "num_warps", "num_stages"}
+        known = {"max_score_elems"} | ({"keys_per_program", "block_n", "num_warps", "num_stages", "select_block"}
                                        if family == "triton" else set())
         unknown = set(options) - known
         if unknown:
@@ -116,7 +122,7 @@ class _ShardIndexRun:
         self.cp_size, self.interleave, self.rank = sh.cp_size, sh.interleave, meta.rank
         n = meta.num_physical_tokens
         self.num_keys = max_local_keys(meta)
-        # the block per chunk: [N, width] int64 packed keys (triton) or [N, H_i, width] float32 (gemm)
+        # the block per chunk: [N, width] int32 ordered scores (triton) or [N, H_i, width] float32 (gemm)
         per_key = max(1, n) * (1 if family == "triton" else max(spec.num_heads, spec.head_dim))
         self.width = max(16, min(budget // per_key, max(self.num_keys, 1)))
         self.half_gemm = False
@@ -135,7 +141,8 @@ class _ShardIndexRun:
             kpp = int(options.get("keys_per_program") or (64 if interp else min(1024, spread)))
             warps = int(options.get("num_warps") or 4)
             stages = int(options.get("num_stages") or 2)
-            for name, value in (("keys_per_program", kpp), ("block_n", block_n)):
+            select_block = int(options.get("select_block") or (64 if interp else 2048))
+            for name, value in (("keys_per_program", kpp), ("block_n", block_n), ("select_block", select_block)):
                 if value < 16 or value & (value - 1):
                     raise ValueError(f"backend_options {name} must be a power of two >= 16, got {value}")
             if kpp % block_n:
@@ -145,8 +152,10 @@ class _ShardIndexRun:
                                   BLOCK_N=block_n, KEYS_PER_PROGRAM=kpp, num_warps=warps, num_stages=stages,
                                   PAGE_SIZE=spec.page_size or 1,
                                   **triton_index.dot_settings(spec.q_dtype, spec.k_dtype))
-            self._bind = kern.bind
-            self._state = LaunchState()  # the score kernel's pre-bound launch (one per plan)
+            #: the top-columns kernel: one program per row, ``select_block`` scores per step
+            self.select_args = dict(BLOCK=select_block, num_warps=8 if select_block >= 1024 else 4, num_stages=2)
+            self._bind, self._top_columns, self._top_candidates = kern.bind, kern.top_columns, kern.top_candidates
+            self._state = LaunchState()  # the two kernels' pre-bound launches (one per plan)
             self.family = "triton"
         else:
             #: bf16 / fp16 index queries on CUDA: scores by a tensor-core bmm with float32 output
@@ -202,24 +211,50 @@ class _ShardIndexRun:
             best = top_keys(torch.cat([best, pack_keys(s, gpos[None, :], valid)], dim=1), out.shape[1])
         out.copy_(best)
 
+    def select(self, candidates: Tensor, out: Tensor) -> None:
+        """The exact global top-k of every rank's candidates: ``candidates`` int64 [C, N, topk]
+        packed keys -> ``out`` int32 [N, topk] global positions (-1 padding). triton: one
+        program per row (:func:`~.triton_shard_index.top_candidates`); gemm: one ``torch.topk``."""
+        if self.family == "triton":
+            self._top_candidates(candidates, out, select_args=self.select_args, state=self._state)
+            return
+        c, n, k = candidates.shape
+        flat = candidates.permute(1, 0, 2).reshape(n, c * k)
+        out.copy_(key_positions(top_keys(flat, out.shape[1])))
+
     def _triton(self, q_idx, k_idx, weights, k_scale, page_table, softmax_scale, seq, visible, start, num_keys,
                 out) -> None:
-        """The running top-k over key chunks scored by the Triton kernel, written to ``out``. One
-        [N, topk + width] buffer holds the running best (its first topk columns) and the chunk's
-        packed keys the kernel writes (the rest): each merge is one ``torch.topk`` over it."""
-        c, il, r = self.cp_size, self.interleave, self.rank
+        """Scores of each key chunk (int32 [N, width]), then each row's top-k of the chunk as
+        packed keys (:func:`~.triton_shard_index.top_columns`). One chunk (the common case) is
+        selected straight into ``out``; with more, the first chunk's keys go to the first
+        ``topk`` columns of an [N, 2 topk] buffer, every later chunk's to the rest, merged by one
+        ``torch.topk`` over the buffer."""
         dev = q_idx.device
         q = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
         k = k_idx if k_idx.stride(-1) == 1 else k_idx.contiguous()
         topk = out.shape[1]
-        buf = torch.empty(out.shape[0], topk + self.width, dtype=torch.int64, device=dev)
-        best, packed = buf[:, :topk], buf[:, topk:]
-        best.fill_(NO_KEY)
-        score_chunk = self._bind(q, k, weights, k_scale, packed, page_table, seq, visible, start, softmax_scale,
-                                 (c, il, r), plan_args=self.plan_args, state=self._state)
+        if num_keys == 0:
+            out.fill_(NO_KEY)
+            return
+        scores = torch.empty(out.shape[0], self.width, dtype=torch.int32, device=dev)
+        score_chunk = self._bind(q, k, weights, k_scale, scores, page_table, seq, visible, start, softmax_scale,
+                                 plan_args=self.plan_args, state=self._state)
+        sharding = (self.cp_size, self.interleave, self.rank)
+        if num_keys <= self.width:
+            score_chunk(0)
+            self._top_columns(scores, out, sharding, select_args=self.select_args, state=self._state)(0)
+            return
+        buf = torch.empty(out.shape[0], 2 * topk, dtype=torch.int64, device=dev)
+        best, chunk_best = buf[:, :topk], buf[:, topk:]
+        select_first = self._top_columns(scores, best, sharding, select_args=self.select_args, state=self._state)
+        select_next = self._top_columns(scores, chunk_best, sharding, select_args=self.select_args, state=self._state)
         for j0 in range(0, num_keys, self.width):
             score_chunk(j0)
-            best.copy_(top_keys(buf, topk))
+            if j0 == 0:
+                select_first(0)
+            else:
+                select_next(j0)
+                best.copy_(top_keys(buf, topk))
         out.copy_(best)
 
 

@@ -1,18 +1,32 @@
-"""Triton DSA index scores of decode rows over one rank's key shard, written as packed top-k keys.
+"""Triton DSA index scores of decode rows over one rank's key shard, and their exact top-k.
 
-For query row ``t`` (sequence ``b``) and this rank's local key ``j`` of ``b`` the kernel computes
-``sum_h w[t, h] * relu(scale * k_scale[j] * q[t, h] . k[j])`` (relu keeps NaN) and writes it,
-packed with the key's global position as :mod:`cpattn.selection` packs them (one int64:
-``(ordered(score) << 32) | (2^32 - 1 - position)``), into column ``j - j0`` of row ``t`` of an
-int64 block ``[N, width]`` (one key chunk); "no key" (int64 min) where ``j >= visible[t]`` (the
-causal rule by global position: a row sees a prefix of its sequence's local keys). A decode step
-has few rows (1..4 per sequence), so the indexer heads are the M dimension of the dot (``[H_i,
-D_i] x [D_i, BLOCK_N]``, H_i = 64 for DeepSeek-V3.2): one program per (row, ``KEYS_PER_PROGRAM``
-keys) keeps the row's queries in registers and reads each key of its range once. Keys are
-packed (``start[t] + j``) or paged (``page_table[b, j // page_size]``, slot ``j % page_size``);
-bf16 / fp16 (fp32 in the interpreter), fp8 e4m3 keys with a float32 scale (converted to the
-queries' dtype in registers, or an fp8 dot with fp8 queries; the dot settings are the prefill
-index kernel's, ``triton_index.dot_settings``). Every count is read from device memory: a CUDA graph replays.
+Two kernels per key chunk ``[j0, j0 + width)`` of this rank's local keys:
+
+* **scores** (:func:`bind`): for query row ``t`` (sequence ``b``) and local key ``j`` of ``b``
+  the kernel computes ``sum_h w[t, h] * relu(scale * k_scale[j] * q[t, h] . k[j])`` (relu keeps
+  NaN) and writes its float32 bits in a monotone int32 order (:mod:`cpattn.selection`'s
+  ``ordered``: -0.0 as +0.0, one NaN above +inf) into column ``j - j0`` of an int32 block ``[N,
+  width]``; int32 min ("no key") where ``j >= visible[t]`` (the causal rule by global position: a
+  row sees a prefix of its sequence's local keys). A decode step has few rows (1..4 per
+  sequence), so the indexer heads are the M dimension of the dot (``[H_i, D_i] x [D_i,
+  BLOCK_N]``, H_i = 64 for DeepSeek-V3.2): one program per (row, ``KEYS_PER_PROGRAM`` keys)
+  keeps the row's queries in registers and reads each key of its range once. Keys are packed
+  (``start[t] + j``) or paged (``page_table[b, j // page_size]``, slot ``j % page_size``); bf16 /
+  fp16 (fp32 in the interpreter), fp8 e4m3 keys with a float32 scale (converted to the queries'
+  dtype in registers, or an fp8 dot with fp8 queries; the dot settings are the prefill index
+  kernel's, ``triton_index.dot_settings``).
+* **top columns** (:func:`top_columns`): one program per row finds the row's ``k`` largest
+  (score, lower column first) entries by radix selection over the 32-bit order (8-bit digits
+  from the top: one histogram pass per digit, ending early once the threshold digit's count is
+  exactly what is still needed), then writes them in one pass as packed keys
+  ``(ordered << 32) | (2^32 - 1 - position)`` with the column's global position (a shard's
+  positions rise with its columns, so "lower column" is the tie rule "lower position"), and
+  :data:`~cpattn.selection.NO_KEY` for "no key" entries and for the columns ``[width, k)`` of a
+  narrower chunk. The set is exactly what ``torch.topk`` over the packed keys selects; each
+  score is read 2-5 times as 4 bytes where a ``torch.topk`` over packed keys reads 8-byte keys
+  once per 8-bit radix pass.
+
+Every count is read from device memory: a CUDA graph replays.
 """
 
 from __future__ import annotations
@@ -39,7 +53,7 @@ def block_sizes(num_heads: int, head_dim: int) -> tuple[int, int]:
 @triton.jit
 def _shard_index_scores(
     Q, K, W, KScale, Scores, PageTable, row_seq, row_visible, row_start,
-    j0, width, softmax_scale, cp_size, interleave, rank,
+    j0, width, softmax_scale,
     stride_qm, stride_qh, stride_wm, stride_wh, stride_kp, stride_kn, stride_sp, stride_sn, stride_pt, stride_om,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, KEYS_PER_PROGRAM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -80,32 +94,109 @@ def _shard_index_scores(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * col_scale[None, :]  # [BLOCK_H, BLOCK_N]
         s = tl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu keeps NaN
         score = tl.sum(s * w[:, None], axis=0)
-        # the packed (score, global position) key of cpattn.selection: -0.0 as +0.0, one NaN
+        # cpattn.selection's score order: -0.0 as +0.0, one NaN
         score = tl.where(score == 0.0, 0.0, score)
         score = tl.where(score != score, float("nan"), score)
         bits = score.to(tl.int32, bitcast=True)
-        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
-        gpos = (j // interleave) * (cp_size * interleave) + rank * interleave + j % interleave
-        key = (ordered << 32) | (4294967295 - gpos.to(tl.int64))
-        no_key = tl.full([BLOCK_N], -9223372036854775807 - 1, dtype=tl.int64)
-        tl.store(Scores + row * stride_om + cols, tl.where(valid, key, no_key), mask=in_chunk)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        no_key = tl.full([BLOCK_N], -2147483648, dtype=tl.int32)
+        tl.store(Scores + row * stride_om + cols, tl.where(valid, ordered, no_key), mask=in_chunk)
+
+
+@triton.jit
+def _row_top_k(
+    Src, Out, j0, seg, count, k, cp_size, interleave, rank, stride_row, stride_seg, stride_om,
+    KEY_BITS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Row ``program_id(0)``'s ``k`` largest of its ``count`` entries (ties: the lower entry
+    index), radix-selected 8 bits at a time from the top. Entry ``e`` of a row sits at ``Src +
+    row * stride_row + (e // seg) * stride_seg + e % seg``.
+
+    ``KEY_BITS`` 32: int32 ordered scores (int32 min = no key) of local keys ``j0 + e``; writes
+    packed int64 keys ``(score << 32) | (2^32 - 1 - global position)`` (NO_KEY for "no key" and
+    for ``[count, k)``). ``KEY_BITS`` 64: int64 packed keys (unique but for NO_KEY); writes their
+    int32 global positions (-1 for NO_KEY and for ``[count, k)``)."""
+    row = tl.program_id(0).to(tl.int64)
+    src = Src + row * stride_row
+    dst = Out + row * stride_om
+    offs = tl.arange(0, BLOCK)
+    bins = tl.arange(0, 256)
+    need = tl.minimum(k, count)  # entries still to choose at the threshold prefix
+    prefix = tl.zeros([], dtype=tl.int64)  # (key >> shift) of the k-th largest, for the digits fixed so far
+    final = tl.full([], KEY_BITS, dtype=tl.int32)  # the shift of the last digit fixed
+    stop = count + 0  # 0 once the threshold digit holds exactly ``need`` entries: later passes are empty
+    for rnd in tl.static_range(KEY_BITS // 8):
+        shift: tl.constexpr = KEY_BITS - 8 - 8 * rnd
+        hist = tl.zeros([256], dtype=tl.int32)
+        for b in range(0, stop, BLOCK):
+            e = b + offs
+            ok = e < count
+            x = tl.load(src + (e // seg) * stride_seg + e % seg, mask=ok, other=0).to(tl.int64)
+            if rnd == 0:  # the top digit: signed, offset to [0, 256)
+                match = ok
+                digit = ((x >> shift) + 128).to(tl.int32)
+            else:
+                match = ok & ((x >> (shift + 8)) == prefix)
+                digit = ((x >> shift) & 255).to(tl.int32)
+            # entries outside the prefix count in bin 0, then are taken out of it
+            outside = tl.sum((~match).to(tl.int32), axis=0)
+            hist += tl.histogram(tl.where(match, digit, 0), 256) - tl.where(bins == 0, outside, 0)
+        if stop > 0:
+            # the largest digit t with (entries of digit >= t) >= need: entries above t are all in
+            at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+            t = tl.max(tl.where(at_least >= need, bins, -1), axis=0)
+            need -= tl.sum(tl.where(bins > t, hist, 0), axis=0)
+            if rnd == 0:
+                prefix = (t - 128).to(tl.int64)
+            else:
+                prefix = prefix * 256 + t
+            final = final * 0 + shift
+            if tl.sum(tl.where(bins == t, hist, 0), axis=0) == need:
+                stop = stop * 0
+    # one pass: every entry above the prefix, and the first ``need`` (lowest index) at it
+    ties = tl.zeros([], dtype=tl.int32)
+    written = tl.zeros([], dtype=tl.int32)
+    for b in range(0, count, BLOCK):
+        e = b + offs
+        ok = e < count
+        x = tl.load(src + (e // seg) * stride_seg + e % seg, mask=ok, other=0).to(tl.int64)
+        top = x >> final
+        tie = ok & (top == prefix)
+        tie_rank = ties + tl.cumsum(tie.to(tl.int32), axis=0) - 1
+        take = (ok & (top > prefix)) | (tie & (tie_rank < need))
+        at = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        if KEY_BITS == 32:
+            j = j0 + e.to(tl.int64)
+            gpos = (j // interleave) * (cp_size * interleave) + rank * interleave + j % interleave
+            value = tl.where(x == -2147483648, -9223372036854775807 - 1, (x << 32) | (4294967295 - gpos))
+        else:
+            value = tl.where(x == -9223372036854775807 - 1, -1, 4294967295 - (x & 4294967295)).to(tl.int32)
+        tl.store(dst + at, value, mask=take & (at < k))  # at < k holds; the mask keeps it in bounds regardless
+        ties += tl.sum(tie.to(tl.int32), axis=0)
+        written += tl.sum(take.to(tl.int32), axis=0)
+    for b in range(0, k, BLOCK):  # fewer entries than k: the rest is "no key"
+        e = b + offs
+        pad = (e >= written) & (e < k)
+        if KEY_BITS == 32:
+            tl.store(dst + e, tl.full([BLOCK], -9223372036854775807 - 1, dtype=tl.int64), mask=pad)
+        else:
+            tl.store(dst + e, tl.full([BLOCK], -1, dtype=tl.int32), mask=pad)
 
 
 #: Per-call arguments of the score kernel, in the order of a launch's ``values`` (the constexprs and
 #: launch options of the plan are fixed at its first call).
 _PER_CALL = ("Q", "K", "W", "KScale", "Scores", "PageTable", "row_seq", "row_visible", "row_start", "j0", "width",
-             "softmax_scale", "cp_size", "interleave", "rank", "stride_qm", "stride_qh", "stride_wm", "stride_wh",
+             "softmax_scale", "stride_qm", "stride_qh", "stride_wm", "stride_wh",
              "stride_kp", "stride_kn", "stride_sp", "stride_sn", "stride_pt", "stride_om", "PAGED", "HAS_KSCALE")
 
 
 def bind(q: Tensor, k: Tensor, w: Tensor, k_scale, scores: Tensor, page_table, row_seq: Tensor,
-         row_visible: Tensor, row_start: Tensor, softmax_scale: float, sharding: tuple[int, int, int], *,
+         row_visible: Tensor, row_start: Tensor, softmax_scale: float, *,
          plan_args: dict, state: Optional[LaunchState] = None) -> Callable[[int], None]:
-    """One call's score launches: ``bind(...)(j0)`` writes the packed keys of the key chunk
-    ``[j0, j0 + width)`` into ``scores`` [N, width] int64 (contiguous rows). Everything but ``j0``
-    is bound once per call. ``row_seq`` / ``row_visible`` / ``row_start`` [N]: sequence, visible
-    local keys and packed start of every row; ``sharding``: (C, I, rank) (local key -> global
-    position). ``plan_args``: the constexprs and ``KEYS_PER_PROGRAM``, ``num_warps``,
+    """One call's score launches: ``bind(...)(j0)`` writes the ordered int32 scores of the key
+    chunk ``[j0, j0 + width)`` into ``scores`` [N, width] int32 (contiguous rows). Everything but
+    ``j0`` is bound once per call. ``row_seq`` / ``row_visible`` / ``row_start`` [N]: sequence,
+    visible local keys and packed start of every row. ``plan_args``: the constexprs and ``KEYS_PER_PROGRAM``, ``num_warps``,
     ``num_stages``. ``state``: the plan's :class:`~cpattn.kernels._launch.LaunchState` (after the
     first call of a kind, the compiled kernel is called directly; None: every call through the
     JIT)."""
@@ -116,7 +207,7 @@ def bind(q: Tensor, k: Tensor, w: Tensor, k_scale, scores: Tensor, page_table, r
     skp, skn, ssp, ssn, pt, stride_pt = index_key_strides(k, k_scale, page_table, row_seq)
     ks = k_scale if k_scale is not None else scores  # never read without HAS_KSCALE
     head = (q, k, w, ks, scores, pt, row_seq, row_visible, row_start)
-    tail = (width, float(softmax_scale), *sharding, q.stride(0), q.stride(1), w.stride(0), w.stride(1), skp, skn, ssp,
+    tail = (width, float(softmax_scale), q.stride(0), q.stride(1), w.stride(0), w.stride(1), skp, skn, ssp,
             ssn, stride_pt, scores.stride(0), paged, k_scale is not None)
     # j0 steps through the chunks: keyed on what the JIT specializes, not its value (softmax_scale,
     # a float, is not specialized)
@@ -129,3 +220,49 @@ def bind(q: Tensor, k: Tensor, w: Tensor, k_scale, scores: Tensor, page_table, r
         launcher(grid, head + (j0,) + tail, key_head + int_key(j0) + key_tail)
 
     return score_chunk
+
+
+#: Per-call arguments of the row top-k kernel (its ``KEY_BITS``, ``BLOCK`` and launch options are fixed).
+_SELECT_PER_CALL = ("Src", "Out", "j0", "seg", "count", "k", "cp_size", "interleave", "rank", "stride_row",
+                    "stride_seg", "stride_om")
+
+
+def top_columns(scores: Tensor, out: Tensor, sharding: tuple[int, int, int], *, select_args: dict,
+                state: Optional[LaunchState] = None) -> Callable[[int], None]:
+    """One call's selections: ``top_columns(...)(j0)`` writes, for every row of ``scores`` [N,
+    width] int32 (the chunk ``[j0, j0 + width)`` the score launch of :func:`bind` wrote), its
+    ``k = out.shape[1]`` best entries as packed keys into ``out`` [N, k] int64 (unordered;
+    :data:`~cpattn.selection.NO_KEY` padding). ``sharding``: (C, I, rank) (local key -> global
+    position). ``select_args``: ``BLOCK``, ``num_warps``, ``num_stages``. ``state``: as
+    :func:`bind`'s."""
+    n, width = scores.shape
+    k = out.shape[1]
+    if n == 0 or k == 0:
+        return lambda j0: None
+    head = (scores, out)
+    tail = (max(width, 1), width, k, *sharding, scores.stride(0), 0, out.stride(0))
+    key_head = align_key(*head)
+    launcher = (state or LaunchState(enabled=False)).launcher(
+        "top_columns", _row_top_k, lambda: dict(select_args, KEY_BITS=32), _SELECT_PER_CALL)
+
+    def select_chunk(j0: int) -> None:
+        launcher((n,), head + (j0,) + tail, key_head + int_key(j0) + tail)
+
+    return select_chunk
+
+
+def top_candidates(candidates: Tensor, out: Tensor, *, select_args: dict,
+                   state: Optional[LaunchState] = None) -> None:
+    """The exact top-k of every rank's candidates: ``candidates`` int64 [C, N, m] packed keys (as
+    the all-gather delivers them; each [N, m] block with unit column stride) -> ``out`` int32 [N,
+    k] global positions (unordered; -1 where fewer than ``k`` keys exist).
+    ``select_args``, ``state``: as :func:`top_columns`'s."""
+    c, n, m = candidates.shape
+    k = out.shape[1]
+    if n == 0 or k == 0:
+        return
+    head = (candidates, out)
+    tail = (max(m, 1), c * m, k, 1, 1, 0, candidates.stride(1), candidates.stride(0), out.stride(0))
+    launcher = (state or LaunchState(enabled=False)).launcher(
+        "top_candidates", _row_top_k, lambda: dict(select_args, KEY_BITS=64), _SELECT_PER_CALL)
+    launcher((n,), head + (0,) + tail, align_key(*head) + int_key(0) + tail)

@@ -301,7 +301,34 @@ class IndexTopkPlan(AttentionPlan):
             all_gather_into(gathered, cand, group, False)  # the one collective
         else:
             gathered = cand
-        out.copy_(select_candidates(gathered.view(c, *cand.shape), self.spec.topk))
+        self._impl.select(gathered.view(c, *cand.shape), out)
+        return out
+
+    def select(self, candidates: Tensor, *, out: Optional[Tensor] = None) -> Tensor:
+        """"shard_merge" only: the exact global top-k of every rank's candidates on this plan's
+        backend (what :meth:`run` does after its all-gather; device-only, graph-safe).
+
+        Args:
+            candidates: int64 [C, N, topk] packed keys, rank r's :meth:`candidates` at ``[r]``
+                (the all-gather's layout).
+            out: an int32 [N, topk] buffer to write (None: a new one).
+
+        Returns:
+            int32 [N, topk] global positions (unordered; ties: the lower position; -1 where the
+            ranks hold fewer than ``topk`` visible keys in all): the set
+            :func:`select_candidates` selects.
+        """
+        if not self._sharded:
+            raise ValueError(f"select() is for a plan over a sharded cache (algorithm 'shard_merge'); "
+                             f"this plan's algorithm is {self.algorithm!r}: call run()")
+        check_tensor(candidates, "candidates")
+        want = (self.meta.cp_size, *self._out_shape)
+        if candidates.dtype != torch.int64 or tuple(candidates.shape) != want or candidates.stride(-1) != 1:
+            raise ValueError(f"candidates must be int64 [C, N, topk] = {list(want)} with unit column stride, got "
+                             f"{candidates.dtype} {list(candidates.shape)}")
+        _check_device(candidates, "candidates", self._device)
+        out = self._check_out(out, self._out_shape, torch.int32, "int32 [N, topk] =")
+        self._impl.select(candidates, out)
         return out
 
 
