@@ -125,7 +125,8 @@ def graph_step_fn(c: int, rank: int, ctx: int, b: int, q_len: int, shp: dict, de
     hi, di, topk = shp["index_heads"], shp["index_dim"], shp["topk"]
     h, d, dv = shp["heads"], shp["latent"] + shp["rope"], shp["latent"]
     planner = cpattn.StaticPlanner(cpattn.get_strategy("replicated", c), max_tokens=b * q_len, max_seqs=b,
-                                   max_kv_tokens=b * ctx, max_q_len=q_len, kv=cpattn.KVSharding(c), device=device)
+                                   max_kv_tokens=b * ctx, max_q_len=q_len, max_seq_len=ctx, kv=cpattn.KVSharding(c),
+                                   device=device)
     meta = planner.plan([q_len] * b, [ctx - q_len] * b, rank=rank, index_topk=topk)
     n, local = meta.num_physical_tokens, meta.num_local_kv_tokens
     g = torch.Generator(device=device).manual_seed(0)

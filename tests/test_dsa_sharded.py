@@ -590,24 +590,27 @@ def test_gloo_ranks_agreeing_different_topk_all_raise_at_planning():
 @settings(max_examples=6, deadline=None)
 @given(decode_batches(max_len=300), st.booleans(), st.integers(0, 99))
 def test_triton_shard_scores_select_the_oracle_set(dsa_interp, batch, paged, seed):
-    """The Triton score kernel over each rank's shard (packed / paged), then the same agreement:
-    the oracle's top-k exactly (integer-valued inputs: exact scores)."""
+    """The Triton score kernel over each rank's shard (packed / paged; chunks of 64 keys, top-k
+    parts of 16), then the same agreement: the oracle's top-k exactly (integer-valued inputs:
+    exact scores)."""
     c, il, lens, qs, topk = batch
     gen = torch.Generator().manual_seed(seed)
     keys, q, w = _int_inputs(lens, qs, gen)
     got = _simulate_topk(c, il, lens, qs, topk, keys, q, w, 0.25, paged, gen, backend="triton",
-                         backend_options={"max_score_elems": 64 * sum(qs)})
+                         backend_options={"max_score_elems": 64 * sum(qs), "select_part": 16})
     assert _sorted_sel(got) == topk_oracle(keys, q, w, lens, qs, topk, 0.25)
 
 
 @settings(max_examples=25, deadline=None)
 @given(st.integers(1, 3), st.integers(0, 300), st.integers(1, 70), st.sampled_from(["normal", "ties", "huge"]),
-       st.floats(0.0, 0.5), st.booleans(), st.integers(0, 99))
-def test_top_columns_kernel_is_torch_topk_over_packed_keys(dsa_interp, n, width, topk, kind, no_key_frac, nan, seed):
+       st.floats(0.0, 0.5), st.booleans(), st.integers(1, 3), st.integers(0, 99))
+def test_top_columns_kernel_is_torch_topk_over_packed_keys(dsa_interp, n, width, topk, kind, no_key_frac, nan, parts,
+                                                           seed):
     """The Triton top-k of a score chunk (radix selection over the 32-bit score order, several
-    score blocks per row) selects exactly the set ``torch.topk`` selects over the packed (score,
-    global position) keys: ties at the threshold go to the lower position, "no key" entries
-    only where fewer scores than k exist, a NaN first, NO_KEY padding past a narrow chunk."""
+    score blocks per row, one program per (row, part)) selects, in each part of ceil(width /
+    parts) columns, exactly the set ``torch.topk`` selects over the part's packed (score, global
+    position) keys: ties at the threshold go to the lower position, "no key" entries only where
+    fewer scores than k exist, a NaN first, NO_KEY padding past a narrow part."""
     from cpattn.kernels import triton_shard_index
     from cpattn.selection import NO_KEY, pack_keys, top_keys
 
@@ -627,9 +630,12 @@ def test_top_columns_kernel_is_torch_topk_over_packed_keys(dsa_interp, n, width,
     gpos = (j // il) * (c * il) + r * il + j % il
     packed = pack_keys(s, gpos[None, :], valid)
     ordered = torch.where(packed == NO_KEY, torch.full((), -(2**31)), packed >> 32).to(torch.int32)
-    out = torch.full((n, topk), 7, dtype=torch.int64)
+    out = torch.full((n, parts, topk), 7, dtype=torch.int64)
     triton_shard_index.top_columns(ordered, out, (c, il, r), select_args=dict(BLOCK=32, num_warps=4, num_stages=1))(j0)
-    assert torch.equal(out.sort(1).values, top_keys(packed, topk).sort(1).values)
+    part_len = -(-width // parts)
+    for p in range(parts):
+        want = top_keys(packed[:, p * part_len:(p + 1) * part_len], topk)
+        assert torch.equal(out[:, p].sort(1).values, want.sort(1).values), p
 
 
 @settings(max_examples=25, deadline=None)
@@ -638,8 +644,10 @@ def test_top_columns_kernel_is_torch_topk_over_packed_keys(dsa_interp, n, width,
 def test_top_candidates_kernel_is_select_candidates(dsa_interp, c, n, m, topk, no_key_frac, levels, seed):
     """The Triton agreement's top-k (radix selection over 64-bit packed keys, read in place from
     the all-gather's [C, N, m] layout) returns the positions :func:`select_candidates` returns:
-    equal scores across ranks broken by the lower position, -1 padding where fewer than topk."""
+    equal scores across ranks broken by the lower position, -1 padding where fewer than topk;
+    into an int64 ``out``, the packed keys ``torch.topk`` selects (NO_KEY padding)."""
     from cpattn.kernels import triton_shard_index
+    from cpattn.selection import top_keys
     from cpattn.selection import pack_keys
 
     gen = torch.Generator().manual_seed(seed)
@@ -652,6 +660,10 @@ def test_top_candidates_kernel_is_select_candidates(dsa_interp, c, n, m, topk, n
     triton_shard_index.top_candidates(packed, out, select_args=dict(BLOCK=16, num_warps=4, num_stages=1))
     want = select_candidates(packed, topk)
     assert torch.equal(out.sort(1).values, want.sort(1).values)
+    keys = torch.full((n, topk), 7, dtype=torch.int64)  # an int64 out: the packed keys themselves
+    triton_shard_index.top_candidates(packed, keys, select_args=dict(BLOCK=16, num_warps=4, num_stages=1))
+    flat = packed.permute(1, 0, 2).reshape(n, c * m)
+    assert torch.equal(keys.sort(1).values, top_keys(flat, topk).sort(1).values)
 
 
 @pytest.mark.parametrize("backend", ["gemm", "triton"])
@@ -674,6 +686,18 @@ def test_plan_select_is_select_candidates_and_checks_its_input(request, backend)
     assert torch.equal(plan.select(cand).sort(1).values, want)
     out = torch.full((n, topk), 9, dtype=torch.int32)
     assert plan.select(cand, out=out) is out and torch.equal(out.sort(1).values, want)
+    strided = torch.full((topk, n), 9, dtype=torch.int32).T  # an out of any strides
+    assert plan.select(cand, out=strided) is strided and torch.equal(strided.sort(1).values, want)
+    # this rank's candidates into an out of any strides: the same keys as into a contiguous one
+    gen_q = torch.Generator().manual_seed(6)
+    keys, q, w = _int_inputs([42, 18], [2, 1], gen_q)
+    k_loc = torch.cat([k[1::c] for k in keys])
+    q_pad, w_pad = torch.zeros(n, H_I, D_I), torch.zeros(n, H_I)
+    q_pad[:3], w_pad[:3] = q, w
+    mine = plan.candidates(q_pad, k_loc, w_pad, softmax_scale=0.25)
+    strided64 = torch.zeros(topk, n, dtype=torch.int64).T
+    assert plan.candidates(q_pad, k_loc, w_pad, softmax_scale=0.25, out=strided64) is strided64
+    assert torch.equal(strided64.sort(1).values, mine.sort(1).values)
     for bad in (cand[:2], cand.int(), cand.transpose(1, 2).contiguous().transpose(1, 2), cand[..., :4]):
         with pytest.raises(ValueError, match="candidates must be int64"):
             plan.select(bad)
@@ -765,6 +789,37 @@ def test_bench_dsa_decode_graph_step_eagerly():
     dsa_decode.add_arguments(parser)
     with pytest.raises(SystemExit, match="--graph"):
         dsa_decode.main(parser.parse_args(["--small", "--device", "cpu", "--graph"]))
+
+
+def test_static_planner_max_seq_len_bounds_the_index_keys_per_row():
+    """``StaticPlanner(max_seq_len=L)``: the sharded index plan scores ``L / C`` local keys per
+    row instead of ``max_kv_tokens / C`` (fewer chunks for the same capacity), still selects
+    the oracle's top-k, and a batch with a longer sequence raises a ValueError naming
+    max_seq_len before anything is planned; a max_seq_len above max_kv_tokens is refused."""
+    c, topk, lens, qs = 2, 8, [300, 7], [1, 3]
+    kw = dict(max_tokens=8, max_seqs=3, max_kv_tokens=900, max_q_len=4, kv=cpattn.KVSharding(c), device="cpu")
+    plans = {}
+    for seq_len in (None, 320):
+        planner = cpattn.StaticPlanner(cpattn.get_strategy("replicated", c), max_seq_len=seq_len, **kw)
+        meta = planner.plan(qs, [n - q for n, q in zip(lens, qs)], rank=0)
+        plans[seq_len] = cpattn.plan_index_topk(meta, num_heads=H_I, head_dim=D_I, q_dtype=torch.float32,
+                                                k_dtype=torch.float32, topk=topk, backend="gemm")
+        if seq_len:
+            with pytest.raises(ValueError, match=r"max_seq_len\) 321 > 320"):
+                planner.plan([1], [320], rank=0)
+    assert plans[None].launch.num_keys == 450 and plans[320].launch.num_keys == 160
+    gen = torch.Generator().manual_seed(3)
+    keys, q, w = _int_inputs(lens, qs, gen)
+    k_loc = torch.cat([k[0::c] for k in keys])  # rank 0's packed shard
+    rows = sum(qs)
+    q_pad = torch.zeros(plans[320].meta.num_physical_tokens, H_I, D_I)
+    w_pad = torch.zeros(plans[320].meta.num_physical_tokens, H_I)
+    q_pad[:rows], w_pad[:rows] = q, w
+    a = plans[None].candidates(q_pad, k_loc, w_pad, softmax_scale=0.25)
+    b = plans[320].candidates(q_pad, k_loc, w_pad, softmax_scale=0.25)
+    assert torch.equal(a.sort(1).values, b.sort(1).values)
+    with pytest.raises(ValueError, match="max_seq_len must be <= max_kv_tokens"):
+        cpattn.StaticPlanner(cpattn.get_strategy("replicated", c), max_seq_len=901, **kw)
 
 
 def test_static_index_plan_reads_the_current_batch():

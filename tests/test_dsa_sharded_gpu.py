@@ -2,7 +2,7 @@
 CUDA): 128 heads, latent 512 + rope 64 (D 576 / Dv 512), indexer 64 heads x 128, top-k 2048.
 C ranks are simulated on one GPU by slicing the shards. The agreed selection equals an fp64
 oracle's top-k (ties: the lower position) exactly, with the Triton shard scores and the gemm
-ones, and selects the same scores as the single-GPU prefill index top-k (Triton); the merged sparse attention over the shards equals the
+ones (and ``IndexTopkPlan.select`` the same set as ``select_candidates``), and selects the same scores as the single-GPU prefill index top-k (Triton); the merged sparse attention over the shards equals the
 single-GPU sparse attention (Triton) and an fp64 oracle; a CUDA graph of one rank's step
 (candidates + sparse attention) replays for another batch of its static planner."""
 
@@ -105,7 +105,10 @@ def _agreed(keys, q, w, c, il, paged, gen, lens=LENS, qs=QS, backend="auto"):
             cands.append(plan.candidates(q, k_loc, w, page_table=table, softmax_scale=SCALE_I))
         else:
             cands.append(plan.candidates(q, _packed_shard(keys, c, il, r), w, softmax_scale=SCALE_I))
-    return select_candidates(torch.stack(cands), TOPK)
+    agreed = select_candidates(torch.stack(cands), TOPK)
+    # the plan's own agreement (what run() does after its all-gather): the same set
+    assert torch.equal(plan.select(torch.stack(cands)).sort(1).values, agreed.sort(1).values)
+    return agreed
 
 
 @pytest.mark.parametrize("backend", ["triton", "gemm"])

@@ -102,7 +102,8 @@ def group_device(group) -> torch.device:
 #: Fingerprint entries: names used in the error message (the last one is the claimed rank).
 _FINGERPRINT_FIELDS = (
     "strategy", "cp_size", "pad_multiple", "num_seqs", "num_tokens", "num_kv_tokens", "lengths",
-    "lengths", "capacity", "capacity", "capacity", "capacity", "capacity", "capacity", "index_topk", "rank",
+    "lengths", "capacity", "capacity", "capacity", "capacity", "capacity", "capacity", "capacity", "index_topk",
+    "rank",
 )
 
 

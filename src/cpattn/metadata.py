@@ -58,6 +58,7 @@ class Capacity:
     page table). max_kv_tokens: rows of packed K/V. max_local_tokens: P, the physical rows of
     every rank. max_segments: S, query segments per rank. max_q_len: the longest
     extend of one sequence the kernels are sized for (0: max_tokens; 1 for plain decode steps).
+    max_seq_len: the longest sequence (prefix + extend) a batch may hold (0: max_kv_tokens).
     """
 
     max_tokens: int
@@ -66,6 +67,12 @@ class Capacity:
     max_local_tokens: int
     max_segments: int
     max_q_len: int = 0
+    max_seq_len: int = 0
+
+    @property
+    def seq_len_bound(self) -> int:
+        """The most keys one sequence can have: ``max_seq_len``, or ``max_kv_tokens`` when 0."""
+        return self.max_seq_len or self.max_kv_tokens
 
     @property
     def query_tile(self) -> int:

@@ -13,10 +13,10 @@ the step replays for any batch within it) and scores each chunk:
 
 * ``triton`` (:mod:`.triton_shard_index`): one kernel writes the chunk's ``[N, width]`` scores
   (4 bytes each, in the order of :mod:`cpattn.selection`), the indexer heads as the dot's M
-  dimension (decode rows are few), each key read once per row; a second kernel selects each
-  row's top-k of the chunk by radix selection and writes them as packed (score, global position)
-  keys. Chunks after the first merge into the running top-k by one ``torch.topk`` over [N, 2
-  topk];
+  dimension (decode rows are few), each key read once per row; a second kernel selects the
+  top-k of each part (at most :data:`SELECT_PART` columns) of each row by radix selection and
+  writes them as packed (score, global position) keys; the same selection over 64-bit keys
+  merges the parts (and the running best of earlier chunks);
 * ``gemm``: gathers each row's chunk of keys (packed rows ``cu_local_kv_lens[seq] + j`` or
   through the page table) and scores them with two matmuls (bf16 / fp16 queries on CUDA: a
   tensor-core ``bmm`` with float32 output; else float32, float64 for float64 inputs), packs
@@ -28,8 +28,9 @@ host-to-device copy.
 
 ``backend_options``: ``max_score_elems`` (score values per chunk, default 2**24 = 64 MiB of
 float32); triton: ``keys_per_program`` (default 1024, fewer for few rows), ``block_n`` (64),
-``num_warps`` (4), ``num_stages`` (2) of the score kernel, ``select_block`` (scores per step of
-the top-k kernel, default 2048).
+``num_warps`` (4), ``num_stages`` (2) of the score kernel, ``select_block`` (entries per step of
+the top-k kernels, default 4096) and ``select_part`` (columns per top-k program, default
+:data:`SELECT_PART`).
 """
 
 from __future__ import annotations
@@ -53,15 +54,21 @@ __all__ = ["GemmShardIndexBackend", "TritonShardIndexBackend", "max_local_keys"]
 #: [N, H_i, width] block and gathered keys stay in that order).
 _DEFAULT_SCORE_ELEMS = 1 << 24
 _KERNEL_MODULE = "cpattn.kernels.triton_shard_index"
+#: Columns per program of the top-k selection (one program per (row, part)): on an H100 one
+#: program selects 2048 of 16384 int32 scores in 0.043-0.056 ms (graph replay, k = 2048, N = 1-128
+#: rows; torch.topk over the packed int64 keys: 0.066-0.112 ms), but 131072 columns in one
+#: program take 0.46-0.56 ms (torch.topk: 0.09-0.60 ms), so wider chunks are split into parts
+#: whose candidates one more selection merges.
+SELECT_PART = 16384
 
 
 def max_local_keys(meta: CPMetadata) -> int:
     """The most keys one sequence can have on one rank for ``meta``: the longest local sequence,
-    or for a static plan the bound over its capacity (rank 0 holds the most)."""
+    or for a static plan the bound over its capacity's longest sequence (rank 0 holds the most)."""
     sh = meta.kv
     if meta.capacity is None:
         return int(meta.max_local_kv_len)
-    total = torch.tensor([meta.capacity.max_kv_tokens])
+    total = torch.tensor([meta.capacity.seq_len_bound])
     return int(local_key_counts(total, 0, sh.cp_size, sh.interleave)[0])
 
 
@@ -109,7 +116,8 @@ class _ShardIndexRun:
     ``family``: "triton" (:mod:`.triton_shard_index` scores) or "gemm" (torch matmuls)."""
 
     def __init__(self, spec: IndexTopkSpec, meta: CPMetadata, options: Mapping, family: str) -> None:
-        known = {"max_score_elems"} | ({"keys_per_program", "block_n", "num_warps", "num_stages", "select_block"}
+        known = {"max_score_elems"} | ({"keys_per_program", "block_n", "num_warps", "num_stages", "select_block",
+                                        "select_part"}
                                        if family == "triton" else set())
         unknown = set(options) - known
         if unknown:
@@ -141,8 +149,10 @@ class _ShardIndexRun:
             kpp = int(options.get("keys_per_program") or (64 if interp else min(1024, spread)))
             warps = int(options.get("num_warps") or 4)
             stages = int(options.get("num_stages") or 2)
-            select_block = int(options.get("select_block") or (64 if interp else 2048))
-            for name, value in (("keys_per_program", kpp), ("block_n", block_n), ("select_block", select_block)):
+            select_block = int(options.get("select_block") or (64 if interp else 4096))
+            select_part = int(options.get("select_part") or (256 if interp else SELECT_PART))
+            for name, value in (("keys_per_program", kpp), ("block_n", block_n), ("select_block", select_block),
+                                ("select_part", select_part)):
                 if value < 16 or value & (value - 1):
                     raise ValueError(f"backend_options {name} must be a power of two >= 16, got {value}")
             if kpp % block_n:
@@ -152,10 +162,12 @@ class _ShardIndexRun:
                                   BLOCK_N=block_n, KEYS_PER_PROGRAM=kpp, num_warps=warps, num_stages=stages,
                                   PAGE_SIZE=spec.page_size or 1,
                                   **triton_index.dot_settings(spec.q_dtype, spec.k_dtype))
-            #: the top-columns kernel: one program per row, ``select_block`` scores per step
+            #: the top-k kernels: one program per (row, part of <= ``select_part`` columns),
+            #: ``select_block`` entries per step
             self.select_args = dict(BLOCK=select_block, num_warps=8 if select_block >= 1024 else 4, num_stages=2)
+            self.select_part = select_part
             self._bind, self._top_columns, self._top_candidates = kern.bind, kern.top_columns, kern.top_candidates
-            self._state = LaunchState()  # the two kernels' pre-bound launches (one per plan)
+            self._state = LaunchState()  # the kernels' pre-bound launches (one set per plan)
             self.family = "triton"
         else:
             #: bf16 / fp16 index queries on CUDA: scores by a tensor-core bmm with float32 output
@@ -216,7 +228,10 @@ class _ShardIndexRun:
         packed keys -> ``out`` int32 [N, topk] global positions (-1 padding). triton: one
         program per row (:func:`~.triton_shard_index.top_candidates`); gemm: one ``torch.topk``."""
         if self.family == "triton":
-            self._top_candidates(candidates, out, select_args=self.select_args, state=self._state)
+            dst = out if out.stride(-1) == 1 else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+            self._top_candidates(candidates, dst, select_args=self.select_args, state=self._state)
+            if dst is not out:
+                out.copy_(dst)
             return
         c, n, k = candidates.shape
         flat = candidates.permute(1, 0, 2).reshape(n, c * k)
@@ -224,38 +239,46 @@ class _ShardIndexRun:
 
     def _triton(self, q_idx, k_idx, weights, k_scale, page_table, softmax_scale, seq, visible, start, num_keys,
                 out) -> None:
-        """Scores of each key chunk (int32 [N, width]), then each row's top-k of the chunk as
-        packed keys (:func:`~.triton_shard_index.top_columns`). One chunk (the common case) is
-        selected straight into ``out``; with more, the first chunk's keys go to the first
-        ``topk`` columns of an [N, 2 topk] buffer, every later chunk's to the rest, merged by one
-        ``torch.topk`` over the buffer."""
+        """Scores of each key chunk (int32 [N, width]), each row's top-k of every part of the
+        chunk (:func:`~.triton_shard_index.top_columns`, one program per (row, part) of at most
+        :data:`SELECT_PART` columns), then the top-k of those candidates (and of the running best
+        of earlier chunks) by :func:`~.triton_shard_index.top_candidates`; one part, one chunk
+        (a short context) is selected straight into ``out``."""
         dev = q_idx.device
         q = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
         k = k_idx if k_idx.stride(-1) == 1 else k_idx.contiguous()
-        topk = out.shape[1]
+        n, topk = out.shape
         if num_keys == 0:
             out.fill_(NO_KEY)
             return
-        scores = torch.empty(out.shape[0], self.width, dtype=torch.int32, device=dev)
+        scores = torch.empty(n, self.width, dtype=torch.int32, device=dev)
         score_chunk = self._bind(q, k, weights, k_scale, scores, page_table, seq, visible, start, softmax_scale,
                                  plan_args=self.plan_args, state=self._state)
         sharding = (self.cp_size, self.interleave, self.rank)
-        if num_keys <= self.width:
+        select = dict(select_args=self.select_args, state=self._state)
+        parts = -(-self.width // self.select_part)
+        chunks = -(-num_keys // self.width)
+        dst = out if out.stride(-1) == 1 else torch.empty(n, topk, dtype=torch.int64, device=dev)
+        if parts == 1 and chunks == 1:
             score_chunk(0)
-            self._top_columns(scores, out, sharding, select_args=self.select_args, state=self._state)(0)
-            return
-        buf = torch.empty(out.shape[0], 2 * topk, dtype=torch.int64, device=dev)
-        best, chunk_best = buf[:, :topk], buf[:, topk:]
-        select_first = self._top_columns(scores, best, sharding, select_args=self.select_args, state=self._state)
-        select_next = self._top_columns(scores, chunk_best, sharding, select_args=self.select_args, state=self._state)
-        for j0 in range(0, num_keys, self.width):
-            score_chunk(j0)
-            if j0 == 0:
-                select_first(0)
-            else:
-                select_next(j0)
-                best.copy_(top_keys(buf, topk))
-        out.copy_(best)
+            self._top_columns(scores, dst.unsqueeze(1), sharding, **select)(0)
+        else:
+            # [N, lead + parts, topk]: with several chunks the running best first (NO_KEY before
+            # the first chunk), then each part's candidates of the current chunk
+            lead = 1 if chunks > 1 else 0
+            cand = torch.empty(n, lead + parts, topk, dtype=torch.int64, device=dev)
+            cand[:, :lead].fill_(NO_KEY)
+            best = torch.empty(n, topk, dtype=torch.int64, device=dev)
+            select_parts = self._top_columns(scores, cand[:, lead:], sharding, **select)
+            for j0 in range(0, num_keys, self.width):
+                score_chunk(j0)
+                select_parts(j0)
+                last = j0 + self.width >= num_keys
+                self._top_candidates(cand.transpose(0, 1), dst if last else best, **select)
+                if not last:
+                    cand[:, 0].copy_(best)
+        if dst is not out:
+            out.copy_(dst)
 
 
 class GemmShardIndexBackend:

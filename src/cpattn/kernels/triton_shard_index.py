@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Optional
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -105,20 +106,25 @@ def _shard_index_scores(
 
 @triton.jit
 def _row_top_k(
-    Src, Out, j0, seg, count, k, cp_size, interleave, rank, stride_row, stride_seg, stride_om,
-    KEY_BITS: tl.constexpr, BLOCK: tl.constexpr,
+    Src, Out, j0, seg, total, part_len, k, cp_size, interleave, rank, stride_row, stride_seg, stride_om, stride_op,
+    KEY_BITS: tl.constexpr, OUT_KEYS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Row ``program_id(0)``'s ``k`` largest of its ``count`` entries (ties: the lower entry
-    index), radix-selected 8 bits at a time from the top. Entry ``e`` of a row sits at ``Src +
-    row * stride_row + (e // seg) * stride_seg + e % seg``.
+    """Part ``program_id(1)`` of row ``program_id(0)``: the ``k`` largest of the row's entries
+    ``[part * part_len, (part + 1) * part_len)`` (of ``total``; ties: the lower entry index),
+    radix-selected 8 bits at a time from the top, written to ``Out + row * stride_om + part *
+    stride_op``. Entry ``e`` of a row sits at ``Src + row * stride_row + (e // seg) * stride_seg
+    + e % seg``.
 
     ``KEY_BITS`` 32: int32 ordered scores (int32 min = no key) of local keys ``j0 + e``; writes
     packed int64 keys ``(score << 32) | (2^32 - 1 - global position)`` (NO_KEY for "no key" and
-    for ``[count, k)``). ``KEY_BITS`` 64: int64 packed keys (unique but for NO_KEY); writes their
-    int32 global positions (-1 for NO_KEY and for ``[count, k)``)."""
+    past the part's entries). ``KEY_BITS`` 64: int64 packed keys (unique but for NO_KEY); writes
+    them (``OUT_KEYS``) or their int32 global positions (-1 for NO_KEY and past the entries)."""
     row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    e0 = part * part_len  # the part's first entry
+    count = tl.minimum(part_len, total - e0)
     src = Src + row * stride_row
-    dst = Out + row * stride_om
+    dst = Out + row * stride_om + part.to(tl.int64) * stride_op
     offs = tl.arange(0, BLOCK)
     bins = tl.arange(0, 256)
     need = tl.minimum(k, count)  # entries still to choose at the threshold prefix
@@ -126,11 +132,11 @@ def _row_top_k(
     final = tl.full([], KEY_BITS, dtype=tl.int32)  # the shift of the last digit fixed
     stop = count + 0  # 0 once the threshold digit holds exactly ``need`` entries: later passes are empty
     for rnd in tl.static_range(KEY_BITS // 8):
-        shift: tl.constexpr = KEY_BITS - 8 - 8 * rnd
+        shift = KEY_BITS - 8 - 8 * rnd  # a constexpr (static_range)
         hist = tl.zeros([256], dtype=tl.int32)
         for b in range(0, stop, BLOCK):
-            e = b + offs
-            ok = e < count
+            ok = b + offs < count
+            e = e0 + b + offs
             x = tl.load(src + (e // seg) * stride_seg + e % seg, mask=ok, other=0).to(tl.int64)
             if rnd == 0:  # the top digit: signed, offset to [0, 256)
                 match = ok
@@ -157,8 +163,8 @@ def _row_top_k(
     ties = tl.zeros([], dtype=tl.int32)
     written = tl.zeros([], dtype=tl.int32)
     for b in range(0, count, BLOCK):
-        e = b + offs
-        ok = e < count
+        ok = b + offs < count
+        e = e0 + b + offs
         x = tl.load(src + (e // seg) * stride_seg + e % seg, mask=ok, other=0).to(tl.int64)
         top = x >> final
         tie = ok & (top == prefix)
@@ -169,18 +175,20 @@ def _row_top_k(
             j = j0 + e.to(tl.int64)
             gpos = (j // interleave) * (cp_size * interleave) + rank * interleave + j % interleave
             value = tl.where(x == -2147483648, -9223372036854775807 - 1, (x << 32) | (4294967295 - gpos))
+        elif OUT_KEYS:
+            value = x
         else:
             value = tl.where(x == -9223372036854775807 - 1, -1, 4294967295 - (x & 4294967295)).to(tl.int32)
         tl.store(dst + at, value, mask=take & (at < k))  # at < k holds; the mask keeps it in bounds regardless
         ties += tl.sum(tie.to(tl.int32), axis=0)
         written += tl.sum(take.to(tl.int32), axis=0)
     for b in range(0, k, BLOCK):  # fewer entries than k: the rest is "no key"
-        e = b + offs
-        pad = (e >= written) & (e < k)
-        if KEY_BITS == 32:
-            tl.store(dst + e, tl.full([BLOCK], -9223372036854775807 - 1, dtype=tl.int64), mask=pad)
+        i = b + offs
+        pad = (i >= written) & (i < k)
+        if KEY_BITS == 32 or OUT_KEYS:
+            tl.store(dst + i, tl.full([BLOCK], -9223372036854775807 - 1, dtype=tl.int64), mask=pad)
         else:
-            tl.store(dst + e, tl.full([BLOCK], -1, dtype=tl.int32), mask=pad)
+            tl.store(dst + i, tl.full([BLOCK], -1, dtype=tl.int32), mask=pad)
 
 
 #: Per-call arguments of the score kernel, in the order of a launch's ``values`` (the constexprs and
@@ -222,47 +230,52 @@ def bind(q: Tensor, k: Tensor, w: Tensor, k_scale, scores: Tensor, page_table, r
     return score_chunk
 
 
-#: Per-call arguments of the row top-k kernel (its ``KEY_BITS``, ``BLOCK`` and launch options are fixed).
-_SELECT_PER_CALL = ("Src", "Out", "j0", "seg", "count", "k", "cp_size", "interleave", "rank", "stride_row",
-                    "stride_seg", "stride_om")
+#: Per-call arguments of the row top-k kernel (its ``KEY_BITS``, ``OUT_KEYS``, ``BLOCK`` and launch
+#: options are fixed per launcher).
+_SELECT_PER_CALL = ("Src", "Out", "j0", "seg", "total", "part_len", "k", "cp_size", "interleave", "rank",
+                    "stride_row", "stride_seg", "stride_om", "stride_op")
 
 
 def top_columns(scores: Tensor, out: Tensor, sharding: tuple[int, int, int], *, select_args: dict,
                 state: Optional[LaunchState] = None) -> Callable[[int], None]:
     """One call's selections: ``top_columns(...)(j0)`` writes, for every row of ``scores`` [N,
-    width] int32 (the chunk ``[j0, j0 + width)`` the score launch of :func:`bind` wrote), its
-    ``k = out.shape[1]`` best entries as packed keys into ``out`` [N, k] int64 (unordered;
-    :data:`~cpattn.selection.NO_KEY` padding). ``sharding``: (C, I, rank) (local key -> global
-    position). ``select_args``: ``BLOCK``, ``num_warps``, ``num_stages``. ``state``: as
-    :func:`bind`'s."""
+    width] int32 (the chunk ``[j0, j0 + width)`` the score launch of :func:`bind` wrote) and each
+    of its ``P`` parts of ``ceil(width / P)`` columns, the part's ``k`` best entries as packed keys
+    into ``out`` [N, P, k] int64 (unordered; :data:`~cpattn.selection.NO_KEY` padding): one
+    program per (row, part). ``sharding``: (C, I, rank) (local key -> global position).
+    ``select_args``: ``BLOCK``, ``num_warps``, ``num_stages``. ``state``: as :func:`bind`'s."""
     n, width = scores.shape
-    k = out.shape[1]
+    _, parts, k = out.shape
     if n == 0 or k == 0:
         return lambda j0: None
+    part_len = -(-width // parts)
     head = (scores, out)
-    tail = (max(width, 1), width, k, *sharding, scores.stride(0), 0, out.stride(0))
+    tail = (max(width, 1), width, part_len, k, *sharding, scores.stride(0), 0, out.stride(0), out.stride(1))
     key_head = align_key(*head)
     launcher = (state or LaunchState(enabled=False)).launcher(
-        "top_columns", _row_top_k, lambda: dict(select_args, KEY_BITS=32), _SELECT_PER_CALL)
+        "top_columns", _row_top_k, lambda: dict(select_args, KEY_BITS=32, OUT_KEYS=True), _SELECT_PER_CALL)
 
     def select_chunk(j0: int) -> None:
-        launcher((n,), head + (j0,) + tail, key_head + int_key(j0) + tail)
+        launcher((n, parts), head + (j0,) + tail, key_head + int_key(j0) + tail)
 
     return select_chunk
 
 
 def top_candidates(candidates: Tensor, out: Tensor, *, select_args: dict,
                    state: Optional[LaunchState] = None) -> None:
-    """The exact top-k of every rank's candidates: ``candidates`` int64 [C, N, m] packed keys (as
-    the all-gather delivers them; each [N, m] block with unit column stride) -> ``out`` int32 [N,
-    k] global positions (unordered; -1 where fewer than ``k`` keys exist).
-    ``select_args``, ``state``: as :func:`top_columns`'s."""
+    """The exact top-k of packed keys gathered in ``C`` blocks: ``candidates`` int64 [C, N, m]
+    (any strides but a unit column stride: every rank's candidates as the all-gather delivers
+    them, or a row's parts) -> ``out`` [N, k]: int32 global positions (-1 where fewer than ``k``
+    keys exist) or, for an int64 ``out``, the packed keys (NO_KEY padding); unordered. One
+    program per row. ``select_args``, ``state``: as :func:`top_columns`'s."""
     c, n, m = candidates.shape
     k = out.shape[1]
     if n == 0 or k == 0:
         return
+    keys = out.dtype == torch.int64
     head = (candidates, out)
-    tail = (max(m, 1), c * m, k, 1, 1, 0, candidates.stride(1), candidates.stride(0), out.stride(0))
+    tail = (max(m, 1), c * m, c * m, k, 1, 1, 0, candidates.stride(1), candidates.stride(0), out.stride(0), 0)
     launcher = (state or LaunchState(enabled=False)).launcher(
-        "top_candidates", _row_top_k, lambda: dict(select_args, KEY_BITS=64), _SELECT_PER_CALL)
-    launcher((n,), head + (0,) + tail, align_key(*head) + int_key(0) + tail)
+        "top_keys" if keys else "top_positions", _row_top_k, lambda: dict(select_args, KEY_BITS=64, OUT_KEYS=keys),
+        _SELECT_PER_CALL)
+    launcher((n, 1), head + (0,) + tail, align_key(*head) + int_key(0) + tail)

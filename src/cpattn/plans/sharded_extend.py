@@ -348,6 +348,6 @@ def replicated_view(meta: CPMetadata) -> CPMetadata:
         view = view.to(meta.device)
     else:
         view_cap = Capacity(cap.max_tokens, cap.max_seqs, cap.max_kv_tokens, cap.max_tokens, cap.max_seqs,
-                            cap.max_q_len)
+                            cap.max_q_len, cap.max_seq_len)
         view = place_static(meta.arena, "replicated-view", view, view_cap)
     return dataclasses.replace(view, group=meta.group)

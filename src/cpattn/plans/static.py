@@ -53,6 +53,11 @@ class StaticPlanner:
             1 for a decode planner with the "replicated" strategy; default: max_tokens).
         max_local_tokens: physical rows P per rank (default: the strategy's bound for any batch
             within the capacity, rounded to ``pad_multiple``).
+        max_seq_len: the longest sequence (prefix + extend tokens) a batch may hold (default:
+            max_kv_tokens). Work sized per sequence from the capacity follows it: the DSA index
+            top-k over a sharded cache scores ``max_seq_len / C`` local keys per query row
+            instead of ``max_kv_tokens / C`` (a decode planner for B sequences of up to L
+            tokens: ``max_kv_tokens=B * L, max_seq_len=L``).
 
     Example::
 
@@ -66,7 +71,7 @@ class StaticPlanner:
 
     def __init__(self, strategy, *, max_tokens: int, max_seqs: int, max_kv_tokens: int,
                  device: torch.device | str, kv=None, max_q_len: Optional[int] = None,
-                 max_local_tokens: Optional[int] = None) -> None:
+                 max_local_tokens: Optional[int] = None, max_seq_len: Optional[int] = None) -> None:
         from ..strategies import CPStrategy
 
         if not isinstance(strategy, CPStrategy):
@@ -76,13 +81,16 @@ class StaticPlanner:
         kv_rows = check_int(max_kv_tokens, "max_kv_tokens", t)
         strategy.check_kv(kv)
         q = 0 if max_q_len is None else check_int(max_q_len, "max_q_len", 1)
+        seq_len = 0 if max_seq_len is None else check_int(max_seq_len, "max_seq_len", 1)
+        if seq_len > kv_rows:
+            raise ValueError(f"max_seq_len must be <= max_kv_tokens={kv_rows}, got {seq_len}")
         bound = strategy.max_local_tokens(t, b) if max_local_tokens is None else check_int(
             max_local_tokens, "max_local_tokens", 1)
         align = strategy.pad_multiple
         p = -(-bound // align) * align
         self.strategy = strategy
         self.kv = kv
-        self.capacity = Capacity(t, b, kv_rows, p, strategy.max_segments(b), min(q, t))
+        self.capacity = Capacity(t, b, kv_rows, p, strategy.max_segments(b), min(q, t), seq_len)
         self.device = check_device(device, "device")
         self.arena = StaticArena(self.device)
 
@@ -109,6 +117,8 @@ class StaticPlanner:
                 ("kv tokens (sum(prefix_lens + extend_lens))", int(ext.sum() + pre.sum()), cap.max_kv_tokens),
                 ("max extend_len (max_q_len)", int(ext.max()) if ext.numel() and cap.max_q_len else 0,
                  cap.max_q_len),
+                ("longest sequence, prefix + extend (max_seq_len)",
+                 int((ext + pre).max()) if ext.numel() and cap.max_seq_len else 0, cap.max_seq_len),
             ) if got > limit]
             if over:
                 raise ValueError("batch over the StaticPlanner capacity: " +
