@@ -65,7 +65,8 @@ class StaticPlanner:
         meta = planner.plan(extend_lens, prefix_lens, rank=r, group=g)   # same addresses every time
         # decode steps over a sharded cache (B <= 64 sequences, one new token each):
         dec = cpattn.StaticPlanner(cpattn.get_strategy("replicated", C), max_tokens=64, max_seqs=64,
-                                   max_kv_tokens=64 * 131072, max_q_len=1, kv=cpattn.KVSharding(C), device="cuda")
+                                   max_kv_tokens=64 * 131072, max_q_len=1, max_seq_len=131072,
+                                   kv=cpattn.KVSharding(C), device="cuda")
         meta = dec.plan(q_lens, seq_lens - q_lens, rank=r, group=g)
     """
 
