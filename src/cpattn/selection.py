@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["NO_KEY", "key_positions", "pack_keys", "top_keys"]
+__all__ = ["NO_KEY", "key_positions", "pack_keys", "top_candidate_positions", "top_keys"]
 
 #: The key of "no candidate" (masked, padding): below every real key.
 NO_KEY = -(1 << 63)
@@ -53,3 +53,11 @@ def key_positions(keys: Tensor) -> Tensor:
     """Positions of packed keys (int64, same shape), -1 for :data:`NO_KEY`."""
     pos = _LOW32 - (keys & _LOW32)
     return torch.where(keys == NO_KEY, torch.full((), -1, dtype=torch.int64, device=keys.device), pos)
+
+
+def top_candidate_positions(candidates: Tensor, k: int) -> Tensor:
+    """The positions of the ``k`` largest of every row's candidates gathered in blocks:
+    ``candidates`` int64 [C, N, m] packed keys -> int64 [N, k] (unordered, -1 where fewer than
+    ``k`` keys exist)."""
+    c, n, m = candidates.shape
+    return key_positions(top_keys(candidates.permute(1, 0, 2).reshape(n, c * m), k))

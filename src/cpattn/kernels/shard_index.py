@@ -46,7 +46,7 @@ from ._dsa_rows import device_rows
 from ._launch import LaunchState
 from ..kv_sharding import local_key_counts
 from ..metadata import CPMetadata
-from ..selection import NO_KEY, key_positions, pack_keys, top_keys
+from ..selection import NO_KEY, pack_keys, top_candidate_positions, top_keys
 
 __all__ = ["GemmShardIndexBackend", "TritonShardIndexBackend", "max_local_keys"]
 
@@ -165,7 +165,9 @@ class _ShardIndexRun:
             #: the top-k kernels: one program per (row, part of <= ``select_part`` columns),
             #: ``select_block`` entries per step
             self.select_args = dict(BLOCK=select_block, num_warps=8 if select_block >= 1024 else 4, num_stages=2)
-            self.select_part = select_part
+            #: the selection's geometry, fixed per plan: parts per key chunk, key chunks per call
+            self.parts = -(-self.width // select_part)
+            self.chunks = -(-self.num_keys // self.width)
             self._bind, self._top_columns, self._top_candidates = kern.bind, kern.top_columns, kern.top_candidates
             self._state = LaunchState()  # the kernels' pre-bound launches (one set per plan)
             self.family = "triton"
@@ -233,9 +235,7 @@ class _ShardIndexRun:
             if dst is not out:
                 out.copy_(dst)
             return
-        c, n, k = candidates.shape
-        flat = candidates.permute(1, 0, 2).reshape(n, c * k)
-        out.copy_(key_positions(top_keys(flat, out.shape[1])))
+        out.copy_(top_candidate_positions(candidates, out.shape[1]))
 
     def _triton(self, q_idx, k_idx, weights, k_scale, page_table, softmax_scale, seq, visible, start, num_keys,
                 out) -> None:
@@ -256,8 +256,7 @@ class _ShardIndexRun:
                                  plan_args=self.plan_args, state=self._state)
         sharding = (self.cp_size, self.interleave, self.rank)
         select = dict(select_args=self.select_args, state=self._state)
-        parts = -(-self.width // self.select_part)
-        chunks = -(-num_keys // self.width)
+        parts, chunks = self.parts, self.chunks
         dst = out if out.stride(-1) == 1 else torch.empty(n, topk, dtype=torch.int64, device=dev)
         if parts == 1 and chunks == 1:
             score_chunk(0)
@@ -270,10 +269,10 @@ class _ShardIndexRun:
             cand[:, :lead].fill_(NO_KEY)
             best = torch.empty(n, topk, dtype=torch.int64, device=dev)
             select_parts = self._top_columns(scores, cand[:, lead:], sharding, **select)
-            for j0 in range(0, num_keys, self.width):
+            for j0 in range(0, self.num_keys, self.width):
                 score_chunk(j0)
                 select_parts(j0)
-                last = j0 + self.width >= num_keys
+                last = j0 + self.width >= self.num_keys
                 self._top_candidates(cand.transpose(0, 1), dst if last else best, **select)
                 if not last:
                     cand[:, 0].copy_(best)

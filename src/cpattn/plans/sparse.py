@@ -25,7 +25,7 @@ from torch import Tensor
 from .._validation import check_int, check_tensor
 from ..kernels import IndexTopkSpec, select_backend
 from ..metadata import CPMetadata
-from ..selection import key_positions, top_keys
+from ..selection import top_candidate_positions
 from .base import AttentionPlan, check_group_rank
 
 if TYPE_CHECKING:  # annotations only (typing.Unpack: Python >= 3.11)
@@ -376,9 +376,7 @@ def select_candidates(candidates: Tensor, topk: int) -> Tensor:
     if candidates.dtype != torch.int64 or candidates.dim() != 3:
         raise ValueError(f"candidates must be int64 [C, N, k], got {candidates.dtype} {list(candidates.shape)}")
     topk = check_int(topk, "topk", 1)
-    c, n, k = candidates.shape
-    flat = candidates.permute(1, 0, 2).reshape(n, c * k)
-    return key_positions(top_keys(flat, topk)).to(torch.int32)
+    return top_candidate_positions(candidates, topk).to(torch.int32)
 
 
 def plan_index_topk(
